@@ -1,0 +1,117 @@
+"""PyTorch twins of the Triton kernels: the slow-but-obvious definitions.
+
+On CPU the engine runs these; on CUDA the Triton kernels must match them.
+Shapes use T = tokens in the step, B = sequences, Hq/Hkv = query/KV heads,
+D = head_dim, N = cache blocks, bs = block_size.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # x: [T, H], weight: [H]. fp32 statistics, cast back before the weight, as transformers does.
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    # x, residual: [T, H] -> (rms_norm(x + residual), x + residual)
+    new_residual = x + residual
+    return rms_norm(new_residual, weight, eps), new_residual
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    # x: [T, 2*I] (gate | up) -> [T, I]
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+                     cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Neox-style (rotate-half) rotary embedding, in place.
+
+    positions: [T] int64; query: [T, Hq, D]; key: [T, Hkv, D];
+    cos_sin_cache: [max_position, D] fp32, cos in the first D/2 columns, sin in the rest.
+    """
+    cos, sin = cos_sin_cache.index_select(0, positions).chunk(2, dim=-1)  # [T, D/2] each
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    for x in (query, key):
+        x1, x2 = x.float().chunk(2, dim=-1)
+        x.copy_(torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1))
+    return query, key
+
+
+def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                   value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store each token's K/V at its slot (block * bs + offset); negative slots are padding.
+
+    key, value: [T, Hkv, D]; key_cache, value_cache: [N, bs, Hkv, D]; slot_mapping: [T] int64.
+    """
+    keep = slot_mapping >= 0
+    if not bool(keep.all()):
+        key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
+    key_cache.view(-1, *key_cache.shape[2:]).index_copy_(0, slot_mapping, key)
+    value_cache.view(-1, *value_cache.shape[2:]).index_copy_(0, slot_mapping, value)
+
+
+def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                    block_table: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                    scale: float) -> torch.Tensor:
+    """Causal attention of each sequence's new tokens over its whole paged context.
+
+    query: [T, Hq, D]; key_cache, value_cache: [N, bs, Hkv, D];
+    block_table: [B, max_blocks] int32; query_start_loc: [B+1] int32; seq_lens: [B] int32
+    (context length including this step's tokens, which are already in the cache).
+    Query token i of sequence b sits at position seq_lens[b] - q_len[b] + i.
+    Returns [T, Hq, D].
+
+    Decode rows (one query token) run as one batched call; each multi-token
+    row (prefill or a prefill chunk) runs on its own, so no row pads another.
+    """
+    starts = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    num_seqs = len(lens)
+    q_lens = [starts[b + 1] - starts[b] for b in range(num_seqs)]
+    out = torch.empty_like(query)
+    block_size = key_cache.shape[1]
+    gqa = query.shape[1] != key_cache.shape[2]
+
+    decode = [b for b in range(num_seqs) if q_lens[b] == 1]
+    if decode:
+        max_len = max(lens[b] for b in decode)
+        idx = torch.tensor(decode, dtype=torch.long)
+        tables = block_table.index_select(0, idx)[:, :(max_len + block_size - 1) // block_size].long()
+        k = key_cache[tables].flatten(1, 2)[:, :max_len]  # [Bd, L, Hkv, D]
+        v = value_cache[tables].flatten(1, 2)[:, :max_len]
+        ctx = torch.tensor([lens[b] for b in decode])
+        mask = torch.arange(max_len).unsqueeze(0) < ctx.unsqueeze(1)  # [Bd, L]
+        q_rows = torch.tensor([starts[b] for b in decode], dtype=torch.long)
+        q = query.index_select(0, q_rows).unsqueeze(2)  # [Bd, Hq, 1, D]
+        o = F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2),
+                                           attn_mask=mask[:, None, None, :], scale=scale,
+                                           enable_gqa=gqa)
+        out.index_copy_(0, q_rows, o.squeeze(2))
+
+    for b in range(num_seqs):
+        q_len = q_lens[b]
+        if q_len == 1:
+            continue
+        ctx_len = lens[b]
+        nblocks = (ctx_len + block_size - 1) // block_size
+        table = block_table[b, :nblocks].long()
+        k = key_cache[table].flatten(0, 1)[:ctx_len].transpose(0, 1)  # [Hkv, L, D]
+        v = value_cache[table].flatten(0, 1)[:ctx_len].transpose(0, 1)
+        q = query[starts[b]:starts[b + 1]].transpose(0, 1)  # [Hq, q_len, D]
+        if q_len == ctx_len:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+        else:
+            pos = torch.arange(ctx_len - q_len, ctx_len).unsqueeze(1)
+            mask = torch.arange(ctx_len).unsqueeze(0) <= pos  # [q_len, L]
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+        out[starts[b]:starts[b + 1]] = o.transpose(0, 1)
+    return out
