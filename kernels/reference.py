@@ -115,3 +115,30 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
         out[starts[b]:starts[b + 1]] = o.transpose(0, 1)
     return out
+
+
+def build_cos_sin_cache(head_dim: int, max_position: int, base: float,
+                        rope_scaling: dict | None = None) -> torch.Tensor:
+    """[max_position, head_dim] fp32 table for ``rotary_embedding``: cos | sin halves.
+
+    Supports the default rope and Llama 3 frequency scaling, computed as transformers does.
+    """
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    rope_type = (rope_scaling or {}).get("rope_type", (rope_scaling or {}).get("type", "default"))
+    if rope_type == "llama3":
+        factor = rope_scaling["factor"]
+        low_freq_factor = rope_scaling["low_freq_factor"]
+        high_freq_factor = rope_scaling["high_freq_factor"]
+        old_context_len = rope_scaling["original_max_position_embeddings"]
+        low_freq_wavelen = old_context_len / low_freq_factor
+        high_freq_wavelen = old_context_len / high_freq_factor
+        wavelen = 2 * torch.pi / inv_freq
+        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+        inv_freq = torch.where(is_medium, smoothed, scaled)
+    elif rope_type != "default":
+        raise ValueError(f"unsupported rope_scaling type {rope_type!r} (supported: default, llama3)")
+    freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
+    return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
