@@ -1,0 +1,26 @@
+"""pagefleet.worker — the engine: model, paged KV cache, scheduler, sampler, detokenizer.
+
+Runs without Ray; ``deployment.py`` is the only Ray adapter here.
+"""
+
+from pagefleet.worker.engine_args import EngineArgs
+from pagefleet.worker.outputs import CompletionOutput, RequestOutput, RequestOutputDelta
+from pagefleet.worker.sampling_params import SamplingParams
+
+
+def __getattr__(name: str):
+    # Heavy imports (torch, transformers) only when the engine is actually asked for.
+    if name == "LLM":
+        from pagefleet.worker.llm import LLM
+        return LLM
+    if name == "LLMEngine":
+        from pagefleet.worker.engine import LLMEngine
+        return LLMEngine
+    if name == "AsyncLLMEngine":
+        from pagefleet.worker.async_engine import AsyncLLMEngine
+        return AsyncLLMEngine
+    raise AttributeError(name)
+
+
+__all__ = ["LLM", "LLMEngine", "AsyncLLMEngine", "EngineArgs", "SamplingParams", "RequestOutput",
+           "CompletionOutput", "RequestOutputDelta"]

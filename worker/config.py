@@ -1,0 +1,150 @@
+"""What the engine needs to know about a checkpoint, read from its config.json."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    path: Path
+    architecture: str
+    served_model_name: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    max_model_len: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    dtype: torch.dtype
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+
+
+def resolve_model_path(model: str) -> Path:
+    """A local checkpoint directory; a hub id fails clearly, since nothing is ever downloaded."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"{path} has no config.json: not a Hugging Face checkpoint directory")
+        return path
+    hub_cache = _find_in_hub_cache(model)
+    if hub_cache is not None:
+        return hub_cache
+    raise FileNotFoundError(
+        f"model {model!r} is not a local directory and is not in the local Hugging Face cache; "
+        "pagefleet does not download models. Download it first (e.g. `huggingface-cli download "
+        f"{model} --local-dir DIR`) and pass --model DIR."
+    )
+
+
+def _find_in_hub_cache(model_id: str) -> Path | None:
+    if model_id.count("/") != 1:
+        return None
+    root = Path(os.environ.get("HF_HUB_CACHE") or Path(os.environ.get("HF_HOME", "~/.cache/huggingface")) / "hub")
+    snapshots = root.expanduser() / f"models--{model_id.replace('/', '--')}" / "snapshots"
+    if not snapshots.is_dir():
+        return None
+    candidates = sorted((p for p in snapshots.iterdir() if (p / "config.json").is_file()),
+                        key=lambda p: p.stat().st_mtime)
+    return candidates[-1] if candidates else None
+
+
+def _read_generation_eos(path: Path) -> list[int]:
+    gen = path / "generation_config.json"
+    if not gen.is_file():
+        return []
+    eos = json.loads(gen.read_text()).get("eos_token_id")
+    if eos is None:
+        return []
+    return [eos] if isinstance(eos, int) else list(eos)
+
+
+def load_model_config(model: str, *, dtype: str = "auto", max_model_len: int | None = None,
+                      served_model_name: str | None = None) -> ModelConfig:
+    path = resolve_model_path(model)
+    cfg = json.loads((path / "config.json").read_text())
+    archs = cfg.get("architectures") or []
+    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    if arch is None:
+        raise ValueError(
+            f"unsupported architecture {archs or cfg.get('model_type')!r} in {path}; "
+            f"pagefleet supports {', '.join(SUPPORTED_ARCHITECTURES)} (no remote code is run)"
+        )
+    num_heads = cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
+    rope = cfg.get("rope_parameters") or {}
+    rope_theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    rope_scaling = cfg.get("rope_scaling") or None
+    if rope_scaling is None and rope.get("rope_type", "default") != "default":
+        rope_scaling = rope
+    max_pos = int(cfg.get("max_position_embeddings", 2048))
+    limit = max_pos
+    window = cfg.get("sliding_window") if cfg.get("use_sliding_window", arch == "MistralForCausalLM") else None
+    if window:
+        limit = min(limit, int(window))  # no sliding-window attention: stay inside the window
+    if max_model_len is None:
+        max_model_len = limit
+    elif max_model_len > limit:
+        raise ValueError(f"max_model_len {max_model_len} exceeds the model's limit of {limit} tokens")
+    eos = _read_generation_eos(path)
+    cfg_eos = cfg.get("eos_token_id")
+    if not eos and cfg_eos is not None:
+        eos = [cfg_eos] if isinstance(cfg_eos, int) else list(cfg_eos)
+    return ModelConfig(
+        path=path,
+        architecture=arch,
+        served_model_name=served_model_name or (model if not Path(model).expanduser().is_dir() else path.name),
+        vocab_size=cfg["vocab_size"],
+        hidden_size=cfg["hidden_size"],
+        intermediate_size=cfg["intermediate_size"],
+        num_layers=cfg["num_hidden_layers"],
+        num_heads=num_heads,
+        num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+        head_dim=head_dim,
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
+        max_position_embeddings=max_pos,
+        max_model_len=max_model_len,
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
+        mlp_bias=bool(cfg.get("mlp_bias", False)),
+        qk_norm=arch == "Qwen3ForCausalLM",
+        dtype=resolve_dtype(dtype, cfg),
+        eos_token_ids=tuple(eos),
+        bos_token_id=cfg.get("bos_token_id"),
+    )
+
+
+def resolve_dtype(dtype: str, cfg: dict) -> torch.dtype:
+    if dtype == "auto":
+        dtype = str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32").removeprefix("torch.")
+    if dtype in ("half", "fp16"):
+        dtype = "float16"
+    if dtype in ("float", "fp32"):
+        dtype = "float32"
+    if dtype == "bf16":
+        dtype = "bfloat16"
+    if dtype not in _DTYPES:
+        raise ValueError(f"unsupported dtype {dtype!r}; use one of auto, {', '.join(_DTYPES)}")
+    return _DTYPES[dtype]

@@ -1,0 +1,64 @@
+"""Incremental detokenization with stop strings.
+
+Text grows by decoding a small window of recent tokens; a window whose decoding ends in
+U+FFFD is half a UTF-8 character and waits for the next token. Stop strings are searched
+only where new text could complete one, and streamed text holds back the last few
+characters that could still become the start of a stop string.
+"""
+
+from __future__ import annotations
+
+_REPLACEMENT = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    __slots__ = ("tokenizer", "text", "prefix_offset", "read_offset", "emitted", "stop", "max_stop_len",
+                 "include_stop")
+
+    def __init__(self, tokenizer, prompt_token_ids: list[int], stop: list[str], include_stop: bool) -> None:
+        self.tokenizer = tokenizer
+        self.text = ""
+        # A few prompt tokens of context make the first output token decode as it would in place
+        # (leading-space merging of sentencepiece-style decoders).
+        self.read_offset = len(prompt_token_ids)
+        self.prefix_offset = max(self.read_offset - 5, 0)
+        self.emitted = 0
+        self.stop = stop
+        self.max_stop_len = max((len(s) for s in stop), default=0)
+        self.include_stop = include_stop
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    def update(self, token_ids: list[int]) -> str | None:
+        """Take the sequence's whole token list after a new token; returns the stop string
+        that ended it, if one did (``self.text`` is then cut there)."""
+        prefix_text = self._decode(token_ids[self.prefix_offset:self.read_offset])
+        new_text = self._decode(token_ids[self.prefix_offset:])
+        if len(new_text) <= len(prefix_text) or new_text.endswith(_REPLACEMENT):
+            return None
+        delta = new_text[len(prefix_text):]
+        self.prefix_offset, self.read_offset = self.read_offset, len(token_ids)
+        old_len = len(self.text)
+        self.text += delta
+        if not self.stop:
+            return None
+        search_from = max(old_len - self.max_stop_len + 1, 0)
+        best: tuple[int, str] | None = None
+        for s in self.stop:
+            at = self.text.find(s, search_from)
+            if at != -1 and (best is None or at < best[0]):
+                best = (at, s)
+        if best is None:
+            return None
+        at, s = best
+        self.text = self.text[:at + len(s)] if self.include_stop else self.text[:at]
+        return s
+
+    def take_new_text(self, finished: bool) -> str:
+        """Text not yet handed out; while running, keep back what could begin a stop string."""
+        end = len(self.text) if finished or not self.stop else max(len(self.text) - self.max_stop_len + 1,
+                                                                    self.emitted)
+        out = self.text[self.emitted:end]
+        self.emitted = end
+        return out

@@ -1,0 +1,223 @@
+"""The engine step: schedule, run, sample, detokenize, collect finished — no Ray, no threads."""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from itertools import count
+
+import torch
+from transformers import AutoTokenizer
+
+from pagefleet.worker.block_pool import BlockPool
+from pagefleet.worker.config import load_model_config
+from pagefleet.worker.detokenizer import IncrementalDetokenizer
+from pagefleet.worker.engine_args import EngineArgs
+from pagefleet.worker.kv_cache_manager import KVCacheManager
+from pagefleet.worker.model_runner import ModelRunner, build_step_input
+from pagefleet.worker.outputs import RequestOutputDelta, SequenceDelta
+from pagefleet.worker.sampler import Sampler
+from pagefleet.worker.sampling_params import SamplingParams
+from pagefleet.worker.scheduler import Scheduler
+from pagefleet.worker.sequence import Sequence
+from pagefleet.worker.stats import EngineStats
+from pagefleet.worker.tp_group import SINGLE
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("device='cuda' was asked for but torch sees no CUDA device")
+    return torch.device(device)
+
+
+def resolve_model(model: str | None) -> str:
+    if model is not None:
+        return model
+    from pagefleet.worker.demo_model import default_demo_model_dir
+
+    path = default_demo_model_dir()
+    logger.warning("no model given: serving the built-in demo checkpoint at %s (RANDOM WEIGHTS, its text is "
+                   "noise; pass a checkpoint directory to serve a real model)", path)
+    return str(path)
+
+
+class LLMEngine:
+    def __init__(self, args: EngineArgs) -> None:
+        self.args = args
+        self.device = resolve_device(args.device)
+        self.model_config = load_model_config(resolve_model(args.model), dtype=args.dtype,
+                                              max_model_len=args.max_model_len,
+                                              served_model_name=args.served_model_name)
+        cfg = self.model_config
+        self.tokenizer = AutoTokenizer.from_pretrained(str(cfg.path))
+        torch.manual_seed(args.seed)
+        self.executor = self._make_executor()
+        per_block = self.executor.kv_bytes_per_block(args.block_size)
+        budget = self.executor.available_kv_bytes(args.kv_cache_bytes, args.gpu_memory_utilization,
+                                                  args.max_num_batched_tokens)
+        num_blocks = budget // per_block
+        if num_blocks < 1:
+            raise ValueError(f"the KV cache budget of {budget} bytes holds no block of {per_block} bytes; "
+                             "raise kv_cache_bytes / gpu_memory_utilization")
+        self.executor.allocate_kv_cache(num_blocks, args.block_size)
+        self.pool = BlockPool(num_blocks, args.enable_prefix_caching)
+        self.kv = KVCacheManager(self.pool, args.block_size)
+        self.scheduler = Scheduler(self.kv, args.max_num_seqs, args.max_num_batched_tokens)
+        self.sampler = Sampler(cfg.eos_token_ids)
+        tokens = num_blocks * args.block_size
+        logger.info("%s on %s: KV cache of %d blocks = %d tokens (%.1f MiB); maximum concurrency at "
+                    "max_model_len %d: %.2fx", cfg.architecture, self.device, num_blocks, tokens,
+                    num_blocks * per_block / 2**20, cfg.max_model_len, tokens / cfg.max_model_len)
+        self.requests: dict[str, list[Sequence]] = {}
+        self.detok: dict[int, IncrementalDetokenizer] = {}
+        self._sent: dict[int, int] = {}  # output tokens of each sequence already handed out in deltas
+        self._seq_ids = count()
+        self._arrivals = count()
+        self.num_steps = 0
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+
+    def _make_executor(self):
+        if self.args.tensor_parallel_size == 1:
+            return ModelRunner(self.model_config, SINGLE, self.device, self.args.load_format, self.args.seed)
+        from pagefleet.worker.tp_executor import TPExecutor
+
+        return TPExecutor(self.model_config, self.args, self.device)
+
+    # ---- requests -------------------------------------------------------------------------
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError for a request that can never be served."""
+        cfg = self.model_config
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise ValueError("the prompt is empty")
+        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < cfg.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]!r} is outside the vocabulary [0, {cfg.vocab_size})")
+        if n >= cfg.max_model_len:
+            raise ValueError(f"the prompt has {n} tokens, leaving no room to generate within "
+                             f"max_model_len={cfg.max_model_len}")
+        if params.max_tokens is not None and n + params.max_tokens > cfg.max_model_len:
+            raise ValueError(f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                             f"max_model_len={cfg.max_model_len}")
+        longest = min(cfg.max_model_len, n + (params.max_tokens or cfg.max_model_len))
+        if -(-longest // self.args.block_size) > self.pool.num_blocks:
+            raise ValueError(f"a sequence of {longest} tokens needs more KV blocks than the whole pool "
+                             f"({self.pool.num_blocks} blocks of {self.args.block_size}); raise kv_cache_bytes")
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    extra_keys: tuple = ()) -> None:
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already running")
+        self.validate(prompt_token_ids, params)
+        arrival = next(self._arrivals)
+        seqs: list[Sequence] = []
+        for i in range(params.n):
+            seq = Sequence(next(self._seq_ids), request_id, i, prompt_token_ids, params, arrival,
+                           parent=seqs[0] if seqs else None, extra_keys=extra_keys)
+            self.detok[seq.seq_id] = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop,
+                                                            params.include_stop_str_in_output)
+            self.scheduler.add(seq)
+            seqs.append(seq)
+        self.requests[request_id] = seqs
+        self.prompt_tokens_total += len(prompt_token_ids)
+
+    def abort_request(self, request_id: str) -> RequestOutputDelta | None:
+        """Finish every sequence of the request with reason "abort" and free its blocks."""
+        seqs = self.requests.get(request_id)
+        if seqs is None:
+            return None
+        for seq in seqs:
+            self.scheduler.finish(seq, "abort")
+        return self._collect({request_id})[0]
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # ---- the step -------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutputDelta]:
+        out = self.scheduler.schedule()
+        if not out.scheduled:
+            return []
+        step = build_step_input(out.scheduled, self.args.block_size, self.kv.block_ids)
+        logits = self.executor.execute(step)
+        sampling = [s.seq for s in out.scheduled if s.seq.num_computed_tokens + s.num_new_tokens == s.seq.num_tokens]
+        for item in out.scheduled:
+            item.seq.num_computed_tokens += item.num_new_tokens
+        touched = {item.seq.request_id for item in out.scheduled}
+        if sampling:
+            result = self.sampler(logits, sampling)
+            for seq, token, lp in zip(sampling, result.token_ids, result.logprobs):
+                self._append(seq, token, lp)
+        self.num_steps += 1
+        return self._collect(touched)
+
+    def _append(self, seq: Sequence, token: int, logprob) -> None:
+        seq.append_token(token)
+        self.generation_tokens_total += 1
+        if logprob is not None:
+            seq.logprobs.append(logprob)
+        p = seq.params
+        stop_str = self.detok[seq.seq_id].update(seq.token_ids)
+        allowed = seq.num_output_tokens >= p.min_tokens
+        if allowed and not p.ignore_eos and token in self.model_config.eos_token_ids:
+            self.scheduler.finish(seq, "stop")
+        elif allowed and token in p.stop_token_ids:
+            self.scheduler.finish(seq, "stop", token)
+        elif allowed and stop_str is not None:
+            self.scheduler.finish(seq, "stop", stop_str)
+        elif (p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens) or \
+                seq.num_tokens >= self.model_config.max_model_len:
+            self.scheduler.finish(seq, "length")
+
+    def _collect(self, request_ids: set[str]) -> list[RequestOutputDelta]:
+        deltas = []
+        for rid in request_ids:
+            seqs = self.requests[rid]
+            parts = []
+            for seq in seqs:
+                d = self.detok[seq.seq_id]
+                text = d.take_new_text(seq.is_finished)
+                parts.append(self._sequence_delta(seq, text))
+            finished = all(s.is_finished for s in seqs)
+            deltas.append(RequestOutputDelta(rid, parts, seqs[0].num_prompt_tokens, seqs[0].num_cached_tokens,
+                                             finished))
+            if finished:
+                del self.requests[rid]
+                for s in seqs:
+                    del self.detok[s.seq_id]
+        return deltas
+
+    def _sequence_delta(self, seq: Sequence, text: str) -> SequenceDelta:
+        sent = self._sent.get(seq.seq_id, 0)
+        new_ids = seq.output_token_ids[sent:]
+        self._sent[seq.seq_id] = sent + len(new_ids)
+        lps = seq.logprobs[sent:] if seq.logprobs is not None else None
+        if seq.is_finished:
+            self._sent.pop(seq.seq_id, None)
+        return SequenceDelta(seq.index, text, new_ids, lps, seq.finish_reason)
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_total_blocks=self.pool.num_blocks,
+            num_free_blocks=self.pool.num_free,
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            prefix_cache_queries=self.kv.prefix_queries,
+            prefix_cache_hits=self.kv.prefix_hits,
+            num_preemptions=self.scheduler.num_preemptions,
+            num_steps=self.num_steps,
+            prompt_tokens_total=self.prompt_tokens_total,
+            generation_tokens_total=self.generation_tokens_total,
+        )
+
+    def shutdown(self) -> None:
+        shutdown = getattr(self.executor, "shutdown", None)
+        if shutdown is not None:
+            shutdown()

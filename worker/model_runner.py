@@ -1,0 +1,138 @@
+"""Turns a scheduled step into tensors, runs the model over the paged cache, returns logits."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from pagefleet.worker.config import ModelConfig
+from pagefleet.worker.loader import load_model
+from pagefleet.worker.model import AttentionMetadata
+from pagefleet.worker.tp_group import TPGroup
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CPU_KV_CACHE_BYTES = 512 * 1024 * 1024
+
+
+@dataclass(slots=True)
+class StepInput:
+    """One forward pass as plain data (what rank 0 sends every tensor-parallel rank)."""
+
+    input_ids: list[int]           # [T]
+    positions: list[int]           # [T]
+    slot_mapping: list[int]        # [T]
+    block_tables: list[list[int]]  # B rows, ragged
+    query_start_loc: list[int]     # [B + 1]
+    seq_lens: list[int]            # [B]
+    logits_indices: list[int]      # rows of T whose next token is sampled
+
+
+class ModelRunner:
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, device: torch.device, load_format: str = "safetensors",
+                 seed: int = 0) -> None:
+        self.cfg = cfg
+        self.tp = tp
+        self.device = device
+        self.model = load_model(cfg, tp, device, load_format, seed)
+        attn = self.model.layers[0].self_attn
+        self.num_kv_heads = attn.num_kv_heads
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.block_size = 0
+
+    def kv_bytes_per_block(self, block_size: int) -> int:
+        elem = torch.empty((), dtype=self.cfg.dtype).element_size()
+        return 2 * self.cfg.num_layers * block_size * self.num_kv_heads * self.cfg.head_dim * elem
+
+    def weight_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+    def available_kv_bytes(self, kv_cache_bytes: int | None, gpu_memory_utilization: float,
+                           max_num_batched_tokens: int) -> int:
+        """CPU: the byte budget. CUDA: free memory after a profile run of the largest step,
+        times the utilization fraction, like vLLM."""
+        if self.device.type != "cuda":
+            return kv_cache_bytes or DEFAULT_CPU_KV_CACHE_BYTES
+        if kv_cache_bytes:
+            return kv_cache_bytes
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self._profile_run(max_num_batched_tokens)
+        torch.cuda.synchronize(self.device)
+        _, total = torch.cuda.mem_get_info(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        return max(int(total * gpu_memory_utilization) - peak, 0)
+
+    def _profile_run(self, num_tokens: int) -> None:
+        # One sequence of num_tokens over a scratch cache big enough to hold it.
+        bs = 16
+        nblocks = -(-num_tokens // bs)
+        caches = [(torch.zeros(nblocks, bs, self.num_kv_heads, self.cfg.head_dim, dtype=self.cfg.dtype,
+                               device=self.device),) * 2 for _ in range(self.cfg.num_layers)]
+        step = StepInput(list(range(num_tokens)), list(range(num_tokens)), list(range(num_tokens)),
+                         [list(range(nblocks))], [0, num_tokens], [num_tokens], [num_tokens - 1])
+        saved, self.kv_caches = self.kv_caches, caches
+        try:
+            self.execute(step)
+        finally:
+            self.kv_caches = saved
+            del caches
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        shape = (num_blocks, block_size, self.num_kv_heads, self.cfg.head_dim)
+        # Zeroed, not empty: unused slots of a partly filled block are read (and masked),
+        # and NaN garbage would survive the mask as 0 * NaN.
+        self.kv_caches = [(torch.zeros(shape, dtype=self.cfg.dtype, device=self.device),
+                           torch.zeros(shape, dtype=self.cfg.dtype, device=self.device))
+                          for _ in range(self.cfg.num_layers)]
+        self.block_size = block_size
+
+    def _tensors(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        dev = self.device
+        max_blocks = max(len(t) for t in step.block_tables)
+        table = torch.zeros(len(step.block_tables), max_blocks, dtype=torch.int32)
+        for i, row in enumerate(step.block_tables):
+            table[i, :len(row)] = torch.tensor(row, dtype=torch.int32)
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(step.slot_mapping, dtype=torch.int64, device=dev),
+            block_table=table.to(dev),
+            query_start_loc=torch.tensor(step.query_start_loc, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(step.seq_lens, dtype=torch.int32, device=dev),
+        )
+        return (torch.tensor(step.input_ids, dtype=torch.int64, device=dev),
+                torch.tensor(step.positions, dtype=torch.int64, device=dev), meta,
+                torch.tensor(step.logits_indices, dtype=torch.int64, device=dev))
+
+    @torch.inference_mode()
+    def execute(self, step: StepInput) -> torch.Tensor | None:
+        """Forward one step; [S, vocab] fp32 logits of the sampling rows on rank 0, else None."""
+        input_ids, positions, meta, logits_indices = self._tensors(step)
+        hidden = self.model(input_ids, positions, meta, self.kv_caches)
+        return self.model.compute_logits(hidden.index_select(0, logits_indices))
+
+
+def build_step_input(scheduled, block_size: int, block_ids_of) -> StepInput:
+    """Flatten scheduled sequences (``ScheduledSeq`` list) into a StepInput."""
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    tables: list[list[int]] = []
+    starts = [0]
+    seq_lens: list[int] = []
+    logits_indices: list[int] = []
+    for item in scheduled:
+        seq, n = item.seq, item.num_new_tokens
+        start = seq.num_computed_tokens
+        end = start + n
+        blocks = block_ids_of(seq)
+        input_ids.extend(seq.token_ids[start:end])
+        positions.extend(range(start, end))
+        slots.extend(blocks[p // block_size] * block_size + p % block_size for p in range(start, end))
+        tables.append(blocks)
+        starts.append(starts[-1] + n)
+        seq_lens.append(end)
+        if end == seq.num_tokens:
+            logits_indices.append(starts[-1] - 1)
+    return StepInput(input_ids, positions, slots, tables, starts, seq_lens, logits_indices)

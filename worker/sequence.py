@@ -1,0 +1,77 @@
+"""One generated sequence's state. A request with ``n > 1`` is ``n`` sequences."""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+
+from pagefleet.worker.outputs import TokenLogprob
+from pagefleet.worker.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    """Progress is one counter: ``num_computed_tokens`` catches up with ``num_tokens``.
+    Prefill, prompt chunks, prefix hits, recompute after preemption and decode are
+    all the same operation."""
+
+    __slots__ = ("seq_id", "request_id", "index", "params", "token_ids", "num_prompt_tokens",
+                 "num_computed_tokens", "num_cached_tokens", "status", "finish_reason", "stop_reason",
+                 "logprobs", "generator", "parent", "extra_keys", "arrival_order", "block_hashes",
+                 "output_counts")
+
+    def __init__(self, seq_id: int, request_id: str, index: int, prompt_token_ids: list[int],
+                 params: SamplingParams, arrival_order: int, parent: "Sequence | None" = None,
+                 extra_keys: tuple = ()) -> None:
+        self.seq_id = seq_id
+        self.request_id = request_id
+        self.index = index
+        self.params = params
+        self.token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at first admission
+        self.status = SequenceStatus.WAITING
+        self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
+        self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
+        self.generator: torch.Generator | None = None
+        if params.seed is not None:
+            # Each of the n sequences draws from its own stream, so a seeded request
+            # samples the same tokens whatever else shares its batch.
+            self.generator = torch.Generator().manual_seed(params.seed + 7919 * index)
+        self.parent = parent  # the sequence whose prompt blocks this one shares (n > 1)
+        self.extra_keys = extra_keys
+        self.arrival_order = arrival_order
+        self.block_hashes: list = []  # chained hashes of this sequence's full blocks, filled lazily
+        self.output_counts: dict[int, int] = {}
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+        self.output_counts[token_id] = self.output_counts.get(token_id, 0) + 1
+
+    def __repr__(self) -> str:
+        return (f"Sequence({self.request_id}#{self.index}, computed={self.num_computed_tokens}/"
+                f"{self.num_tokens}, {self.status.value})")
