@@ -1,0 +1,144 @@
+"""The engine behind a server: its step loop runs in its own thread, so the caller's event
+loop stays free for new requests, aborts and health checks. Each request streams
+``RequestOutputDelta`` chunks, at most one per engine step."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from typing import AsyncIterator
+
+from pagefleet.worker.engine import LLMEngine
+from pagefleet.worker.engine_args import EngineArgs
+from pagefleet.worker.outputs import RequestOutputDelta
+from pagefleet.worker.sampling_params import SamplingParams
+from pagefleet.worker.stats import EngineStats
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    pass
+
+
+class AsyncLLMEngine:
+    def __init__(self, args: EngineArgs, stall_timeout_s: float = 60.0) -> None:
+        self.engine = LLMEngine(args)
+        self.tokenizer = self.engine.tokenizer
+        self.model_config = self.engine.model_config
+        self.stall_timeout_s = stall_timeout_s
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._stats = self.engine.stats()
+        self._last_progress = time.monotonic()
+        self._error: BaseException | None = None
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name="pagefleet-engine", daemon=True)
+        self._thread.start()
+
+    # ---- caller side (any event loop) -------------------------------------------------------
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       extra_keys: tuple = ()) -> AsyncIterator[RequestOutputDelta]:
+        """Stream a request's deltas. Bad input raises ValueError before anything is queued;
+        if the consumer stops early the request is aborted and its blocks freed."""
+        self._raise_if_dead()
+        self.engine.validate(prompt_token_ids, params)
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already running")
+        q: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = (asyncio.get_running_loop(), q)
+        self._send(("add", request_id, list(prompt_token_ids), params, extra_keys))
+        finished = False
+        try:
+            while not finished:
+                item = await q.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            if not finished:
+                self._send(("abort", request_id))
+            self._streams.pop(request_id, None)
+
+    def abort(self, request_id: str) -> bool:
+        if request_id not in self._streams:
+            return False
+        self._send(("abort", request_id))
+        return True
+
+    def stats(self) -> EngineStats:
+        return self._stats
+
+    def check_health(self) -> None:
+        """Raise when the step loop died, or has work but made no step for stall_timeout_s."""
+        self._raise_if_dead()
+        stalled = time.monotonic() - self._last_progress
+        if self.engine.has_unfinished() and stalled > self.stall_timeout_s:
+            raise EngineDeadError(f"the engine has made no step for {stalled:.0f} s with work pending")
+
+    def shutdown(self) -> None:
+        self._stopped = True
+        self._wakeup.set()
+        self._thread.join(timeout=10)
+        self.engine.shutdown()
+
+    def _send(self, command: tuple) -> None:
+        self._commands.put(command)
+        self._wakeup.set()
+
+    def _raise_if_dead(self) -> None:
+        if self._error is not None:
+            raise EngineDeadError(f"the engine loop died: {self._error!r}") from self._error
+        if self._stopped or not self._thread.is_alive():
+            raise EngineDeadError("the engine is shut down")
+
+    # ---- engine thread ----------------------------------------------------------------------
+
+    def _deliver(self, request_id: str, item) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            loop, q = stream
+            loop.call_soon_threadsafe(q.put_nowait, item)
+
+    def _apply_commands(self) -> None:
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if command[0] == "add":
+                _, rid, ids, params, extra = command
+                try:
+                    self.engine.add_request(rid, ids, params, extra)
+                except ValueError as e:
+                    self._deliver(rid, e)
+            else:
+                delta = self.engine.abort_request(command[1])
+                if delta is not None:
+                    self._deliver(command[1], delta)
+
+    def _run(self) -> None:
+        try:
+            while not self._stopped:
+                self._apply_commands()
+                if not self.engine.has_unfinished():
+                    self._stats = self.engine.stats()
+                    self._last_progress = time.monotonic()
+                    self._wakeup.wait(timeout=1.0)
+                    self._wakeup.clear()
+                    continue
+                for delta in self.engine.step():
+                    self._deliver(delta.request_id, delta)
+                self._stats = self.engine.stats()
+                self._last_progress = time.monotonic()
+        except BaseException as e:  # the loop must never die silently
+            logger.exception("engine loop died")
+            self._error = e
+            for rid in list(self._streams):
+                self._deliver(rid, EngineDeadError(f"the engine loop died: {e!r}"))
