@@ -1,0 +1,102 @@
+"""OpenAI-shaped errors: one exception type and the JSON body every 4xx/5xx carries.
+
+Status codes: 400 for bad values, bad types and prompts that do not fit
+``max_model_len``; 404 for an unknown model or route; 422 for well-formed
+requests that use a feature pagefleet does not implement (``echo``,
+``suffix``, tools, images); 503 when no worker is healthy.
+"""
+
+from __future__ import annotations
+
+from http import HTTPStatus
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    422: "unsupported_feature_error",
+    503: "service_unavailable_error",
+}
+
+
+class OpenAIError(Exception):
+    """A request failure that the client should see as ``{"error": {...}}``."""
+
+    def __init__(self, message: str, *, status_code: int = 400, param: str | None = None,
+                 code: str | None = None, type: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status_code = status_code
+        self.param = param
+        self.code = code
+        self.type = type or _TYPES.get(status_code, "internal_server_error" if status_code >= 500
+                                       else "invalid_request_error")
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad_request(message: str, param: str | None = None) -> OpenAIError:
+    return OpenAIError(message, status_code=400, param=param)
+
+
+def unsupported(message: str, param: str) -> OpenAIError:
+    return OpenAIError(message, status_code=422, param=param, code="unsupported")
+
+
+def from_validation_error(exc: ValidationError | RequestValidationError) -> OpenAIError:
+    """The first pydantic error as a 400, naming the offending field in ``param``."""
+    errors = exc.errors()
+    if not errors:
+        return bad_request("invalid request body")
+    first = errors[0]
+    param = _param_name([part for part in first.get("loc", ()) if part != "body"])
+    msg = "field required" if first.get("type") == "missing" else first.get("msg", "invalid value")
+    msg = msg.removeprefix("Value error, ")
+    return bad_request(f"{param}: {msg}" if param else msg, param=param)
+
+
+def _param_name(loc: list) -> str | None:
+    """OpenAI's spelling of a field path ("messages.[1].content"); pydantic's union
+    branch names ("list[int]") that follow the field name are dropped."""
+    if not loc:
+        return None
+    parts = [str(loc[0])]
+    i = 1
+    while i + 1 <= len(loc) - 1 and isinstance(loc[i], int) and isinstance(loc[i + 1], str) \
+            and loc[i + 1] in _MESSAGE_FIELDS:
+        parts += [f"[{loc[i]}]", loc[i + 1]]
+        i += 2
+    return ".".join(parts)
+
+
+_MESSAGE_FIELDS = ("role", "content", "name", "text", "type")
+
+
+def error_response(exc: OpenAIError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status_code)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Every error a client can see, including FastAPI's own, gets the OpenAI shape."""
+
+    async def on_openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
+        return error_response(exc)
+
+    async def on_validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(from_validation_error(exc))
+
+    async def on_http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        message = exc.detail if isinstance(exc.detail, str) else HTTPStatus(exc.status_code).phrase
+        return error_response(OpenAIError(message, status_code=exc.status_code))
+
+    app.add_exception_handler(OpenAIError, on_openai_error)
+    app.add_exception_handler(RequestValidationError, on_validation_error)
+    app.add_exception_handler(StarletteHTTPException, on_http_error)

@@ -1,0 +1,117 @@
+"""The OpenAI request bodies pagefleet accepts, as strict pydantic models.
+
+Strict: ``"5"`` is not an integer and ``1`` is not a boolean, as with OpenAI.
+Unknown fields are ignored (clients send many); fields pagefleet knows but
+does not implement are refused by ``preprocess`` with a 422, never silently
+dropped.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, field_validator
+
+PROMPT_SHAPES = "a string, a list of strings, a list of token ids, or a list of token id lists"
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _SamplingFields(_Body):
+    """Fields shared by /v1/completions and /v1/chat/completions (vLLM's extras included)."""
+
+    model: str | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    user: str | None = None
+    logit_bias: dict[str, float] | None = None
+    request_id: str | None = None
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: Any
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+    add_special_tokens: bool = True
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_shape(cls, value: Any) -> str | list[str] | list[int] | list[list[int]]:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, list):
+            if all(isinstance(v, str) for v in value):
+                return value
+            if all(_is_token_id(v) for v in value):
+                return value
+            if all(isinstance(v, list) and all(_is_token_id(t) for t in v) for v in value):
+                return value
+        raise ValueError(f"prompt must be {PROMPT_SHAPES}")
+
+
+class ContentPart(_Body):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+
+
+class TokenizeRequest(_Body):
+    """vLLM's /tokenize: either ``prompt`` (completion style) or ``messages`` (chat style)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: list[int]
+
+
+def _is_token_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

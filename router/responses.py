@@ -1,0 +1,184 @@
+"""Engine deltas -> OpenAI response bodies and stream chunks (plain dicts, ready for JSON).
+
+One ``ResponseBuilder`` per HTTP request: it knows the response id, model name
+and creation time, and turns token ids in logprobs into the token strings
+OpenAI clients expect.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagefleet.worker.outputs import RequestOutputDelta, SequenceDelta, TokenLogprob
+
+
+@dataclass(slots=True)
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+    def to_dict(self) -> dict:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+
+
+@dataclass(slots=True)
+class ChoiceState:
+    """One choice's output so far (non-streaming) and its text offset (streaming logprobs)."""
+
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    text_offset: int = 0
+    sent_role: bool = False
+
+
+class ResponseBuilder:
+    def __init__(self, *, kind: str, request_id: str, model: str, tokenizer: Any,
+                 want_logprobs: bool, include_usage: bool = False) -> None:
+        if kind not in ("completion", "chat"):
+            raise ValueError(f"kind must be 'completion' or 'chat', got {kind!r}")
+        self.kind = kind
+        self.id = request_id
+        self.model = model
+        self.created = int(time.time())
+        self.want_logprobs = want_logprobs
+        self.include_usage = include_usage
+        self.usage = Usage()
+        self._tokenizer = tokenizer
+        self._token_strs: dict[int, str] = {}
+        self._choices: dict[int, ChoiceState] = {}
+
+    # ---- shared bookkeeping ------------------------------------------------------------
+
+    def choice(self, index: int) -> ChoiceState:
+        state = self._choices.get(index)
+        if state is None:
+            state = self._choices[index] = ChoiceState()
+        return state
+
+    def count_request(self, first_delta: RequestOutputDelta) -> None:
+        """Prompt tokens count once per engine request, whatever its ``n``."""
+        self.usage.prompt_tokens += first_delta.num_prompt_tokens
+        self.usage.cached_tokens += first_delta.num_cached_tokens
+
+    def count_sequence(self, seq: SequenceDelta) -> None:
+        self.usage.completion_tokens += len(seq.token_ids)
+
+    def token_str(self, token_id: int) -> str:
+        s = self._token_strs.get(token_id)
+        if s is None:
+            s = self._token_strs[token_id] = self._tokenizer.decode([token_id])
+        return s
+
+    # ---- whole responses ---------------------------------------------------------------
+
+    def accumulate(self, index: int, seq: SequenceDelta) -> None:
+        state = self.choice(index)
+        state.text.append(seq.text)
+        state.token_ids.extend(seq.token_ids)
+        if seq.logprobs:
+            state.logprobs.extend(seq.logprobs)
+        if seq.finish_reason is not None:
+            state.finish_reason = seq.finish_reason
+        self.count_sequence(seq)
+
+    def full_response(self) -> dict:
+        choices = []
+        for index in sorted(self._choices):
+            state = self._choices[index]
+            text = "".join(state.text)
+            logprobs = None
+            if self.want_logprobs:
+                logprobs = (self._completion_logprobs(state.logprobs, 0) if self.kind == "completion"
+                            else self._chat_logprobs(state.logprobs))
+            if self.kind == "completion":
+                choices.append({"index": index, "text": text, "logprobs": logprobs,
+                                "finish_reason": state.finish_reason, "stop_reason": None})
+            else:
+                choices.append({"index": index, "message": {"role": "assistant", "content": text},
+                                "logprobs": logprobs, "finish_reason": state.finish_reason})
+        return {"id": self.id, "object": "text_completion" if self.kind == "completion" else "chat.completion",
+                "created": self.created, "model": self.model, "choices": choices,
+                "usage": self.usage.to_dict()}
+
+    # ---- stream chunks -----------------------------------------------------------------
+
+    def role_chunks(self, indices: list[int]) -> list[dict]:
+        """Chat streams open each choice with the assistant role, as OpenAI does."""
+        out = []
+        for index in indices:
+            state = self.choice(index)
+            if self.kind == "chat" and not state.sent_role:
+                state.sent_role = True
+                out.append(self._chunk({"index": index, "delta": {"role": "assistant", "content": ""},
+                                        "logprobs": None, "finish_reason": None}))
+        return out
+
+    def delta_chunk(self, index: int, seq: SequenceDelta) -> dict | None:
+        """The chunk for one choice's new output in one engine step; None when it has nothing."""
+        self.count_sequence(seq)
+        state = self.choice(index)
+        if not seq.text and not seq.token_ids and seq.finish_reason is None:
+            return None
+        logprobs = None
+        if self.want_logprobs and seq.logprobs:
+            logprobs = (self._completion_logprobs(seq.logprobs, state.text_offset) if self.kind == "completion"
+                        else self._chat_logprobs(seq.logprobs))
+        state.text_offset += len(seq.text)
+        if self.kind == "completion":
+            choice = {"index": index, "text": seq.text, "logprobs": logprobs,
+                      "finish_reason": seq.finish_reason, "stop_reason": None}
+        else:
+            delta = {"content": seq.text} if seq.text or seq.finish_reason is None else {}
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": seq.finish_reason}
+        return self._chunk(choice)
+
+    def usage_chunk(self) -> dict:
+        chunk = self._chunk(None)
+        chunk["usage"] = self.usage.to_dict()
+        return chunk
+
+    def _chunk(self, choice: dict | None) -> dict:
+        chunk = {"id": self.id, "object": "text_completion" if self.kind == "completion" else "chat.completion.chunk",
+                 "created": self.created, "model": self.model, "choices": [] if choice is None else [choice]}
+        if self.include_usage:
+            chunk["usage"] = None
+        return chunk
+
+    # ---- logprobs formats --------------------------------------------------------------
+
+    def _completion_logprobs(self, entries: list[TokenLogprob], start_offset: int) -> dict:
+        """The legacy completions format: parallel lists plus per-token top dicts."""
+        tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
+        offset = start_offset
+        for e in entries:
+            s = self.token_str(e.token_id)
+            tokens.append(s)
+            token_logprobs.append(finite(e.logprob))
+            top = {self.token_str(t): finite(lp) for t, lp in e.top}
+            top.setdefault(s, finite(e.logprob))
+            top_logprobs.append(top)
+            offsets.append(offset)
+            offset += len(s)
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
+                "text_offset": offsets}
+
+    def _chat_logprobs(self, entries: list[TokenLogprob]) -> dict:
+        content = []
+        for e in entries:
+            s = self.token_str(e.token_id)
+            top = [{"token": self.token_str(t), "logprob": finite(lp), "bytes": list(self.token_str(t).encode())}
+                   for t, lp in e.top]
+            content.append({"token": s, "logprob": finite(e.logprob), "bytes": list(s.encode()), "top_logprobs": top})
+        return {"content": content}
+
+
+def finite(logprob: float) -> float:
+    """JSON has no -Infinity: a token with zero probability reports -9999.0, as vLLM does."""
+    return max(float(logprob), -9999.0)

@@ -1,0 +1,195 @@
+"""The OpenAI endpoints' logic between HTTP and the workers, with no Ray in it.
+
+``OpenAIService`` validates and tokenizes (``preprocess``), sends each prompt
+to a worker through a ``WorkerClient`` (a Serve handle in production, a fake
+in tests), and shapes the deltas into responses (``responses``). Closing a
+stream closes every worker stream under it, which aborts those requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from typing import Any, AsyncIterator, Protocol
+
+from pagefleet.router import preprocess as pre
+from pagefleet.router.errors import OpenAIError, bad_request
+from pagefleet.router.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from pagefleet.router.responses import ResponseBuilder
+from pagefleet.router.sse import internal_error
+from pagefleet.worker.outputs import RequestOutputDelta
+from pagefleet.worker.sampling_params import SamplingParams
+
+
+class WorkerClient(Protocol):
+    def generate(self, request_id: str, prompt_token_ids: list[int],
+                 params: SamplingParams) -> AsyncIterator[RequestOutputDelta]:
+        """Deltas of one request, one per engine step; closing the iterator aborts the request."""
+
+    async def check_health(self) -> None:
+        """Raises when no worker can serve."""
+
+
+class OpenAIService:
+    def __init__(self, *, tokenizer: Any, info: pre.ModelInfo, client: WorkerClient) -> None:
+        self.tokenizer = tokenizer
+        self.info = info
+        self.client = client
+
+    # ---- /v1/completions -------------------------------------------------------------
+
+    def completion(self, req: CompletionRequest) -> tuple[ResponseBuilder, list[_Job]]:
+        pre.check_model(req.model, self.info)
+        prompts = pre.completion_prompts(req, self.tokenizer, self.info)
+        jobs = [_Job(p.token_ids, pre.completion_sampling_params(req, len(p.token_ids), self.info))
+                for p in prompts]
+        builder = ResponseBuilder(kind="completion", request_id=req.request_id or f"cmpl-{uuid.uuid4().hex}",
+                                  model=self.info.served_model_name, tokenizer=self.tokenizer,
+                                  want_logprobs=req.logprobs is not None,
+                                  include_usage=bool(req.stream_options and req.stream_options.include_usage))
+        return builder, jobs
+
+    # ---- /v1/chat/completions --------------------------------------------------------
+
+    def chat(self, req: ChatCompletionRequest) -> tuple[ResponseBuilder, list[_Job]]:
+        pre.check_model(req.model, self.info)
+        prompt = pre.chat_prompt(req.messages, self.tokenizer, add_generation_prompt=req.add_generation_prompt,
+                                 continue_final_message=req.continue_final_message,
+                                 add_special_tokens=req.add_special_tokens)
+        pre.check_prompt_tokens(prompt.token_ids, self.info)
+        params = pre.chat_sampling_params(req, len(prompt.token_ids), self.info)
+        builder = ResponseBuilder(kind="chat", request_id=req.request_id or f"chatcmpl-{uuid.uuid4().hex}",
+                                  model=self.info.served_model_name, tokenizer=self.tokenizer,
+                                  want_logprobs=req.logprobs,
+                                  include_usage=bool(req.stream_options and req.stream_options.include_usage))
+        return builder, [_Job(prompt.token_ids, params)]
+
+    # ---- running jobs ------------------------------------------------------------------
+
+    async def run_to_completion(self, builder: ResponseBuilder, jobs: list[_Job]) -> dict:
+        """All prompts run concurrently; the response is built once every one has finished."""
+        async for job_index, delta in self._merged(builder, jobs):
+            for seq in delta.sequences:
+                builder.accumulate(job_index * jobs[job_index].params.n + seq.index, seq)
+        return builder.full_response()
+
+    async def stream_chunks(self, builder: ResponseBuilder, jobs: list[_Job]) -> AsyncIterator[dict]:
+        n = jobs[0].params.n
+        for chunk in builder.role_chunks(list(range(len(jobs) * n))):
+            yield chunk
+        async for job_index, delta in self._merged(builder, jobs):
+            for seq in delta.sequences:
+                chunk = builder.delta_chunk(job_index * n + seq.index, seq)
+                if chunk is not None:
+                    yield chunk
+        if builder.include_usage:
+            yield builder.usage_chunk()
+
+    async def _merged(self, builder: ResponseBuilder, jobs: list[_Job]) -> AsyncIterator[tuple[int, RequestOutputDelta]]:
+        """Deltas of every job as they come; leaving early closes every worker stream."""
+        streams = [self.client.generate(f"{builder.id}-{i}", job.token_ids, job.params) for i, job in enumerate(jobs)]
+        if len(streams) == 1:
+            iterators = [_counting(builder, 0, streams[0])]
+            try:
+                async for item in iterators[0]:
+                    yield item
+            finally:
+                await iterators[0].aclose()
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+        tasks = [asyncio.create_task(_pump(i, _counting(builder, i, s), queue)) for i, s in enumerate(streams)]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                item = await queue.get()
+                if item is _FINISHED:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield item
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    # ---- /tokenize, /detokenize --------------------------------------------------------
+
+    def tokenize(self, req: TokenizeRequest) -> dict:
+        pre.check_model(req.model, self.info)
+        if (req.prompt is None) == (req.messages is None):
+            raise bad_request("give exactly one of prompt and messages", "prompt")
+        if req.messages is not None:
+            add_special = False if req.add_special_tokens is None else req.add_special_tokens
+            ids = pre.chat_prompt(req.messages, self.tokenizer, add_generation_prompt=req.add_generation_prompt,
+                                  add_special_tokens=add_special).token_ids
+        else:
+            add_special = True if req.add_special_tokens is None else req.add_special_tokens
+            ids = list(self.tokenizer.encode(req.prompt, add_special_tokens=add_special))
+        out = {"count": len(ids), "max_model_len": self.info.max_model_len, "tokens": ids}
+        if req.return_token_strs:
+            out["token_strs"] = self.tokenizer.convert_ids_to_tokens(ids)
+        return out
+
+    def detokenize(self, req: DetokenizeRequest) -> dict:
+        pre.check_model(req.model, self.info)
+        bad = next((t for t in req.tokens if not 0 <= t < self.info.vocab_size), None)
+        if bad is not None:
+            raise bad_request(f"token id {bad} is outside the vocabulary [0, {self.info.vocab_size})", "tokens")
+        return {"prompt": self.tokenizer.decode(req.tokens)}
+
+    def models(self) -> dict:
+        return {"object": "list", "data": [{
+            "id": self.info.served_model_name, "object": "model", "created": 0, "owned_by": "pagefleet",
+            "root": self.info.root, "parent": None, "max_model_len": self.info.max_model_len}]}
+
+
+class _Job:
+    """One engine request of an HTTP request (a completions request has one per prompt)."""
+
+    __slots__ = ("token_ids", "params")
+
+    def __init__(self, token_ids: list[int], params: SamplingParams) -> None:
+        self.token_ids = token_ids
+        self.params = params
+
+
+_FINISHED = object()
+
+
+async def _counting(builder: ResponseBuilder, index: int,
+                    stream: AsyncIterator[RequestOutputDelta]) -> AsyncIterator[tuple[int, RequestOutputDelta]]:
+    """Tags deltas with their job and counts each request's prompt once; worker errors
+    become OpenAI errors (a ValueError the ingress missed is still the client's fault)."""
+    first = True
+    try:
+        async for delta in stream:
+            if first:
+                builder.count_request(delta)
+                first = False
+            yield index, delta
+    except OpenAIError:
+        raise
+    except ValueError as exc:
+        raise bad_request(str(exc)) from exc
+    except (asyncio.CancelledError, GeneratorExit):
+        raise
+    except Exception as exc:
+        raise internal_error(exc) from exc
+    finally:
+        close = getattr(stream, "aclose", None)
+        if close is not None:
+            await close()
+
+
+async def _pump(index: int, stream: AsyncIterator, queue: asyncio.Queue) -> None:
+    try:
+        async for item in stream:
+            await queue.put(item)
+        await queue.put(_FINISHED)
+    except asyncio.CancelledError:
+        raise
+    except BaseException as exc:  # handed to the consumer, which raises it
+        await queue.put(exc)
+    finally:
+        await stream.aclose()

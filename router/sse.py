@@ -1,0 +1,43 @@
+"""Server-sent events exactly as OpenAI writes them.
+
+Each event is ``data: <json>\\n\\n``; the stream ends with ``data: [DONE]\\n\\n``.
+An error after the response has started (status 200 is already sent) is one
+``data: {"error": {...}}`` event, then ``[DONE]``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import AsyncIterator
+
+from pagefleet.router.errors import OpenAIError
+
+logger = logging.getLogger(__name__)
+
+DONE = "data: [DONE]\n\n"
+
+
+def sse_event(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+async def sse_stream(chunks: AsyncIterator[dict]) -> AsyncIterator[str]:
+    """Formats chunks as events, turning a failure into an error event before ``[DONE]``."""
+    try:
+        async for chunk in chunks:
+            yield sse_event(chunk)
+    except OpenAIError as exc:
+        yield sse_event(exc.body())
+    except Exception as exc:  # the client already has a 200; the error must travel in the stream
+        logger.exception("stream failed")
+        yield sse_event(internal_error(exc).body())
+    finally:
+        close = getattr(chunks, "aclose", None)
+        if close is not None:
+            await close()
+    yield DONE
+
+
+def internal_error(exc: BaseException) -> OpenAIError:
+    return OpenAIError(f"internal error: {type(exc).__name__}: {exc}", status_code=500)

@@ -1,0 +1,33 @@
+import pytest
+from fastapi.testclient import TestClient
+
+from serving_fakes import MAX_MODEL_LEN, MODEL, FakeWorkerClient, make_tokenizer
+from pagefleet.router.openai_app import build_openai_app
+from pagefleet.router.preprocess import ModelInfo
+from pagefleet.router.service import OpenAIService
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    return make_tokenizer()
+
+
+@pytest.fixture
+def fake(tokenizer):
+    return FakeWorkerClient(tokenizer, vocab_size=len(tokenizer))
+
+
+@pytest.fixture
+def info(tokenizer):
+    return ModelInfo(served_model_name=MODEL, max_model_len=MAX_MODEL_LEN, vocab_size=len(tokenizer), root="/ckpt")
+
+
+@pytest.fixture
+def service(tokenizer, info, fake):
+    return OpenAIService(tokenizer=tokenizer, info=info, client=fake)
+
+
+@pytest.fixture
+def client(service):
+    with TestClient(build_openai_app(service)) as c:
+        yield c
