@@ -1,0 +1,98 @@
+"""Greedy tokens from pagefleet equal transformers' on tiny checkpoints of all four
+architectures, under prefix sharing, forced preemption and forced chunking."""
+
+from __future__ import annotations
+
+import pytest
+
+from hf_reference import hf_greedy
+from pagefleet.worker import LLM, SamplingParams
+from pagefleet.worker.config import load_model_config
+
+ARCHS = ["llama", "qwen2", "qwen3", "mistral"]
+MAX_NEW = 12
+
+
+def prompts_for(tokenizer) -> list[list[int]]:
+    """Eight prompts of different lengths (3..~100 tokens); four share a 2-block prefix."""
+    shared = tokenizer.encode("the quick brown fox jumps over the lazy dog " * 4)[:40]
+    texts = ["hi there", "one two three four five six seven eight nine ten",
+             "a much longer prompt about serving language models from a cluster of machines " * 2,
+             "short"]
+    prompts = [tokenizer.encode(t) for t in texts]
+    prompts += [shared + tokenizer.encode(s) for s in ("alpha", "beta gamma", "delta epsilon zeta", "eta")]
+    return prompts
+
+
+def run(llm: LLM, prompts: list[list[int]], max_new: int = MAX_NEW):
+    params = SamplingParams(temperature=0.0, max_tokens=max_new, ignore_eos=True, logprobs=5)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    return [o.outputs[0] for o in outs]
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def checkpoint(request, tiny_checkpoint):
+    return tiny_checkpoint(arch=request.param)
+
+
+def reference(checkpoint, prompts, max_new: int = MAX_NEW):
+    return [hf_greedy(str(checkpoint), tuple(p), max_new) for p in prompts]
+
+
+def assert_equal_to_reference(outs, refs, what):
+    for i, (out, (ref_ids, _)) in enumerate(zip(outs, refs)):
+        assert out.finish_reason == "length"
+        assert out.token_ids == ref_ids, f"{what}: prompt {i}"
+
+
+def test_batch_matches_transformers(checkpoint):
+    llm = LLM(model=str(checkpoint), dtype="float32", kv_cache_bytes=32 << 20)
+    prompts = prompts_for(llm.tokenizer)
+    assert len(set(map(len, prompts))) == len(prompts)  # all lengths differ
+    refs = reference(checkpoint, prompts)
+    assert_equal_to_reference(run(llm, prompts), refs, "batch")
+    # The same prompts again are served from the prefix cache and must not change.
+    hits_before = llm.engine.stats().prefix_cache_hits
+    assert_equal_to_reference(run(llm, prompts), refs, "prefix-cached rerun")
+    stats = llm.engine.stats()
+    assert stats.prefix_cache_hits - hits_before >= sum((len(p) - 1) // 16 * 16 for p in prompts)
+    assert stats.num_free_blocks == stats.num_total_blocks
+
+
+def test_shared_prefix_hits_within_one_batch(checkpoint):
+    llm = LLM(model=str(checkpoint), dtype="float32", kv_cache_bytes=32 << 20)
+    prompts = prompts_for(llm.tokenizer)
+    assert_equal_to_reference(run(llm, prompts), reference(checkpoint, prompts), "shared prefix")
+    # Prompts 5..7 reuse the two full blocks prompt 4 stored in the same step.
+    assert llm.engine.stats().prefix_cache_hits == 3 * 32
+
+
+def test_prefix_caching_off_matches(checkpoint):
+    llm = LLM(model=str(checkpoint), dtype="float32", kv_cache_bytes=32 << 20, enable_prefix_caching=False)
+    prompts = prompts_for(llm.tokenizer)
+    assert_equal_to_reference(run(llm, prompts), reference(checkpoint, prompts), "no prefix caching")
+    assert llm.engine.stats().prefix_cache_hits == 0
+
+
+def test_preemption_matches(checkpoint):
+    # 8 blocks of 16 tokens cannot hold all eight sequences (~27 blocks at the end): running
+    # sequences crossing block boundaries force preemption by recompute, and recomputed
+    # sequences must continue identically.
+    cfg = load_model_config(str(checkpoint))
+    per_block = 2 * cfg.num_layers * 16 * cfg.num_kv_heads * cfg.head_dim * 4  # fp32 K and V
+    llm = LLM(model=str(checkpoint), dtype="float32", block_size=16, enable_prefix_caching=False,
+              kv_cache_bytes=8 * per_block)
+    assert llm.engine.pool.num_blocks == 8
+    prompts = prompts_for(llm.tokenizer)
+    assert_equal_to_reference(run(llm, prompts, 24), reference(checkpoint, prompts, 24), "preemption")
+    stats = llm.engine.stats()
+    assert stats.num_preemptions > 0
+    assert stats.num_free_blocks == 8
+
+
+def test_chunked_prefill_matches(checkpoint):
+    # A 7-token budget chunks every prompt longer than 7 tokens across steps.
+    llm = LLM(model=str(checkpoint), dtype="float32", kv_cache_bytes=32 << 20, max_num_batched_tokens=7)
+    prompts = prompts_for(llm.tokenizer)
+    assert_equal_to_reference(run(llm, prompts), reference(checkpoint, prompts), "chunked prefill")
+    assert llm.engine.stats().num_steps > max(map(len, prompts)) // 7
