@@ -74,7 +74,8 @@ class LLMEngine:
                     num_blocks * per_block / 2**20, cfg.max_model_len, tokens / cfg.max_model_len)
         self.requests: dict[str, list[Sequence]] = {}
         self.detok: dict[int, IncrementalDetokenizer] = {}
-        self._sent: dict[int, int] = {}  # output tokens of each sequence already handed out in deltas
+        # Output tokens of each sequence already handed out; None once its finish was reported.
+        self._sent: dict[int, int | None] = {}
         self._seq_ids = count()
         self._arrivals = count()
         self.num_steps = 0
@@ -177,14 +178,11 @@ class LLMEngine:
             self.scheduler.finish(seq, "length")
 
     def _collect(self, request_ids: set[str]) -> list[RequestOutputDelta]:
+        """One delta per request, holding each sequence with new output or a new finish."""
         deltas = []
         for rid in request_ids:
             seqs = self.requests[rid]
-            parts = []
-            for seq in seqs:
-                d = self.detok[seq.seq_id]
-                text = d.take_new_text(seq.is_finished)
-                parts.append(self._sequence_delta(seq, text))
+            parts = [d for d in (self._sequence_delta(seq) for seq in seqs) if d is not None]
             finished = all(s.is_finished for s in seqs)
             deltas.append(RequestOutputDelta(rid, parts, seqs[0].num_prompt_tokens, seqs[0].num_cached_tokens,
                                              finished))
@@ -192,16 +190,20 @@ class LLMEngine:
                 del self.requests[rid]
                 for s in seqs:
                     del self.detok[s.seq_id]
+                    self._sent.pop(s.seq_id, None)
         return deltas
 
-    def _sequence_delta(self, seq: Sequence, text: str) -> SequenceDelta:
+    def _sequence_delta(self, seq: Sequence) -> SequenceDelta | None:
         sent = self._sent.get(seq.seq_id, 0)
+        if sent is None:
+            return None  # finished and already reported
+        text = self.detok[seq.seq_id].take_new_text(seq.is_finished)
         new_ids = seq.output_token_ids[sent:]
-        self._sent[seq.seq_id] = sent + len(new_ids)
+        if not new_ids and not text and not seq.is_finished:
+            return None
+        self._sent[seq.seq_id] = None if seq.is_finished else sent + len(new_ids)
         lps = seq.logprobs[sent:] if seq.logprobs is not None else None
-        if seq.is_finished:
-            self._sent.pop(seq.seq_id, None)
-        return SequenceDelta(seq.index, text, new_ids, lps, seq.finish_reason)
+        return SequenceDelta(seq.index, text, new_ids, lps, seq.finish_reason, seq.stop_reason)
 
     def stats(self) -> EngineStats:
         return EngineStats(

@@ -51,6 +51,7 @@ class LLM:
                         if s.logprobs is not None:
                             c.logprobs = (c.logprobs or []) + s.logprobs
                         c.finish_reason = s.finish_reason
+                        c.stop_reason = s.stop_reason
         except BaseException:
             for rid in order:
                 engine.abort_request(rid)

@@ -23,6 +23,7 @@ class SequenceDelta:
     token_ids: list[int]
     logprobs: list[TokenLogprob] | None
     finish_reason: str | None  # "stop" | "length" | "abort" | None while running
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it
 
 
 @dataclass(slots=True)

@@ -55,6 +55,7 @@ class Sampler:
     def __init__(self, eos_token_ids: tuple[int, ...]) -> None:
         self.eos_token_ids = list(eos_token_ids)
 
+    @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
         # logits: [S, V] fp32, one row per sequence that samples this step
         want_logprobs = [s.params.logprobs is not None for s in seqs]
