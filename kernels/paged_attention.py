@@ -1,0 +1,293 @@
+"""Causal attention over a paged KV cache: prefill, chunked prefill and decode in one kernel (Triton).
+
+Twin: `reference.paged_attention`. Design:
+
+* A program owns BLOCK_Q query tokens of one sequence and all GROUP query heads
+  that share one KV head, packed as BLOCK_M = BLOCK_Q * GROUP_PAD rows of the
+  query tile. Each K/V tile is therefore loaded once per KV head and used by
+  every query head of the group (GQA/MQA), and decode rows (one token) still
+  give `tl.dot` its 16-row minimum.
+* Grid axis 0 covers `T // BLOCK_Q + B` query blocks, an upper bound on
+  sum_b cdiv(q_len_b, BLOCK_Q) that needs no host sync; a program finds its
+  sequence by binary search over `query_start_loc` and exits if it is surplus.
+* K/V tiles of BLOCK_N tokens are gathered token by token through the block
+  table, so BLOCK_N and block_size are independent (any block_size works).
+* Online softmax in fp32 in the log2 domain; fully masked rows are guarded so
+  padding rows never produce inf - inf.
+* Split-KV (NUM_SPLITS > 1): the context of each query block is cut into
+  NUM_SPLITS ranges handled by separate programs, which write unnormalised
+  partials that `attention_merge` combines. It exists for decode batches too
+  small to fill the GPU (B * Hkv programs << SM count).
+* Offsets into the caches are int64 (block_id * stride passes 2^31 on real pools).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton.language as tl
+
+from pagefleet.kernels.attention_merge import merge_attention_splits
+from pagefleet.kernels.triton_kernel import (
+    MAX,
+    SUM,
+    check_last_dim_contiguous,
+    check_same_device,
+    interpreted,
+    next_power_of_2,
+    triton_kernel,
+)
+
+
+@triton_kernel
+def _paged_attention_kernel(
+    query_ptr,            # [T, Hq, D]
+    key_cache_ptr,        # [N, bs, Hkv, D]
+    value_cache_ptr,      # [N, bs, Hkv, D]
+    block_table_ptr,      # [B, max_blocks] int32/int64
+    query_start_loc_ptr,  # [B + 1] int32/int64
+    seq_lens_ptr,         # [B] int32/int64, context length including this step's tokens
+    out_ptr,              # [T, Hq, D], written when NUM_SPLITS == 1
+    partial_out_ptr,      # [T, Hq, NUM_SPLITS, D] fp32 unnormalised, written when NUM_SPLITS > 1
+    partial_max_ptr,      # [T, Hq, NUM_SPLITS] fp32 row max (log2 domain), NUM_SPLITS > 1
+    partial_sum_ptr,      # [T, Hq, NUM_SPLITS] fp32 row sum of exp2, NUM_SPLITS > 1
+    qk_scale_log2,        # softmax scale * log2(e)
+    num_seqs,
+    stride_q_tok,
+    stride_q_head,
+    stride_kc_block,
+    stride_kc_tok,
+    stride_kc_head,
+    stride_vc_block,
+    stride_vc_tok,
+    stride_vc_head,
+    stride_block_table,
+    stride_o_tok,
+    stride_o_head,
+    stride_po_tok,
+    stride_po_head,
+    stride_pm_tok,
+    stride_pm_head,
+    block_size,
+    GROUP: tl.constexpr,          # query heads per KV head
+    GROUP_PAD: tl.constexpr,      # GROUP rounded up to a power of 2
+    BLOCK_Q: tl.constexpr,        # query tokens per program
+    BLOCK_M: tl.constexpr,        # BLOCK_Q * GROUP_PAD rows
+    BLOCK_N: tl.constexpr,        # KV tokens per tile
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,        # HEAD_DIM rounded up to a power of 2
+    NUM_SPLITS: tl.constexpr,
+    UPCAST: tl.constexpr,         # interpreter: compute on fp32 copies (bf16 is uint16 in numpy)
+    DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 caches (no tf32 rounding), else the default
+):
+    q_block_global = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    # Sequence b owns query blocks starting at query_start_loc[b] // BLOCK_Q + b:
+    # find the last b whose first block is <= ours.
+    lo: tl.int32 = 0
+    hi: tl.int32 = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid <= q_block_global:
+            lo = mid + 1
+        else:
+            hi = mid
+    seq = lo - 1
+
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    q_block = q_block_global - (q_start // BLOCK_Q + seq)
+    if q_block * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context_len = seq_len - q_len  # tokens before this step's queries (prefix hits, earlier chunks)
+
+    offs_m = tl.arange(0, BLOCK_M)
+    q_idx = q_block * BLOCK_Q + offs_m // GROUP_PAD  # query index within the sequence
+    head_in_group = offs_m % GROUP_PAD
+    head = kv_head * GROUP + head_in_group
+    row_valid = (head_in_group < GROUP) & (q_idx < q_len)
+    q_pos = context_len + q_idx
+    tok = (q_start + q_idx).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+
+    q = tl.load(query_ptr + tok[:, None] * stride_q_tok + head[:, None] * stride_q_head + offs_d[None, :],
+                mask=row_valid[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    # Causality bounds the keys this block needs by its last query row's position.
+    kv_len = context_len + tl.minimum((q_block + 1) * BLOCK_Q, q_len)
+    num_tiles = (kv_len + BLOCK_N - 1) // BLOCK_N
+    tiles_per_split = (num_tiles + NUM_SPLITS - 1) // NUM_SPLITS
+    tile_start = split * tiles_per_split
+    tile_end = tl.minimum(tile_start + tiles_per_split, num_tiles)
+
+    block_table_row = block_table_ptr + seq.to(tl.int64) * stride_block_table
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.full([BLOCK_M], 0.0, dtype=tl.float32)
+    acc = tl.full([BLOCK_M, BLOCK_D], 0.0, dtype=tl.float32)
+    for tile in range(tile_start, tile_end):
+        offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_valid = offs_n < kv_len
+        block_ids = tl.load(block_table_row + offs_n // block_size, mask=n_valid, other=0).to(tl.int64)
+        in_block = offs_n % block_size
+        k_rows = block_ids * stride_kc_block + in_block * stride_kc_tok + kv_head * stride_kc_head  # [BLOCK_N]
+        v_rows = block_ids * stride_vc_block + in_block * stride_vc_tok + kv_head * stride_vc_head
+        k = tl.load(key_cache_ptr + k_rows[None, :] + offs_d[:, None],
+                    mask=n_valid[None, :] & d_mask[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
+        v = tl.load(value_cache_ptr + v_rows[:, None] + offs_d[None, :],
+                    mask=n_valid[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+
+        s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale_log2  # [BLOCK_M, BLOCK_N]
+        visible = n_valid[None, :] & (offs_n[None, :] <= q_pos[:, None])
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.reduce(s, 1, MAX))
+        # A row that has seen no visible key yet keeps m = -inf; shift by 0 so exp2 gives 0, not NaN.
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_shift)
+        p = tl.exp2(s - m_shift[:, None])
+        l_i = l_i * alpha + tl.reduce(p, 1, SUM)
+        # P goes through the cache dtype as on the GPU (bf16/fp16 tensor-core operands).
+        p_dot = p.to(value_cache_ptr.dtype.element_ty)
+        if UPCAST:
+            p_dot = p_dot.to(tl.float32)
+        acc = tl.dot(p_dot, v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    if NUM_SPLITS == 1:
+        out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+        tl.store(out_ptr + tok[:, None] * stride_o_tok + head[:, None] * stride_o_head + offs_d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & d_mask[None, :])
+    else:
+        po = partial_out_ptr + tok[:, None] * stride_po_tok + head[:, None] * stride_po_head + split * HEAD_DIM
+        tl.store(po + offs_d[None, :], acc, mask=row_valid[:, None] & d_mask[None, :])
+        pm = tok * stride_pm_tok + head * stride_pm_head + split
+        tl.store(partial_max_ptr + pm, m_i, mask=row_valid)
+        tl.store(partial_sum_ptr + pm, l_i, mask=row_valid)
+
+
+_LOG2_E = math.log2(math.e)
+_MAX_SPLITS = 32
+_num_sms_cache: dict[int, int] = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _num_sms_cache:
+        _num_sms_cache[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _num_sms_cache[index]
+
+
+def _choose_num_splits(device: torch.device, num_seqs: int, num_kv_heads: int, max_tiles: int) -> int:
+    # Only decode-only batches reach here. Below one program per SM the GPU
+    # idles, and a decode program streams its whole context alone: cut the
+    # context until there are about two programs per SM.
+    if device.type != "cuda":
+        return 1
+    programs = max(1, num_seqs * num_kv_heads)
+    target = 2 * _num_sms(device)
+    if programs >= target // 2:
+        return 1
+    splits = next_power_of_2(-(-target // programs))
+    return max(1, min(splits, _MAX_SPLITS, next_power_of_2(max_tiles)))
+
+
+def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                    block_table: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                    scale: float, *, num_kv_splits: int | None = None) -> torch.Tensor:
+    """Same contract as `reference.paged_attention`; returns [T, Hq, D].
+
+    query: [T, Hq, D] (a strided view is fine); key_cache, value_cache: [N, bs, Hkv, D];
+    block_table: [B, max_blocks]; query_start_loc: [B + 1]; seq_lens: [B] (all int32 or int64).
+    num_kv_splits: force the split-KV variant's split count (tests, benchmarks);
+    None picks 1 unless the batch is decode-only and too small to fill a CUDA device.
+    Query rows past query_start_loc[B] (padding) are left unwritten, as in the twin.
+    """
+    if query.dim() != 3 or key_cache.dim() != 4 or value_cache.shape != key_cache.shape:
+        raise ValueError(f"need query [T, Hq, D] and caches [N, bs, Hkv, D], got {tuple(query.shape)}, "
+                         f"{tuple(key_cache.shape)}, {tuple(value_cache.shape)}")
+    num_tokens, num_q_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, cache_head_dim = key_cache.shape
+    if cache_head_dim != head_dim or num_q_heads % num_kv_heads:
+        raise ValueError(f"query heads {num_q_heads} x {head_dim} do not fit cache heads "
+                         f"{num_kv_heads} x {cache_head_dim}")
+    if not (query.dtype == key_cache.dtype == value_cache.dtype):
+        raise ValueError(f"query and caches must share a dtype, got {query.dtype}, {key_cache.dtype}, "
+                         f"{value_cache.dtype}")
+    num_seqs = seq_lens.shape[0]
+    index_dtypes = (torch.int32, torch.int64)
+    if (block_table.dim() != 2 or block_table.shape[0] != num_seqs or query_start_loc.shape != (num_seqs + 1,)
+            or seq_lens.dim() != 1 or any(t.dtype not in index_dtypes
+                                         for t in (block_table, query_start_loc, seq_lens))):
+        raise ValueError(f"need block_table [B, max_blocks], query_start_loc [B + 1], seq_lens [B] "
+                         f"int32/int64; got {tuple(block_table.shape)} {block_table.dtype}, "
+                         f"{tuple(query_start_loc.shape)} {query_start_loc.dtype}, "
+                         f"{tuple(seq_lens.shape)} {seq_lens.dtype}")
+    if head_dim < 16:
+        raise ValueError(f"head_dim must be at least 16 (tl.dot minimum), got {head_dim}")
+    device = check_same_device(query=query, key_cache=key_cache, value_cache=value_cache,
+                               block_table=block_table, query_start_loc=query_start_loc, seq_lens=seq_lens)
+    for name, t in (("query", query), ("key_cache", key_cache), ("value_cache", value_cache),
+                    ("block_table", block_table)):
+        check_last_dim_contiguous(name, t)
+
+    out = torch.empty((num_tokens, num_q_heads, head_dim), dtype=query.dtype, device=device)
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+
+    group = num_q_heads // num_kv_heads
+    group_pad = next_power_of_2(group)
+    decode_only = num_tokens == num_seqs  # every scheduled sequence has >= 1 query token
+    # Decode: 16 rows is the tl.dot minimum, and more rows would only be empty.
+    # Prefill: 64 rows amortise each K/V tile over more queries.
+    block_m = max(16 if decode_only else 64, group_pad)
+    block_q = block_m // group_pad
+    block_d = next_power_of_2(head_dim)
+    # 64 keys x D=128 bf16 is 16 KB per K or V tile; three stages stay inside 100 KB of shared memory.
+    block_n = 64 if block_d <= 128 else 32
+    max_tiles = -(-block_table.shape[1] * block_size // block_n)
+    if num_kv_splits is None:
+        num_kv_splits = _choose_num_splits(device, num_seqs, num_kv_heads, max_tiles) if decode_only else 1
+    if num_kv_splits < 1:
+        raise ValueError(f"num_kv_splits must be >= 1, got {num_kv_splits}")
+
+    if num_kv_splits > 1:
+        partial_out = torch.empty((num_tokens, num_q_heads, num_kv_splits, head_dim), dtype=torch.float32,
+                                  device=device)
+        partial_max = torch.empty((num_tokens, num_q_heads, num_kv_splits), dtype=torch.float32, device=device)
+        partial_sum = torch.empty_like(partial_max)
+    else:  # not touched by the kernel; any tensor serves as a placeholder pointer
+        partial_out, partial_max, partial_sum = out, out, out
+
+    # Axis 0: query blocks (upper bound, see module doc); axis 1: KV heads, so a
+    # program's K/V tiles serve its whole query-head group; axis 2: context splits.
+    grid = (num_tokens // block_q + num_seqs, num_kv_heads, num_kv_splits)
+    _paged_attention_kernel.on(device)[grid](
+        query_ptr=query, key_cache_ptr=key_cache, value_cache_ptr=value_cache, block_table_ptr=block_table,
+        query_start_loc_ptr=query_start_loc, seq_lens_ptr=seq_lens, out_ptr=out,
+        partial_out_ptr=partial_out, partial_max_ptr=partial_max, partial_sum_ptr=partial_sum,
+        qk_scale_log2=scale * _LOG2_E, num_seqs=num_seqs,
+        stride_q_tok=query.stride(0), stride_q_head=query.stride(1),
+        stride_kc_block=key_cache.stride(0), stride_kc_tok=key_cache.stride(1), stride_kc_head=key_cache.stride(2),
+        stride_vc_block=value_cache.stride(0), stride_vc_tok=value_cache.stride(1),
+        stride_vc_head=value_cache.stride(2), stride_block_table=block_table.stride(0),
+        stride_o_tok=out.stride(0), stride_o_head=out.stride(1),
+        stride_po_tok=partial_out.stride(0), stride_po_head=partial_out.stride(1),
+        stride_pm_tok=partial_max.stride(0), stride_pm_head=partial_max.stride(1),
+        block_size=block_size,
+        GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
+        HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=num_kv_splits, UPCAST=interpreted(device),
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        num_warps=4, num_stages=3 if decode_only else 2,
+    )
+    if num_kv_splits > 1:
+        merge_attention_splits(partial_out, partial_max, partial_sum, query_start_loc, out)
+    return out
