@@ -24,6 +24,7 @@ Twin: `reference.paged_attention`. Design:
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import triton.language as tl
@@ -174,6 +175,32 @@ def _paged_attention_kernel(
         tl.store(partial_sum_ptr + pm, l_i, mask=row_valid)
 
 
+@dataclass(frozen=True, slots=True)
+class AttentionConfig:
+    """Launch shape of the attention kernel (the defaults come from `default_config`)."""
+
+    block_m: int     # query rows per program: BLOCK_Q tokens x GROUP_PAD heads; power of 2, >= 16
+    block_n: int     # KV tokens per tile; power of 2, >= 16
+    num_warps: int
+    num_stages: int
+
+
+def default_config(*, decode_only: bool, group_pad: int, head_dim: int, dtype: torch.dtype) -> AttentionConfig:
+    # Decode: 16 rows is the tl.dot minimum, and more rows would only be empty.
+    # Prefill: 64 rows amortise each K/V tile over more queries.
+    block_m = max(16 if decode_only else 64, group_pad)
+    # 64 keys x D=128 bf16 is 16 KB per K or V tile: two tiles in flight per
+    # stage stay far inside shared memory, and registers stay under 255 without
+    # spills (checked by tests/test_kernels_compile.py for sm_90).
+    block_n = 64 if head_dim <= 128 else 32
+    num_warps = 4
+    if dtype == torch.float32:
+        # fp32 ieee dots need twice the registers per element: smaller tiles over more warps, or they spill.
+        block_m, block_n, num_warps = max(16, group_pad), 32, 8
+    return AttentionConfig(block_m=block_m, block_n=block_n, num_warps=num_warps,
+                           num_stages=3 if decode_only else 2)
+
+
 _LOG2_E = math.log2(math.e)
 _MAX_SPLITS = 32
 _num_sms_cache: dict[int, int] = {}
@@ -202,13 +229,15 @@ def _choose_num_splits(device: torch.device, num_seqs: int, num_kv_heads: int, m
 
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     block_table: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
-                    scale: float, *, num_kv_splits: int | None = None) -> torch.Tensor:
+                    scale: float, *, num_kv_splits: int | None = None,
+                    config: AttentionConfig | None = None) -> torch.Tensor:
     """Same contract as `reference.paged_attention`; returns [T, Hq, D].
 
     query: [T, Hq, D] (a strided view is fine); key_cache, value_cache: [N, bs, Hkv, D];
     block_table: [B, max_blocks]; query_start_loc: [B + 1]; seq_lens: [B] (all int32 or int64).
     num_kv_splits: force the split-KV variant's split count (tests, benchmarks);
     None picks 1 unless the batch is decode-only and too small to fill a CUDA device.
+    config: force the launch shape (tests, tuning); None uses `default_config`.
     Query rows past query_start_loc[B] (padding) are left unwritten, as in the twin.
     """
     if query.dim() != 3 or key_cache.dim() != 4 or value_cache.shape != key_cache.shape:
@@ -246,13 +275,15 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     group = num_q_heads // num_kv_heads
     group_pad = next_power_of_2(group)
     decode_only = num_tokens == num_seqs  # every scheduled sequence has >= 1 query token
-    # Decode: 16 rows is the tl.dot minimum, and more rows would only be empty.
-    # Prefill: 64 rows amortise each K/V tile over more queries.
-    block_m = max(16 if decode_only else 64, group_pad)
+    if config is None:
+        config = default_config(decode_only=decode_only, group_pad=group_pad, head_dim=head_dim, dtype=query.dtype)
+    block_m, block_n = config.block_m, config.block_n
+    if (block_m < 16 or block_m & (block_m - 1) or block_m % group_pad
+            or block_n < 16 or block_n & (block_n - 1)):
+        raise ValueError(f"{config}: block_m and block_n must be powers of 2 >= 16, and block_m a multiple "
+                         f"of the padded query-head group {group_pad}")
     block_q = block_m // group_pad
     block_d = next_power_of_2(head_dim)
-    # 64 keys x D=128 bf16 is 16 KB per K or V tile; three stages stay inside 100 KB of shared memory.
-    block_n = 64 if block_d <= 128 else 32
     max_tiles = -(-block_table.shape[1] * block_size // block_n)
     if num_kv_splits is None:
         num_kv_splits = _choose_num_splits(device, num_seqs, num_kv_heads, max_tiles) if decode_only else 1
@@ -286,7 +317,7 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
         HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=num_kv_splits, UPCAST=interpreted(device),
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-        num_warps=4, num_stages=3 if decode_only else 2,
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if num_kv_splits > 1:
         merge_attention_splits(partial_out, partial_max, partial_sum, query_start_loc, out)

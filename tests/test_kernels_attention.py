@@ -22,16 +22,16 @@ pytest.importorskip("triton")
 
 from pagefleet.kernels import reference  # noqa: E402
 from pagefleet.kernels.kv_cache_write import write_kv_cache  # noqa: E402
-from pagefleet.kernels.paged_attention import paged_attention  # noqa: E402
+from pagefleet.kernels.paged_attention import AttentionConfig, paged_attention  # noqa: E402
 from pagefleet.kernels.testing import make_paged_batch  # noqa: E402
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 EPS_MULTIPLE = {torch.float32: 8, torch.float16: 3, torch.bfloat16: 3}
 
 
-def _check(batch, num_kv_splits=None, rows=None):
+def _check(batch, num_kv_splits=None, rows=None, config=None):
     scale = batch.query.shape[-1] ** -0.5
-    out = paged_attention(*batch.args(), scale, num_kv_splits=num_kv_splits)
+    out = paged_attention(*batch.args(), scale, num_kv_splits=num_kv_splits, config=config)
     expected = reference.paged_attention(*batch.args(), scale)
     if rows is not None:
         out, expected = out[:rows], expected[:rows]
@@ -57,6 +57,15 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_paged_attention_matches_twin(case, dtype):
     _check(make_paged_batch(**CASES[case], dtype=dtype, seed=len(case)))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_small_tiles_cross_many_tiles_and_pages(dtype):
+    # 16-key tiles over 5-token pages: a tile spans pages, a page spans tiles, and
+    # the online softmax rescales across up to 5 tiles; 32 rows hold 4 tokens x 8 heads.
+    batch = make_paged_batch([(1, 77), (11, 60), (16, 16)], num_q_heads=8, num_kv_heads=1, head_dim=32,
+                             block_size=5, dtype=dtype, seed=8)
+    _check(batch, config=AttentionConfig(block_m=32, block_n=16, num_warps=4, num_stages=2))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -132,3 +141,5 @@ def test_paged_attention_rejects_bad_inputs():
         paged_attention(q, kc, vc, bt, qsl[:1], sl, 1.0)
     with pytest.raises(ValueError, match="num_kv_splits"):
         paged_attention(q, kc, vc, bt, qsl, sl, 1.0, num_kv_splits=0)
+    with pytest.raises(ValueError, match="powers of 2"):
+        paged_attention(q, kc, vc, bt, qsl, sl, 1.0, config=AttentionConfig(24, 16, 4, 2))

@@ -1,0 +1,106 @@
+"""The GPU side of every kernel compiles for an H100/H200 (sm_90), without a GPU.
+
+CI has no GPU, and the interpreter accepts programs the compiler rejects
+(tl.dot shapes, loop-carried types, constexpr misuse). Each launcher is run on
+small CPU tensors with the launch intercepted; the recorded arguments, with the
+interpreter-only UPCAST switch off and specialised as a CUDA launch would
+specialise them (16-divisible ints and pointers hinted, ints equal to 1 made
+constants), go through triton.compile down to a cubin for sm_90 (Triton ships ptxas). Shapes are Llama-3-8B's, the specializations
+the engine launches in bf16 plus fp16/fp32 attention.
+"""
+
+import inspect
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+from triton._C.libtriton import native_specialize_impl  # noqa: E402
+from triton.backends.compiler import BaseBackend  # noqa: E402
+
+from pagefleet.kernels import activation, kv_cache_write, paged_attention, rms_norm, rotary  # noqa: E402
+from pagefleet.kernels.testing import make_paged_batch  # noqa: E402
+from pagefleet.kernels.triton_kernel import TritonKernel  # noqa: E402
+
+SM90 = GPUTarget("cuda", 90, 32)
+SM90_MAX_SHARED_BYTES = 227 * 1024  # opt-in dynamic shared memory per block on H100/H200
+
+
+class _Recorder:
+    def __init__(self, kernel, launches):
+        self.kernel, self.launches = kernel, launches
+
+    def __getitem__(self, grid):
+        return lambda **kwargs: self.launches.append((self.kernel, grid, kwargs))
+
+
+def _record(monkeypatch, fn) -> list:
+    launches = []
+    monkeypatch.setattr(TritonKernel, "on", lambda self, device: _Recorder(self, launches))
+    fn()
+    assert launches, "the launcher launched nothing"
+    return launches
+
+
+def _compile_for_sm90(kernel: TritonKernel, kwargs: dict):
+    kwargs = dict(kwargs)
+    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
+    if "UPCAST" in kwargs:
+        kwargs["UPCAST"] = False  # what a CUDA launch passes
+    params = inspect.signature(kernel.fn).parameters
+    assert set(params) == set(kwargs), f"launcher arguments differ from {kernel.__name__}'s parameters"
+    signature, constexprs, attrs = {}, {}, {}
+    for index, (name, param) in enumerate(params.items()):
+        if "constexpr" in str(param.annotation):
+            signature[name], constexprs[(index,)] = "constexpr", kwargs[name]
+            continue
+        ty, key = native_specialize_impl(BaseBackend, kwargs[name], False, True, True)
+        signature[name] = ty
+        if ty == "constexpr":  # an int equal to 1
+            constexprs[(index,)] = key
+        elif key == "D":
+            attrs[(index,)] = [["tt.divisibility", 16]]
+    source = ASTSource(fn=kernel.compiled(), signature=signature, constexprs=constexprs, attrs=attrs)
+    return triton.compile(source, target=SM90, options=options)
+
+
+def _llama8b_batch(seqs, dtype=torch.bfloat16):
+    return make_paged_batch(seqs, num_q_heads=32, num_kv_heads=8, head_dim=128, block_size=16, dtype=dtype,
+                            extra_blocks=0)
+
+
+LAUNCHERS = {
+    "rms_norm": lambda: rms_norm.rms_norm(torch.randn(2, 4096).bfloat16(), torch.ones(4096).bfloat16(), 1e-5),
+    "fused_add_rms_norm": lambda: rms_norm.fused_add_rms_norm(
+        torch.randn(2, 4096).bfloat16(), torch.randn(2, 4096).bfloat16(), torch.ones(4096).bfloat16(), 1e-5),
+    "silu_and_mul": lambda: activation.silu_and_mul(torch.randn(2, 2 * 14336).bfloat16()),
+    "rotary_embedding": lambda: rotary.rotary_embedding(
+        torch.tensor([0, 5]), torch.randn(2, 32, 128).bfloat16(), torch.randn(2, 8, 128).bfloat16(),
+        torch.randn(16, 128)),
+    "write_kv_cache": lambda: kv_cache_write.write_kv_cache(
+        torch.randn(2, 8, 128).bfloat16(), torch.randn(2, 8, 128).bfloat16(),
+        torch.zeros(4, 16, 8, 128).bfloat16(), torch.zeros(4, 16, 8, 128).bfloat16(), torch.tensor([0, 17])),
+    "paged_attention_decode_bf16": lambda: paged_attention.paged_attention(
+        *_llama8b_batch([(1, 20), (1, 3)]).args(), 128**-0.5),
+    "paged_attention_mixed_bf16": lambda: paged_attention.paged_attention(
+        *_llama8b_batch([(1, 20), (5, 9)]).args(), 128**-0.5),
+    "paged_attention_split_decode_bf16": lambda: paged_attention.paged_attention(
+        *_llama8b_batch([(1, 20)]).args(), 128**-0.5, num_kv_splits=8),
+    "paged_attention_mixed_fp16": lambda: paged_attention.paged_attention(
+        *_llama8b_batch([(1, 20), (5, 9)], torch.float16).args(), 128**-0.5),
+    "paged_attention_mixed_fp32": lambda: paged_attention.paged_attention(
+        *_llama8b_batch([(1, 20), (5, 9)], torch.float32).args(), 128**-0.5),
+}
+
+
+@pytest.mark.parametrize("name", list(LAUNCHERS))
+def test_kernel_compiles_for_sm90(monkeypatch, name):
+    launches = _record(monkeypatch, LAUNCHERS[name])
+    for kernel, grid, kwargs in launches:
+        assert all(0 < g < 2**31 for g in grid) and all(g <= 65535 for g in grid[1:]), grid
+        compiled = _compile_for_sm90(kernel, kwargs)
+        assert compiled.asm["cubin"], kernel.__name__
+        assert compiled.metadata.shared <= SM90_MAX_SHARED_BYTES, (kernel.__name__, compiled.metadata.shared)
