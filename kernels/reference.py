@@ -78,19 +78,20 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     num_seqs = len(lens)
     q_lens = [starts[b + 1] - starts[b] for b in range(num_seqs)]
     out = torch.empty_like(query)
+    device = query.device  # index and mask tensors live with the data (the twin also runs on CUDA)
     block_size = key_cache.shape[1]
     gqa = query.shape[1] != key_cache.shape[2]
 
     decode = [b for b in range(num_seqs) if q_lens[b] == 1]
     if decode:
         max_len = max(lens[b] for b in decode)
-        idx = torch.tensor(decode, dtype=torch.long)
+        idx = torch.tensor(decode, dtype=torch.long, device=device)
         tables = block_table.index_select(0, idx)[:, :(max_len + block_size - 1) // block_size].long()
         k = key_cache[tables].flatten(1, 2)[:, :max_len]  # [Bd, L, Hkv, D]
         v = value_cache[tables].flatten(1, 2)[:, :max_len]
-        ctx = torch.tensor([lens[b] for b in decode])
-        mask = torch.arange(max_len).unsqueeze(0) < ctx.unsqueeze(1)  # [Bd, L]
-        q_rows = torch.tensor([starts[b] for b in decode], dtype=torch.long)
+        ctx = torch.tensor([lens[b] for b in decode], device=device)
+        mask = torch.arange(max_len, device=device).unsqueeze(0) < ctx.unsqueeze(1)  # [Bd, L]
+        q_rows = torch.tensor([starts[b] for b in decode], dtype=torch.long, device=device)
         q = query.index_select(0, q_rows).unsqueeze(2)  # [Bd, Hq, 1, D]
         o = F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2),
                                            attn_mask=mask[:, None, None, :], scale=scale,
@@ -110,8 +111,8 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         if q_len == ctx_len:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
         else:
-            pos = torch.arange(ctx_len - q_len, ctx_len).unsqueeze(1)
-            mask = torch.arange(ctx_len).unsqueeze(0) <= pos  # [q_len, L]
+            pos = torch.arange(ctx_len - q_len, ctx_len, device=device).unsqueeze(1)
+            mask = torch.arange(ctx_len, device=device).unsqueeze(0) <= pos  # [q_len, L]
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
         out[starts[b]:starts[b + 1]] = o.transpose(0, 1)
     return out

@@ -143,3 +143,13 @@ def test_paged_attention_rejects_bad_inputs():
         paged_attention(q, kc, vc, bt, qsl, sl, 1.0, num_kv_splits=0)
     with pytest.raises(ValueError, match="powers of 2"):
         paged_attention(q, kc, vc, bt, qsl, sl, 1.0, config=AttentionConfig(24, 16, 4, 2))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cuda_kernel_matches_twin_on_cuda(dtype):
+    # The compiled kernel (no UPCAST, tensor-core dots, split-KV chosen by the heuristic) on a
+    # Llama-3-8B head layout; the twin runs on the same device.
+    for seqs in ([(1, 900), (1, 33), (40, 300), (64, 64)], [(1, 3000)]):
+        _check(make_paged_batch(seqs, num_q_heads=32, num_kv_heads=8, head_dim=128, block_size=16, dtype=dtype,
+                                device="cuda", seed=9))

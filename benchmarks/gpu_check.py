@@ -1,0 +1,408 @@
+"""The prepared GPU check: kernels against their twins, kernel bandwidth, engine against the roofline.
+
+Needs one CUDA GPU with torch, triton, transformers and safetensors (no Ray, no
+network) and stays inside a time budget (default 420 s; gpu_check.sh adds a
+hard timeout under 8 minutes). Prints one JSON line per result, each naming the
+device:
+
+  correctness  every Triton kernel against its PyTorch twin in bf16 and fp16
+               (max abs error, the tolerance the interpreter tests justify, ok)
+  bandwidth    achieved bytes/s of paged decode attention (batch 64, context
+               2048, Llama-3-8B heads: 32 q, 8 kv, head_dim 128; a few launch
+               configs), split-KV decode, and the norm/activation/rotary/KV-write
+               kernels, as fractions of the device's peak (from its name; H200 = 4.8 TB/s)
+  engine       offline throughput and single-stream per-token latency of a
+               random-weight Llama-3-8B-shaped model in bf16, as fractions of
+               the memory-bandwidth roofline (bytes a decode step must read / peak)
+
+`--dry-run` runs the same code on CPU with tiny shapes (Triton kernels under the
+interpreter, the engine on its CPU twins) so CI proves the script works; its
+timings mean nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pagefleet.kernels import ops, reference
+from pagefleet.kernels.activation import silu_and_mul
+from pagefleet.kernels.kv_cache_write import write_kv_cache
+from pagefleet.kernels.paged_attention import AttentionConfig, default_config, paged_attention
+from pagefleet.kernels.rms_norm import fused_add_rms_norm, rms_norm
+from pagefleet.kernels.rotary import rotary_embedding
+from pagefleet.kernels.testing import make_paged_batch
+
+# Peak HBM bandwidth (bytes/s) by device-name fragment, most specific first.
+PEAK_BANDWIDTH = [("GH200", 4.0e12), ("H200", 4.8e12), ("H100 NVL", 3.9e12), ("H100 PCIe", 2.0e12),
+                  ("H100", 3.35e12), ("H800", 3.35e12), ("B200", 8.0e12), ("A100-SXM4-80GB", 2.039e12),
+                  ("A100 80GB PCIe", 1.935e12), ("A100", 1.555e12), ("L40S", 0.864e12), ("L40", 0.864e12),
+                  ("A10G", 0.6e12), ("RTX 4090", 1.008e12), ("L4", 0.3e12)]
+LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 8192}
+# Tolerances justified in tests/test_kernels_*.py, in units of the dtype's eps: elementwise
+# kernels pass when |a - e| <= atol + rtol |e| with (atol, rtol) below; attention when
+# max |a - e| <= 3 eps max|V|.
+ELEMENTWISE_EPS = {"rms_norm": (2, 2), "fused_add_rms_norm": (2, 2), "silu_and_mul": (2, 2),
+                   "rotary_embedding": (8, 2)}
+ATTENTION_EPS = 3
+
+
+@dataclass(slots=True)
+class Run:
+    device: torch.device
+    device_name: str
+    dry_run: bool
+    peak: float | None  # bytes/s
+    deadline: float     # time.monotonic() after which optional work is skipped
+
+    def emit(self, check: str, **fields) -> None:
+        line = {"check": check, "device": self.device_name, "dry_run": self.dry_run, **fields}
+        print(json.dumps(line), flush=True)
+
+    def fraction(self, bytes_per_s: float) -> float | None:
+        return round(bytes_per_s / self.peak, 4) if self.peak else None
+
+    def out_of_time(self) -> bool:
+        return time.monotonic() > self.deadline
+
+
+def timed(run: Run, fn, iters: int) -> float:
+    """Median seconds per call after two warm-up calls (compiles, caches)."""
+    fn()
+    fn()
+    samples = []
+    for _ in range(max(1, iters // 5)):
+        if run.device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(5):
+                fn()
+            end.record()
+            torch.cuda.synchronize()
+            samples.append(start.elapsed_time(end) / 1e3 / 5)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            samples.append(time.perf_counter() - t0)
+    return statistics.median(samples)
+
+
+# ------------------------------------------------------------------ correctness
+
+
+def _elementwise(run: Run, kernel: str, dtype: torch.dtype, actual: torch.Tensor, expected: torch.Tensor,
+                 shape: str) -> None:
+    eps = torch.finfo(dtype).eps
+    atol, rtol = ELEMENTWISE_EPS[kernel]
+    diff = (actual.double() - expected.double()).abs()
+    ok = bool((diff <= atol * eps + rtol * eps * expected.double().abs()).all())
+    run.emit("correctness", kernel=kernel, dtype=str(dtype).removeprefix("torch."), shape=shape,
+             max_abs_error=float(diff.max()),
+             max_error_in_eps=float((diff / (eps * expected.double().abs().clamp(min=1.0))).max()),
+             tolerance=f"{atol} eps + {rtol} eps |expected|", ok=ok)
+
+
+def _attention(run: Run, name: str, dtype, seqs, **kwargs) -> None:
+    batch = make_paged_batch(seqs, num_q_heads=4 if run.dry_run else 32, num_kv_heads=2 if run.dry_run else 8,
+                             head_dim=64 if run.dry_run else 128, block_size=16, dtype=dtype, device=run.device)
+    scale = batch.query.shape[-1] ** -0.5
+    out = paged_attention(*batch.args(), scale, **kwargs)
+    expected = reference.paged_attention(*batch.args(), scale)
+    err = float((out.double() - expected.double()).abs().max())
+    tol = ATTENTION_EPS * torch.finfo(dtype).eps * float(batch.value_cache.abs().max())
+    run.emit("correctness", kernel=name, dtype=str(dtype).removeprefix("torch."), seqs=seqs,
+             max_abs_error=err, tolerance=tol, ok=err <= tol)
+
+
+def check_correctness(run: Run) -> None:
+    dev, tiny = run.device, run.dry_run
+    gen = torch.Generator().manual_seed(0)
+    for dtype in (torch.bfloat16, torch.float16):
+        rows, hidden, inter = (7, 123, 123) if tiny else (1024, 4096, 14336)
+        x = (3 * torch.randn(rows, hidden, generator=gen)).to(dev, dtype)
+        res = torch.randn(rows, hidden, generator=gen).to(dev, dtype)
+        w = (1 + 0.2 * torch.randn(hidden, generator=gen)).to(dev, dtype)
+        _elementwise(run, "rms_norm", dtype, rms_norm(x, w, 1e-5), reference.rms_norm(x, w, 1e-5), f"{rows}x{hidden}")
+        out, new_res = fused_add_rms_norm(x, res, w, 1e-5)
+        exp_out, exp_res = reference.fused_add_rms_norm(x, res, w, 1e-5)
+        _elementwise(run, "fused_add_rms_norm", dtype, torch.cat([out, new_res]), torch.cat([exp_out, exp_res]),
+                     f"{rows}x{hidden}")
+        gate_up = (4 * torch.randn(rows, 2 * inter, generator=gen)).to(dev, dtype)
+        _elementwise(run, "silu_and_mul", dtype, silu_and_mul(gate_up), reference.silu_and_mul(gate_up),
+                     f"{rows}x{2 * inter}")
+
+        hq, hkv, d = (5, 1, 64) if tiny else (32, 8, 128)
+        cos_sin = reference.build_cos_sin_cache(d, 16384, 500000.0, LLAMA3_SCALING).to(dev)
+        qkv = torch.randn(rows, (hq + 2 * hkv) * d, generator=gen).to(dev, dtype)
+        qkv_ref = qkv.clone()
+        positions = torch.randint(0, 16384, (rows,), generator=gen).to(dev)
+        views = [(t[:, :hq * d].view(rows, hq, d), t[:, hq * d:(hq + hkv) * d].view(rows, hkv, d))
+                 for t in (qkv, qkv_ref)]
+        rotary_embedding(positions, *views[0], cos_sin)
+        reference.rotary_embedding(positions, *views[1], cos_sin)
+        _elementwise(run, "rotary_embedding", dtype, qkv, qkv_ref, f"{rows} tokens, {hq}/{hkv} heads x {d}")
+
+        k, v = views[0][1], qkv[:, (hq + hkv) * d:].view(rows, hkv, d)
+        caches = [torch.zeros(rows // 16 + 2, 16, hkv, d, dtype=dtype, device=dev) for _ in range(4)]
+        slots = torch.randperm(caches[0].shape[0] * 16, generator=gen)[:rows].to(dev)
+        slots[::5] = -1
+        write_kv_cache(k, v, caches[0], caches[1], slots)
+        reference.write_kv_cache(k, v, caches[2], caches[3], slots)
+        exact = torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+        run.emit("correctness", kernel="write_kv_cache", dtype=str(dtype).removeprefix("torch."),
+                 shape=f"{rows} tokens, every 5th padding", max_abs_error=0.0 if exact else None,
+                 tolerance="bit-exact", ok=exact)
+
+        if tiny:
+            mixed, decode = [(1, 40), (7, 30), (12, 12)], [(1, 50), (1, 17)]
+        else:
+            mixed, decode = [(1, 2048), (1, 700), (300, 1100), (512, 512), (1, 33)], [(1, 3000)] * 4
+        _attention(run, "paged_attention", dtype, mixed)
+        _attention(run, "paged_attention_decode", dtype, decode)  # CUDA: split-KV chosen for 4 x 8 programs
+        _attention(run, "paged_attention_split_kv", dtype, decode, num_kv_splits=8)
+
+
+# -------------------------------------------------------------------- bandwidth
+
+
+def _bandwidth(run: Run, kernel: str, fn, nbytes: int, iters: int, **fields) -> float:
+    seconds = timed(run, fn, iters)
+    bps = nbytes / seconds
+    run.emit("bandwidth", kernel=kernel, bytes=nbytes, time_us=round(seconds * 1e6, 2),
+             achieved_TBps=round(bps / 1e12, 4), fraction_of_peak=run.fraction(bps), **fields)
+    return bps
+
+
+def check_bandwidth(run: Run) -> None:
+    dev, tiny = run.device, run.dry_run
+    iters = 2 if tiny else 50
+    dtype = torch.bfloat16
+    copy_src = torch.empty(2**20 if tiny else 2**30, dtype=torch.uint8, device=dev)
+    copy_dst = torch.empty_like(copy_src)
+    _bandwidth(run, "torch_copy (practical ceiling)", lambda: copy_dst.copy_(copy_src), 2 * copy_src.numel(), iters)
+
+    batch_size, context = (2, 64) if tiny else (64, 2048)
+    hq, hkv, d = (4, 2, 64) if tiny else (32, 8, 128)
+    batch = make_paged_batch([(1, context)] * batch_size, num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
+                             block_size=16, dtype=dtype, device=dev, extra_blocks=0)
+    kv_bytes = 2 * batch_size * context * hkv * d * dtype.itemsize
+    nbytes = kv_bytes + 2 * batch.query.numel() * dtype.itemsize + batch.block_table.numel() * 4
+    default = default_config(decode_only=True, group_pad=hq // hkv, head_dim=d, dtype=dtype)
+    configs = [default] if tiny else [default] + [AttentionConfig(16, n, w, s) for n, w, s in
+                                                  [(32, 4, 3), (64, 4, 2), (64, 4, 4), (128, 4, 3), (64, 8, 3),
+                                                   (128, 8, 3), (128, 8, 4)] if (n, w, s) != (
+                                                      default.block_n, default.num_warps, default.num_stages)]
+    for config in configs:
+        if run.out_of_time():
+            run.emit("skipped", what=f"paged_attention_decode {config}", reason="time budget")
+            break
+        _bandwidth(run, "paged_attention_decode", lambda c=config: paged_attention(
+            *batch.args(), d**-0.5, num_kv_splits=1, config=c), nbytes, iters, batch=batch_size, context=context,
+            heads=f"{hq}/{hkv}x{d}", config=str(config), default=config == default)
+
+    # Few sequences, long context: split-KV against one program per (sequence, KV head).
+    small_batch, long_context = (1, 128) if tiny else (4, 16384)
+    batch = make_paged_batch([(1, long_context)] * small_batch, num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
+                             block_size=16, dtype=dtype, device=dev, extra_blocks=0)
+    nbytes = 2 * small_batch * long_context * hkv * d * dtype.itemsize
+    for splits in (1, None):
+        _bandwidth(run, "paged_attention_decode_small_batch", lambda s=splits: paged_attention(
+            *batch.args(), d**-0.5, num_kv_splits=s), nbytes, iters, batch=small_batch, context=long_context,
+            num_kv_splits="auto" if splits is None else splits)
+    del batch
+
+    rows, hidden, inter = (16, 256, 256) if tiny else (16384, 4096, 14336)
+    x, res = (torch.randn(rows, hidden, device=dev, dtype=dtype) for _ in range(2))
+    w = torch.ones(hidden, device=dev, dtype=dtype)
+    unit = rows * hidden * dtype.itemsize
+    _bandwidth(run, "rms_norm", lambda: rms_norm(x, w, 1e-5), 2 * unit, iters, shape=f"{rows}x{hidden}")
+    _bandwidth(run, "fused_add_rms_norm", lambda: fused_add_rms_norm(x, res, w, 1e-5), 4 * unit, iters,
+               shape=f"{rows}x{hidden}")
+    act_rows = rows // 2
+    gate_up = torch.randn(act_rows, 2 * inter, device=dev, dtype=dtype)
+    _bandwidth(run, "silu_and_mul", lambda: silu_and_mul(gate_up), 3 * act_rows * inter * dtype.itemsize, iters,
+               shape=f"{act_rows}x{2 * inter}")
+    q = torch.randn(rows, hq, d, device=dev, dtype=dtype)
+    k = torch.randn(rows, hkv, d, device=dev, dtype=dtype)
+    cos_sin = reference.build_cos_sin_cache(d, 8192, 500000.0, LLAMA3_SCALING).to(dev)
+    positions = torch.randint(0, 8192, (rows,), device=dev)
+    _bandwidth(run, "rotary_embedding", lambda: rotary_embedding(positions, q, k, cos_sin),
+               2 * (q.numel() + k.numel()) * dtype.itemsize, iters, shape=f"{rows} tokens, {hq}/{hkv}x{d}")
+    v = torch.randn_like(k)
+    key_cache, value_cache = (torch.empty(rows // 16, 16, hkv, d, device=dev, dtype=dtype) for _ in range(2))
+    slots = torch.randperm(rows, device=dev)
+    _bandwidth(run, "write_kv_cache", lambda: write_kv_cache(k, v, key_cache, value_cache, slots),
+               4 * k.numel() * dtype.itemsize, iters, shape=f"{rows} tokens, {hkv}x{d}")
+
+
+# ----------------------------------------------------------------------- engine
+
+
+LLAMA3_8B = dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                 intermediate_size=14336, vocab_size=128256, max_position_embeddings=8192)
+TINY = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            intermediate_size=256, vocab_size=512, max_position_embeddings=8192)
+
+
+def write_checkpoint_config(path: Path, shape: dict) -> None:
+    """config.json (load_format="dummy" needs no weights) plus a word-level tokenizer covering the vocabulary.
+
+    Generation runs on token ids; the tokenizer only has to map every id to
+    some text, and a word-level one loads in a second where a trained BPE with
+    128k entries takes tens.
+    """
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    config = dict(architectures=["LlamaForCausalLM"], model_type="llama", rms_norm_eps=1e-5,
+                  rope_theta=500000.0, rope_scaling=LLAMA3_SCALING, tie_word_embeddings=False,
+                  bos_token_id=1, eos_token_id=2, dtype="bfloat16", hidden_act="silu", **shape)
+    (path / "config.json").write_text(json.dumps(config))
+    vocab = {f"w{i}": i for i in range(shape["vocab_size"])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="w1", eos_token="w2", unk_token="w0").save_pretrained(
+        path)
+
+
+def check_engine(run: Run) -> None:
+    from pagefleet.worker import LLM, SamplingParams
+
+    tiny = run.dry_run
+    shape = TINY if tiny else LLAMA3_8B
+    num_seqs, prompt_len, output_len = (4, 8, 4) if tiny else (64, 128, 256)
+    single_prompt, single_output = (8, 6) if tiny else (128, 128)
+    head_dim = shape["hidden_size"] // shape["num_attention_heads"]
+    kv_per_token = 2 * shape["num_hidden_layers"] * shape["num_key_value_heads"] * head_dim * 2  # bf16
+    with tempfile.TemporaryDirectory() as tmp:
+        write_checkpoint_config(Path(tmp), shape)
+        t0 = time.monotonic()
+        llm = LLM(model=tmp, load_format="dummy", dtype="bfloat16", device=run.device.type, block_size=16,
+                  max_num_seqs=num_seqs, max_num_batched_tokens=8192 if not tiny else 256,
+                  kv_cache_bytes=(num_seqs * (prompt_len + output_len) + 64 * 16) * kv_per_token,
+                  enable_prefix_caching=False)
+        model = llm.engine.executor.model
+        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        # A decode step reads every weight but the embedding table, of which it gathers a few rows.
+        step_weight_bytes = weight_bytes - model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
+        run.emit("engine_setup", model="Llama-3-8B-shaped, random weights" if not tiny else "tiny llama",
+                 weight_bytes=weight_bytes, decode_step_weight_bytes=step_weight_bytes,
+                 load_s=round(time.monotonic() - t0, 1),
+                 kernels=ops.backend_for(torch.empty(0, device=run.device)))
+
+        gen = torch.Generator().manual_seed(0)
+        prompts = [{"prompt_token_ids": torch.randint(10, shape["vocab_size"], (prompt_len,), generator=gen).tolist()}
+                   for _ in range(num_seqs)]
+        params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+        # Warm-up compiles every kernel specialization (prefill, mixed, decode, split-KV).
+        llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+        llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+
+        _sync(run)
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params)
+        _sync(run)
+        wall = time.perf_counter() - t0
+        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+        # Roofline: each decode step of the whole batch reads the weights once plus every
+        # sequence's KV so far (mean context prompt + output / 2).
+        step_bytes = step_weight_bytes + num_seqs * (prompt_len + output_len / 2) * kv_per_token
+        roofline = num_seqs * run.peak / step_bytes if run.peak else None
+        run.emit("engine_throughput", num_requests=num_seqs, prompt_len=prompt_len, output_len=output_len,
+                 output_tokens=tokens, wall_s=round(wall, 3), output_tokens_per_s=round(tokens / wall, 1),
+                 roofline_tokens_per_s=round(roofline, 1) if roofline else None,
+                 fraction_of_roofline=round(tokens / wall / roofline, 4) if roofline else None,
+                 note="wall time includes the prefill of every prompt")
+
+        kernels = ["auto"] if tiny or run.out_of_time() else ["auto", "torch"]
+        for choice in kernels:
+            latency = _single_stream(run, llm, SamplingParams, prompts[0]["prompt_token_ids"][:single_prompt],
+                                     single_output, choice)
+            ctx = single_prompt + single_output / 2
+            roofline_s = (step_weight_bytes + ctx * kv_per_token) / run.peak if run.peak else None
+            run.emit("engine_single_stream", kernels=choice, prompt_len=single_prompt, output_len=single_output,
+                     per_token_latency_ms=round(latency * 1e3, 3),
+                     roofline_ms=round(roofline_s * 1e3, 3) if roofline_s else None,
+                     fraction_of_roofline=round(roofline_s / latency, 4) if roofline_s else None)
+
+
+def _single_stream(run: Run, llm, sampling_params_cls, prompt: list[int], output_len: int, kernels: str) -> float:
+    """Median seconds per decode step of one request (the first step, its prefill, is left out)."""
+    engine = llm.engine
+    saved = os.environ.get("PAGEFLEET_KERNELS")
+    if kernels != "auto":
+        os.environ["PAGEFLEET_KERNELS"] = kernels
+    try:
+        engine.add_request(f"single-{kernels}", prompt, sampling_params_cls(temperature=0.0, max_tokens=output_len,
+                                                                           ignore_eos=True))
+        steps = []
+        while engine.has_unfinished():
+            t0 = time.perf_counter()
+            engine.step()  # samples on the host: the step's GPU work is finished when it returns
+            steps.append(time.perf_counter() - t0)
+    finally:
+        if saved is None:
+            os.environ.pop("PAGEFLEET_KERNELS", None)
+        else:
+            os.environ["PAGEFLEET_KERNELS"] = saved
+    return statistics.median(steps[1:])
+
+
+def _sync(run: Run) -> None:
+    if run.device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+# ------------------------------------------------------------------------- main
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes: proves the script runs")
+    parser.add_argument("--peak-tbps", type=float, help="peak memory bandwidth, if the device name is not known")
+    parser.add_argument("--time-budget-s", type=float, default=420.0)
+    parser.add_argument("--only", choices=["correctness", "bandwidth", "engine"], action="append")
+    args = parser.parse_args()
+    start = time.monotonic()
+    if args.dry_run:
+        device, name = torch.device("cpu"), "cpu (dry run)"
+    elif torch.cuda.is_available():
+        device, name = torch.device("cuda"), torch.cuda.get_device_name()
+    else:
+        raise SystemExit("gpu_check: no CUDA device (use --dry-run on a CPU machine)")
+    peak = args.peak_tbps * 1e12 if args.peak_tbps else next((bw for frag, bw in PEAK_BANDWIDTH if frag in name),
+                                                             None)
+    run = Run(device, name, args.dry_run, None if args.dry_run else peak, start + args.time_budget_s)
+    import triton
+
+    run.emit("machine", torch=torch.__version__, triton=triton.__version__,
+             cuda=torch.version.cuda, peak_TBps=peak / 1e12 if peak and not args.dry_run else None)
+    failures = 0
+    for section, fn in (("correctness", check_correctness), ("bandwidth", check_bandwidth),
+                        ("engine", check_engine)):
+        if args.only and section not in args.only:
+            continue
+        if run.out_of_time():
+            run.emit("skipped", what=section, reason="time budget")
+            continue
+        t0 = time.monotonic()
+        try:
+            fn(run)
+        except Exception as e:  # one broken section must not hide the others' results
+            failures += 1
+            run.emit("error", section=section, error=f"{type(e).__name__}: {e}"[:2000])
+        run.emit("section_done", section=section, seconds=round(time.monotonic() - t0, 1))
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
