@@ -80,6 +80,8 @@ class ResponseBuilder:
 
     def accumulate(self, index: int, seq: SequenceDelta) -> None:
         state = self.choice(index)
+        if state.finish_reason is not None:
+            return  # the engine repeats a finished sequence, empty, while its siblings run
         state.text.append(seq.text)
         state.token_ids.extend(seq.token_ids)
         if seq.logprobs:
@@ -122,8 +124,11 @@ class ResponseBuilder:
 
     def delta_chunk(self, index: int, seq: SequenceDelta) -> dict | None:
         """The chunk for one choice's new output in one engine step; None when it has nothing."""
-        self.count_sequence(seq)
         state = self.choice(index)
+        if state.finish_reason is not None:
+            return None  # the engine repeats a finished sequence, empty, while its siblings run
+        self.count_sequence(seq)
+        state.finish_reason = seq.finish_reason
         if not seq.text and not seq.token_ids and seq.finish_reason is None:
             return None
         logprobs = None

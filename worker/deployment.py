@@ -93,20 +93,21 @@ def _replica_id() -> str:
         return "local"
 
 
-def worker_deployment(engine_args: EngineArgs, *, num_replicas: int = 1, num_cpus: float = 1.0,
-                      num_gpus_per_rank: float = 0.0, name: str = WORKER_DEPLOYMENT_NAME,
-                      engine_factory: Callable[[EngineArgs], Any] | None = None,
-                      **deployment_options: Any) -> Application:
-    """Bind ``WorkerReplica`` as a deployment of ``num_replicas`` engines.
+def worker_deployment_options(engine_args: EngineArgs, *, num_replicas: int = 1, num_cpus: float = 1.0,
+                              num_gpus_per_rank: float = 0.0, name: str = WORKER_DEPLOYMENT_NAME,
+                              **deployment_options: Any) -> dict[str, Any]:
+    """``serve.deployment`` options for ``num_replicas`` engines of ``engine_args``.
 
     A tensor-parallel engine gets a placement group of one bundle per rank,
     STRICT_PACK so its ranks share a node (all-reduce stays on NVLink or
-    loopback); rank 0 is this replica's process, the others are actors in the
-    group. ``deployment_options`` (request router config, health periods, ...)
-    pass through to ``serve.deployment``.
+    loopback): bundle 0 holds the replica itself (rank 0), bundles 1..N-1 the
+    rank actors the engine starts. ``deployment_options`` (request router
+    config, health periods, ...) override or extend these.
     """
     if num_replicas < 1:
         raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
+    if num_cpus < 0 or num_gpus_per_rank < 0:
+        raise ValueError("num_cpus and num_gpus_per_rank must be >= 0")
     tp = engine_args.tensor_parallel_size
     options: dict[str, Any] = {
         "name": name,
@@ -116,15 +117,20 @@ def worker_deployment(engine_args: EngineArgs, *, num_replicas: int = 1, num_cpu
         "max_ongoing_requests": 2 * engine_args.max_num_seqs,
         "health_check_period_s": 5.0,
         "health_check_timeout_s": 30.0,
+        "ray_actor_options": {"num_cpus": num_cpus, "num_gpus": num_gpus_per_rank},
     }
-    options["ray_actor_options"] = {"num_cpus": num_cpus, "num_gpus": num_gpus_per_rank}
     if tp > 1:
-        # Bundle 0 holds this replica (rank 0); bundles 1..tp-1 hold the other ranks.
         bundle = {"CPU": num_cpus, **({"GPU": num_gpus_per_rank} if num_gpus_per_rank else {})}
         options["placement_group_bundles"] = [dict(bundle) for _ in range(tp)]
         options["placement_group_strategy"] = "STRICT_PACK"
     options.update(deployment_options)
-    deployment = serve.deployment(WorkerReplica, **options)
+    return options
+
+
+def worker_deployment(engine_args: EngineArgs, *, engine_factory: Callable[[EngineArgs], Any] | None = None,
+                      **options: Any) -> Application:
+    """Bind ``WorkerReplica`` into a Serve deployment (options: ``worker_deployment_options``)."""
+    deployment = serve.deployment(WorkerReplica, **worker_deployment_options(engine_args, **options))
     if engine_factory is None:
         return deployment.bind(engine_args)
     return deployment.bind(engine_args, engine_factory)

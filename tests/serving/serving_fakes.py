@@ -52,6 +52,9 @@ class FakeWorkerClient:
         self.healthy = True
         self.fail_after_steps: int | None = None
         self.step_gate: asyncio.Event | None = None  # when set, each step after the first waits for it
+        # Like the engine: sequence i stops ("stop") after max_tokens - i tokens, and a finished
+        # sequence keeps appearing, empty, in its request's later deltas.
+        self.stagger = False
 
     def expected_tokens(self, prompt_ids: list[int], params: SamplingParams, index: int) -> list[int]:
         return [fake_token(prompt_ids, s, index, self.vocab_size) for s in range(params.max_tokens)]
@@ -69,13 +72,18 @@ class FakeWorkerClient:
                 last = step == params.max_tokens - 1
                 seqs = []
                 for i in range(params.n):
+                    own_len = max(1, params.max_tokens - i) if self.stagger else params.max_tokens
+                    if step >= own_len:
+                        seqs.append(SequenceDelta(i, "", [], [] if params.logprobs is not None else None, "stop"))
+                        continue
+                    own_last = step == own_len - 1
                     tok = fake_token(prompt_token_ids, step, i, self.vocab_size)
                     logprobs = None
                     if params.logprobs is not None:
                         top = [(tok, -0.5), (tok + 1, -1.5), (tok + 2, float("-inf"))][:params.logprobs]
                         logprobs = [TokenLogprob(tok, -0.5, top)]
-                    seqs.append(SequenceDelta(i, self.tokenizer.decode([tok]), [tok], logprobs,
-                                              "length" if last else None))
+                    reason = None if not own_last else ("length" if own_len == params.max_tokens else "stop")
+                    seqs.append(SequenceDelta(i, self.tokenizer.decode([tok]), [tok], logprobs, reason))
                 finished = last
                 yield RequestOutputDelta(request_id, seqs, len(prompt_token_ids), self.num_cached_tokens, last)
         finally:

@@ -89,3 +89,16 @@ def test_closing_a_stream_aborts_every_request_under_it(service, fake):
     ids = sorted(r[0] for r in fake.requests)
     assert len(ids) == 2
     assert sorted(fake.aborted) == ids
+
+
+def test_a_finished_choice_is_reported_once_while_its_siblings_run(client, fake):
+    fake.stagger = True  # choice 1 stops after 2 tokens, choice 0 runs to 3
+    chunks = _events(client, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 3, "n": 2, "stream": True})
+    finishes = [(c["choices"][0]["index"], c["choices"][0]["finish_reason"]) for c in chunks
+                if c["choices"][0]["finish_reason"]]
+    assert finishes == [(1, "stop"), (0, "length")]
+    per_choice = [sum(1 for c in chunks[2:] if c["choices"][0]["index"] == i) for i in (0, 1)]
+    assert per_choice == [3, 2]
+    body = client.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 3, "n": 2}).json()
+    assert [c["finish_reason"] for c in body["choices"]] == ["length", "stop"]
+    assert body["usage"]["completion_tokens"] == 5

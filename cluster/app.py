@@ -1,0 +1,57 @@
+"""The Serve application: the OpenAI ingress in front of N worker replicas.
+
+``build_app`` is the app builder that ``serve run``, ``serve deploy`` and
+KubeRay's RayService use (``import_path: pagefleet.cluster.app:build_app``,
+options under ``args:``); ``pagefleet serve`` calls it too.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import ray
+from ray import serve
+from ray.serve import Application
+from ray.serve.config import RequestRouterConfig
+
+from pagefleet.cluster.config import ServeOptions
+from pagefleet.router.ingress import INGRESS_DEPLOYMENT_NAME, OpenAIIngress
+from pagefleet.router.request_router import REQUEST_ROUTER_CLASS
+from pagefleet.worker.deployment import worker_deployment
+
+APP_NAME = "pagefleet"
+# How often each worker publishes its load to the routers: fresh enough to steer
+# around a busy replica, cheap enough to be noise (one small actor call).
+ROUTING_STATS_PERIOD_S = 1.0
+
+
+def build_app(args: Mapping[str, Any] | ServeOptions | None = None) -> Application:
+    opts = args if isinstance(args, ServeOptions) else ServeOptions.from_dict(args)
+    engine_args = opts.engine_args()
+    gpus = opts.worker_num_gpus
+    if gpus is None:
+        gpus = 1.0 if _cluster_has_gpus() and engine_args.device != "cpu" else 0.0
+    worker = worker_deployment(
+        engine_args,
+        num_replicas=opts.workers,
+        num_cpus=opts.worker_num_cpus,
+        num_gpus_per_rank=gpus,
+        request_router_config=RequestRouterConfig(
+            request_router_class=REQUEST_ROUTER_CLASS,
+            request_routing_stats_period_s=ROUTING_STATS_PERIOD_S,
+            request_routing_stats_timeout_s=5.0,
+        ),
+    )
+    ingress = serve.deployment(
+        OpenAIIngress,
+        name=INGRESS_DEPLOYMENT_NAME,
+        num_replicas=opts.ingress_replicas,
+        # The ingress only tokenizes and relays; its concurrency is bounded by the workers'.
+        max_ongoing_requests=4096,
+        ray_actor_options={"num_cpus": opts.ingress_num_cpus},
+    )
+    return ingress.bind(worker, engine_args, opts.api_key)
+
+
+def _cluster_has_gpus() -> bool:
+    return ray.is_initialized() and ray.cluster_resources().get("GPU", 0) > 0

@@ -1,0 +1,29 @@
+"""pagefleet's Serve request router for the worker deployment (Ray Serve's public API only).
+
+It turns each candidate replica's published routing stats and this handle's
+in-flight count into ``ReplicaLoad`` snapshots and asks ``rank_replicas``.
+Each replica is its own tier, so Serve tries them in exactly that order and
+moves on only when a replica's queue is full.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
+
+from pagefleet.router.routing_policy import load_from_routing_stats, rank_replicas
+
+REQUEST_ROUTER_CLASS = "pagefleet.router.request_router:LeastLoadedRouter"
+
+
+class LeastLoadedRouter(FIFOMixin, RequestRouter):
+    async def choose_replicas(
+        self,
+        candidate_replicas: List[RunningReplica],
+        pending_request: Optional[PendingRequest] = None,
+    ) -> List[List[RunningReplica]]:
+        by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        loads = [load_from_routing_stats(rid, r.routing_stats, self.replica_queue_len_cache.get(r.replica_id) or 0)
+                 for rid, r in by_id.items()]
+        return [[by_id[rid]] for rid in rank_replicas(loads)]

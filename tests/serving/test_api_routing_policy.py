@@ -1,0 +1,34 @@
+"""The routing policy as a pure function: no Ray."""
+
+from pagefleet.router.routing_policy import ReplicaLoad, load_from_routing_stats, rank_replicas
+
+
+def test_fewest_queued_requests_first():
+    loads = [ReplicaLoad("a", num_running=3, num_waiting=1), ReplicaLoad("b", num_running=1),
+             ReplicaLoad("c", num_running=2, num_waiting=0)]
+    assert rank_replicas(loads) == ["b", "c", "a"]
+
+
+def test_ties_broken_by_free_blocks_then_id():
+    loads = [ReplicaLoad("a", num_running=1, num_free_blocks=10), ReplicaLoad("b", num_running=1, num_free_blocks=50),
+             ReplicaLoad("c", num_running=1, num_free_blocks=10)]
+    assert rank_replicas(loads) == ["b", "a", "c"]
+
+
+def test_in_flight_count_overrides_stale_stats():
+    # b published "idle" but this router has just sent it 4 requests
+    loads = [ReplicaLoad("a", num_running=2), ReplicaLoad("b", num_running=0, num_ongoing=4)]
+    assert rank_replicas(loads) == ["a", "b"]
+    assert loads[1].num_queued == 4
+
+
+def test_unhealthy_replicas_go_last():
+    loads = [ReplicaLoad("a", healthy=False), ReplicaLoad("b", num_running=9, num_waiting=9)]
+    assert rank_replicas(loads) == ["b", "a"]
+
+
+def test_snapshot_from_published_stats():
+    stats = {"num_running": 2, "num_waiting": 1, "num_free_blocks": 7, "num_total_blocks": 9, "healthy": False}
+    assert load_from_routing_stats("r1", stats, 5) == ReplicaLoad("r1", 2, 1, 7, 9, 5, False)
+    assert load_from_routing_stats("r2", None, 0) == ReplicaLoad("r2")
+    assert rank_replicas([]) == []

@@ -1,0 +1,152 @@
+"""The Serve adapters without a cluster: worker replica class, deployment options, app builder, serve.yaml."""
+
+import asyncio
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pagefleet.cluster.app import build_app
+from pagefleet.cluster.config import ServeOptions, parse_bytes
+from pagefleet.worker.deployment import WorkerReplica, worker_deployment_options
+from pagefleet.worker.engine_args import EngineArgs
+from pagefleet.worker.outputs import RequestOutputDelta, SequenceDelta
+from pagefleet.worker.sampling_params import SamplingParams
+from pagefleet.worker.stats import EngineStats
+
+SERVE_YAML = Path(__file__).resolve().parents[2] / "deploy" / "serve.yaml"
+
+
+class _ModelConfig:
+    served_model_name = "m"
+    max_model_len = 128
+
+
+class FakeEngine:
+    def __init__(self, args):
+        self.args = args
+        self.model_config = _ModelConfig()
+        self.dead = False
+        self.closed = []
+
+    async def generate(self, request_id, prompt_token_ids, params):
+        try:
+            for step in range(params.max_tokens):
+                last = step == params.max_tokens - 1
+                yield RequestOutputDelta(request_id, [SequenceDelta(0, "x", [step], None, "length" if last else None)],
+                                         len(prompt_token_ids), 0, last)
+        finally:
+            self.closed.append(request_id)
+
+    def abort(self, request_id):
+        return False
+
+    def stats(self):
+        return EngineStats(100, 90, 1, 2, 0, 0, 0, 5, 10, 20)
+
+    def check_health(self):
+        if self.dead:
+            raise RuntimeError("the engine loop died")
+
+    def shutdown(self):
+        pass
+
+
+def test_worker_replica_streams_and_publishes_its_load():
+    replica = WorkerReplica(EngineArgs(), engine_factory=FakeEngine)
+
+    async def run():
+        return [d async for d in replica.generate("r1", [1, 2, 3], SamplingParams(max_tokens=3))]
+
+    deltas = asyncio.run(run())
+    assert [d.sequences[0].token_ids for d in deltas] == [[0], [1], [2]]
+    assert deltas[-1].finished
+    stats = asyncio.run(replica.record_routing_stats())
+    assert stats == {"num_total_blocks": 100, "num_free_blocks": 90, "num_running": 1, "num_waiting": 2,
+                     "prefix_cache_queries": 0, "prefix_cache_hits": 0, "num_preemptions": 0, "num_steps": 5,
+                     "prompt_tokens_total": 10, "generation_tokens_total": 20, "healthy": True,
+                     "replica_id": "local", "num_requests_total": 1}
+
+
+def test_worker_replica_health_is_the_engines():
+    replica = WorkerReplica(EngineArgs(), engine_factory=FakeEngine)
+    asyncio.run(replica.check_health())
+    replica.engine.dead = True
+    with pytest.raises(RuntimeError, match="loop died"):
+        asyncio.run(replica.check_health())
+    with pytest.raises(RuntimeError):
+        asyncio.run(replica.health())
+    assert asyncio.run(replica.get_stats())["healthy"] is False
+
+
+def test_closing_the_worker_stream_closes_the_engine_stream():
+    replica = WorkerReplica(EngineArgs(), engine_factory=FakeEngine)
+
+    async def run():
+        gen = replica.generate("r2", [1], SamplingParams(max_tokens=10))
+        await gen.__anext__()
+        await gen.aclose()
+
+    asyncio.run(run())
+    assert replica.engine.closed == ["r2"]
+
+
+def test_deployment_options_single_rank_and_tensor_parallel():
+    opts = worker_deployment_options(EngineArgs(max_num_seqs=8), num_replicas=2, num_cpus=0.5)
+    assert opts["num_replicas"] == 2
+    assert opts["max_ongoing_requests"] == 16
+    assert opts["ray_actor_options"] == {"num_cpus": 0.5, "num_gpus": 0.0}
+    assert "placement_group_bundles" not in opts
+    tp = worker_deployment_options(EngineArgs(tensor_parallel_size=4), num_cpus=1, num_gpus_per_rank=1)
+    assert tp["placement_group_bundles"] == [{"CPU": 1, "GPU": 1}] * 4
+    assert tp["placement_group_strategy"] == "STRICT_PACK"
+    assert tp["ray_actor_options"] == {"num_cpus": 1, "num_gpus": 1}
+    with pytest.raises(ValueError, match="num_replicas"):
+        worker_deployment_options(EngineArgs(), num_replicas=0)
+
+
+@pytest.mark.parametrize("text, expected", [
+    (536870912, 536870912), ("536870912", 536870912), ("512MiB", 512 * 2**20), ("2GiB", 2 * 2**30),
+    ("2gib", 2 * 2**30), ("1.5GB", 1_500_000_000), ("64K", 64_000), ("1 MiB", 2**20),
+])
+def test_parse_bytes(text, expected):
+    assert parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize("bad", ["", "MiB", "12 parsecs", "-5MiB", 0, -1, True, "0GiB"])
+def test_parse_bytes_refuses(bad):
+    with pytest.raises(ValueError):
+        parse_bytes(bad)
+
+
+def test_serve_options_check_everything_up_front():
+    opts = ServeOptions.from_dict({"kv_cache_bytes": "64MiB", "workers": 2, "max_num_seqs": 4})
+    args = opts.engine_args()
+    assert (args.kv_cache_bytes, args.max_num_seqs, args.model) == (64 * 2**20, 4, None)
+    assert opts.logical_cpus_needed() == 2.5
+    with pytest.raises(ValueError, match="unknown serve option"):
+        ServeOptions.from_dict({"num_workers": 2})
+    with pytest.raises(ValueError, match="not both"):
+        ServeOptions(kv_cache_bytes=2**20, gpu_memory_utilization=0.5)
+    with pytest.raises(ValueError, match="workers"):
+        ServeOptions(workers=0)
+    with pytest.raises(ValueError, match="block_size"):
+        ServeOptions(block_size=5)
+
+
+def test_build_app_accepts_the_yaml_args_and_refuses_unknown_ones():
+    config = yaml.safe_load(SERVE_YAML.read_text())
+    (app,) = config["applications"]
+    assert app["import_path"] == "pagefleet.cluster.app:build_app"
+    assert build_app(app["args"]) is not None
+    with pytest.raises(ValueError, match="unknown serve option"):
+        build_app({"replicas": 3})
+
+
+def test_serve_yaml_is_a_valid_serve_config():
+    from ray.serve.schema import ServeDeploySchema
+
+    schema = ServeDeploySchema.model_validate(yaml.safe_load(SERVE_YAML.read_text()))
+    assert [a.name for a in schema.applications] == ["pagefleet"]
+    assert schema.http_options.port == 8000
+    assert schema.http_options.host == "127.0.0.1"
