@@ -59,6 +59,13 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tens
     value_cache.view(-1, *value_cache.shape[2:]).index_copy_(0, slot_mapping, value)
 
 
+def _gather_blocks(cache: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """cache: [N, bs, Hkv, D]; table: [..., M] int64 -> [..., M * bs, Hkv, D] contiguous."""
+    # index_select over whole blocks is several times faster on CPU than advanced indexing.
+    rows = cache.reshape(cache.shape[0], -1).index_select(0, table.reshape(-1))
+    return rows.view(*table.shape[:-1], table.shape[-1] * cache.shape[1], *cache.shape[2:])
+
+
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     block_table: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                     scale: float) -> torch.Tensor:
@@ -87,8 +94,8 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         max_len = max(lens[b] for b in decode)
         idx = torch.tensor(decode, dtype=torch.long, device=device)
         tables = block_table.index_select(0, idx)[:, :(max_len + block_size - 1) // block_size].long()
-        k = key_cache[tables].flatten(1, 2)[:, :max_len]  # [Bd, L, Hkv, D]
-        v = value_cache[tables].flatten(1, 2)[:, :max_len]
+        k = _gather_blocks(key_cache, tables)[:, :max_len]  # [Bd, L, Hkv, D]
+        v = _gather_blocks(value_cache, tables)[:, :max_len]
         ctx = torch.tensor([lens[b] for b in decode], device=device)
         mask = torch.arange(max_len, device=device).unsqueeze(0) < ctx.unsqueeze(1)  # [Bd, L]
         q_rows = torch.tensor([starts[b] for b in decode], dtype=torch.long, device=device)
@@ -105,8 +112,8 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         ctx_len = lens[b]
         nblocks = (ctx_len + block_size - 1) // block_size
         table = block_table[b, :nblocks].long()
-        k = key_cache[table].flatten(0, 1)[:ctx_len].transpose(0, 1)  # [Hkv, L, D]
-        v = value_cache[table].flatten(0, 1)[:ctx_len].transpose(0, 1)
+        k = _gather_blocks(key_cache, table)[:ctx_len].transpose(0, 1)  # [Hkv, L, D]
+        v = _gather_blocks(value_cache, table)[:ctx_len].transpose(0, 1)
         q = query[starts[b]:starts[b + 1]].transpose(0, 1)  # [Hq, q_len, D]
         if q_len == ctx_len:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)

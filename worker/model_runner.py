@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from pagefleet.worker.config import ModelConfig
+from pagefleet.worker.cpu_malloc import keep_freed_memory
 from pagefleet.worker.loader import load_model
 from pagefleet.worker.model import AttentionMetadata
 from pagefleet.worker.tp_group import TPGroup
@@ -36,6 +37,8 @@ class ModelRunner:
         self.cfg = cfg
         self.tp = tp
         self.device = device
+        if device.type == "cpu":
+            keep_freed_memory()
         self.model = load_model(cfg, tp, device, load_format, seed)
         attn = self.model.layers[0].self_attn
         self.num_kv_heads = attn.num_kv_heads
