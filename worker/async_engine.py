@@ -133,10 +133,11 @@ class AsyncLLMEngine:
                     self._wakeup.wait(timeout=1.0)
                     self._wakeup.clear()
                     continue
-                for delta in self.engine.step():
-                    self._deliver(delta.request_id, delta)
-                self._stats = self.engine.stats()
+                deltas = self.engine.step()
+                self._stats = self.engine.stats()  # before delivery: a reader of a delta sees its step's stats
                 self._last_progress = time.monotonic()
+                for delta in deltas:
+                    self._deliver(delta.request_id, delta)
         except BaseException as e:  # the loop must never die silently
             logger.exception("engine loop died")
             self._error = e
