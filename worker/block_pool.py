@@ -70,9 +70,6 @@ class BlockPool:
         self.enable_caching = enable_caching
         self.cached: dict[BlockHash, KVBlock] = {}
         self.num_evicted = 0
-        # Hashes evicted and stored since the last drain: the KV events of DESIGN.md.
-        self.events_stored: list[BlockHash] = []
-        self.events_removed: list[BlockHash] = []
 
     @property
     def num_blocks(self) -> int:
@@ -98,7 +95,6 @@ class BlockPool:
             return
         if self.cached.get(block.block_hash) is block:
             del self.cached[block.block_hash]
-            self.events_removed.append(block.block_hash)
         block.block_hash = None
         self.num_evicted += 1
 
@@ -130,7 +126,6 @@ class BlockPool:
             return
         block.block_hash = block_hash
         self.cached[block_hash] = block
-        self.events_stored.append(block_hash)
 
     def num_evictable(self, blocks: list[KVBlock]) -> int:
         """How many of these blocks sit in the free queue (touching them uses free capacity)."""
@@ -139,8 +134,3 @@ class BlockPool:
     def reset_prefix_cache(self) -> None:
         for block in self.free_queue:
             self._evict(block)
-
-    def drain_events(self) -> tuple[list[BlockHash], list[BlockHash]]:
-        stored, removed = self.events_stored, self.events_removed
-        self.events_stored, self.events_removed = [], []
-        return stored, removed
