@@ -15,6 +15,7 @@ import pytest
 
 from hf_reference import assert_greedy_close
 from pagefleet.worker import LLM, SamplingParams
+from pagefleet.worker.model_runner import StepInput
 from pagefleet.worker.tp_executor import STEP_TIMEOUT_ENV, TPExecutor, TPWorkerError
 
 MAX_NEW = 16
@@ -118,6 +119,12 @@ def test_tp2_with_forced_chunking_and_preemption(ray_session, tiny_checkpoint, b
     try:
         _assert_close(_generate(llm), want, "chunked + preempted")
         assert llm.engine.stats().num_preemptions > 0
+        # A rank whose forward raises is reported with its own error (here every rank
+        # fails the same way: a sampled row past the step's tokens).
+        bad = StepInput(input_ids=[1, 2], positions=[0, 1], slot_mapping=[0, 1], block_tables=[[0]],
+                        query_start_loc=[0, 2], seq_lens=[2], logits_indices=[5])
+        with pytest.raises(TPWorkerError, match="rank 1 raised IndexError"):
+            llm.engine.executor.execute(bad)
     finally:
         llm.engine.shutdown()
 

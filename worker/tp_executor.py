@@ -220,7 +220,8 @@ class TPExecutor:
             except ray.exceptions.RayActorError as e:
                 causes.append(f"rank {rank} (pid {self.actor_pids[rank - 1]}) died: {_first_line(e)}")
             except ray.exceptions.RayTaskError as e:
-                causes.append(f"rank {rank} raised {_first_line(e.cause if e.cause else e)}")
+                cause = e.cause or e
+                causes.append(f"rank {rank} raised {type(cause).__name__}: {_first_line(cause)}")
         return causes
 
     def _raise_if_failed(self) -> None:
