@@ -31,3 +31,22 @@ def service(tokenizer, info, fake):
 def client(service):
     with TestClient(build_openai_app(service)) as c:
         yield c
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """One local Ray cluster for the whole session, started by the first test that needs it.
+
+    Logical CPUs exceed the real cores on purpose: replicas reserve Ray CPUs, not cores.
+    """
+    import ray
+
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    yield ray.get_runtime_context().gcs_address
+    if started and ray.is_initialized():
+        from ray import serve
+
+        serve.shutdown()
+        ray.shutdown()
