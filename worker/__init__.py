@@ -1,6 +1,7 @@
 """pagefleet.worker — the engine: model, paged KV cache, scheduler, sampler, detokenizer.
 
-Runs without Ray; ``deployment.py`` is the only Ray adapter here.
+Runs without Ray at tensor_parallel_size 1; Ray appears only in the adapters
+(``deployment.py`` for Serve, ``tp_executor.py`` / ``tp_placement.py`` / ``tp_worker.py`` for TP ranks).
 """
 
 from pagefleet.worker.engine_args import EngineArgs

@@ -78,6 +78,7 @@ class AsyncLLMEngine:
     def check_health(self) -> None:
         """Raise when the step loop died, or has work but made no step for stall_timeout_s."""
         self._raise_if_dead()
+        self.engine.check_health()
         stalled = time.monotonic() - self._last_progress
         if self.engine.has_unfinished() and stalled > self.stall_timeout_s:
             raise EngineDeadError(f"the engine has made no step for {stalled:.0f} s with work pending")

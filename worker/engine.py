@@ -56,20 +56,17 @@ class LLMEngine:
         self.tokenizer = AutoTokenizer.from_pretrained(str(cfg.path))
         torch.manual_seed(args.seed)
         self.executor = self._make_executor()
-        per_block = self.executor.kv_bytes_per_block(args.block_size)
-        budget = self.executor.available_kv_bytes(args.kv_cache_bytes, args.gpu_memory_utilization,
-                                                  args.max_num_batched_tokens)
-        num_blocks = budget // per_block
-        if num_blocks < 1:
-            raise ValueError(f"the KV cache budget of {budget} bytes holds no block of {per_block} bytes; "
-                             "raise kv_cache_bytes / gpu_memory_utilization")
-        self.executor.allocate_kv_cache(num_blocks, args.block_size)
+        try:
+            num_blocks, per_block = self._size_kv_cache()
+        except BaseException:
+            self.executor.shutdown()  # TP actors and process groups must not outlive a failed start
+            raise
         self.pool = BlockPool(num_blocks, args.enable_prefix_caching)
         self.kv = KVCacheManager(self.pool, args.block_size)
         self.scheduler = Scheduler(self.kv, args.max_num_seqs, args.max_num_batched_tokens)
         self.sampler = Sampler(cfg.eos_token_ids)
         tokens = num_blocks * args.block_size
-        logger.info("%s on %s: KV cache of %d blocks = %d tokens (%.1f MiB); maximum concurrency at "
+        logger.info("%s on %s: KV cache (per rank) of %d blocks = %d tokens (%.1f MiB); maximum concurrency at "
                     "max_model_len %d: %.2fx", cfg.architecture, self.device, num_blocks, tokens,
                     num_blocks * per_block / 2**20, cfg.max_model_len, tokens / cfg.max_model_len)
         self.requests: dict[str, list[Sequence]] = {}
@@ -81,6 +78,18 @@ class LLMEngine:
         self.num_steps = 0
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
+
+    def _size_kv_cache(self) -> tuple[int, int]:
+        args = self.args
+        per_block = self.executor.kv_bytes_per_block(args.block_size)
+        budget = self.executor.available_kv_bytes(args.kv_cache_bytes, args.gpu_memory_utilization,
+                                                  args.max_num_batched_tokens)
+        num_blocks = budget // per_block
+        if num_blocks < 1:
+            raise ValueError(f"the KV cache budget of {budget} bytes holds no block of {per_block} bytes; "
+                             "raise kv_cache_bytes / gpu_memory_utilization")
+        self.executor.allocate_kv_cache(num_blocks, args.block_size)
+        return num_blocks, per_block
 
     def _make_executor(self):
         if self.args.tensor_parallel_size == 1:
@@ -219,7 +228,11 @@ class LLMEngine:
             generation_tokens_total=self.generation_tokens_total,
         )
 
+    def check_health(self) -> None:
+        """Raise if a tensor-parallel rank died, even while the engine is idle."""
+        check = getattr(self.executor, "check_health", None)
+        if check is not None:
+            check()
+
     def shutdown(self) -> None:
-        shutdown = getattr(self.executor, "shutdown", None)
-        if shutdown is not None:
-            shutdown()
+        self.executor.shutdown()

@@ -15,7 +15,7 @@ class EngineArgs:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
-    kv_cache_bytes: int | None = None  # CPU: the KV pool's byte budget (default 512 MiB)
+    kv_cache_bytes: int | None = None  # the KV pool's byte budget per TP rank (CPU default 512 MiB)
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     tensor_parallel_size: int = 1

@@ -17,6 +17,15 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
         self._ids = count()
 
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
     def generate(self, prompts: str | dict | Seq[str | dict],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in prompt order."""

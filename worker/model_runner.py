@@ -83,6 +83,9 @@ class ModelRunner:
             self.kv_caches = saved
             del caches
 
+    def shutdown(self) -> None:
+        """Nothing to tear down in-process; the executor interface has it for TP."""
+
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
         shape = (num_blocks, block_size, self.num_kv_heads, self.cfg.head_dim)
         # Zeroed, not empty: unused slots of a partly filled block are read (and masked),
