@@ -5,8 +5,9 @@ CI has no GPU, and the interpreter accepts programs the compiler rejects
 small CPU tensors with the launch intercepted; the recorded arguments, with the
 interpreter-only UPCAST switch off and specialised as a CUDA launch would
 specialise them (16-divisible ints and pointers hinted, ints equal to 1 made
-constants), go through triton.compile down to a cubin for sm_90 (Triton ships ptxas). Shapes are Llama-3-8B's, the specializations
-the engine launches in bf16 plus fp16/fp32 attention.
+constants), go through triton.compile down to a cubin for sm_90 (Triton ships
+ptxas). Shapes are Llama-3-8B's: the specialisations the engine launches in
+bf16, plus fp16/fp32 attention.
 """
 
 import inspect
@@ -16,10 +17,12 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
-from triton._C.libtriton import native_specialize_impl  # noqa: E402
-from triton.backends.compiler import BaseBackend  # noqa: E402
+try:  # compiler internals (stable through triton 3.x); another triton skips rather than fails
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend, GPUTarget
+    from triton.compiler import ASTSource
+except ImportError as e:  # pragma: no cover
+    pytest.skip(f"triton's ahead-of-time compile API is not available: {e}", allow_module_level=True)
 
 from pagefleet.kernels import activation, kv_cache_write, paged_attention, rms_norm, rotary  # noqa: E402
 from pagefleet.kernels.testing import make_paged_batch  # noqa: E402
