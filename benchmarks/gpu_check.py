@@ -303,9 +303,11 @@ def check_engine(run: Run) -> None:
         prompts = [{"prompt_token_ids": torch.randint(10, shape["vocab_size"], (prompt_len,), generator=gen).tolist()}
                    for _ in range(num_seqs)]
         params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
-        # Warm-up compiles every kernel specialization (prefill, mixed, decode, split-KV).
-        llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
-        llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+        # Warm-up on the measured shapes compiles their kernel variants (prefill; decode of the
+        # full batch without splits; decode of one sequence with split-KV) outside the clock.
+        warm = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+        llm.generate(prompts, warm)
+        llm.generate(prompts[:1], warm)
 
         _sync(run)
         t0 = time.perf_counter()

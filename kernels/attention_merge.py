@@ -15,7 +15,7 @@ import triton.language as tl
 from pagefleet.kernels.triton_kernel import MAX, SUM, next_power_of_2, triton_kernel
 
 
-@triton_kernel
+@triton_kernel(do_not_specialize=("num_seqs",))
 def _merge_attention_splits_kernel(
     partial_out_ptr,      # [T, Hq, S, D] fp32
     partial_max_ptr,      # [T, Hq, S] fp32

@@ -41,7 +41,7 @@ from pagefleet.kernels.triton_kernel import (
 )
 
 
-@triton_kernel
+@triton_kernel(do_not_specialize=("num_seqs", "stride_block_table"))
 def _paged_attention_kernel(
     query_ptr,            # [T, Hq, D]
     key_cache_ptr,        # [N, bs, Hkv, D]

@@ -44,13 +44,14 @@ def _jit_library_calls(fn) -> list[str]:
 class TritonKernel:
     """A kernel body with a compiled (CUDA) and an interpreted (CPU) variant, built on first use."""
 
-    def __init__(self, fn):
+    def __init__(self, fn, do_not_specialize: tuple[str, ...] = ()):
         bad = _jit_library_calls(fn)
         if bad:
             raise TypeError(f"{fn.__name__} calls Triton library functions that are JITFunctions "
                             f"({', '.join('tl.' + n for n in bad)}), which the CPU interpreter cannot run "
                             f"from a kernel: use tl.full / tl.reduce(x, axis, SUM|MAX) / integer arithmetic")
         self.fn = fn
+        self.do_not_specialize = tuple(do_not_specialize)
         self._compiled: JITFunction | None = None
         self._interpreted: InterpretedFunction | None = None
 
@@ -61,7 +62,7 @@ class TritonKernel:
     def compiled(self) -> JITFunction:
         # The GPU variant; also what the ahead-of-time compile check feeds to triton.compile.
         if self._compiled is None:
-            self._compiled = JITFunction(self.fn)
+            self._compiled = JITFunction(self.fn, do_not_specialize=list(self.do_not_specialize))
         return self._compiled
 
     def interpreted(self) -> InterpretedFunction:
@@ -78,9 +79,16 @@ class TritonKernel:
         raise ValueError(f"Triton kernels run on cuda (compiled) or cpu (interpreted), not {device.type}")
 
 
-def triton_kernel(fn) -> TritonKernel:
-    """Decorator used instead of `@triton.jit` for every pagefleet kernel."""
-    return TritonKernel(fn)
+def triton_kernel(fn=None, *, do_not_specialize: tuple[str, ...] = ()):
+    """Decorator used instead of `@triton.jit` for every pagefleet kernel.
+
+    `do_not_specialize` names integer arguments that change from step to step
+    (batch size, block-table width): Triton would otherwise compile a new
+    variant whenever one of them becomes 1 or a multiple of 16, mid-serving.
+    """
+    if fn is None:
+        return lambda f: TritonKernel(f, do_not_specialize)
+    return TritonKernel(fn, do_not_specialize)
 
 
 def interpreted(device: torch.device) -> bool:

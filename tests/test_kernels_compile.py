@@ -5,7 +5,7 @@ CI has no GPU, and the interpreter accepts programs the compiler rejects
 small CPU tensors with the launch intercepted; the recorded arguments, with the
 interpreter-only UPCAST switch off and specialised as a CUDA launch would
 specialise them (16-divisible ints and pointers hinted, ints equal to 1 made
-constants), go through triton.compile down to a cubin for sm_90 (Triton ships
+constants, except the kernel's do_not_specialize arguments), go through triton.compile down to a cubin for sm_90 (Triton ships
 ptxas). Shapes are Llama-3-8B's: the specialisations the engine launches in
 bf16, plus fp16/fp32 attention.
 """
@@ -60,7 +60,8 @@ def _compile_for_sm90(kernel: TritonKernel, kwargs: dict):
         if "constexpr" in str(param.annotation):
             signature[name], constexprs[(index,)] = "constexpr", kwargs[name]
             continue
-        ty, key = native_specialize_impl(BaseBackend, kwargs[name], False, True, True)
+        specialize = name not in kernel.do_not_specialize
+        ty, key = native_specialize_impl(BaseBackend, kwargs[name], False, specialize, True)
         signature[name] = ty
         if ty == "constexpr":  # an int equal to 1
             constexprs[(index,)] = key
