@@ -77,7 +77,8 @@ def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Te
     if head_dim % 2:
         raise ValueError(f"rotary head_dim must be even, got {head_dim}")
     if positions.shape != (num_tokens,) or positions.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"positions must be [T={num_tokens}] int32/int64, got {tuple(positions.shape)} {positions.dtype}")
+        raise ValueError(f"positions must be [T={num_tokens}] int32/int64, "
+                         f"got {tuple(positions.shape)} {positions.dtype}")
     if cos_sin_cache.dim() != 2 or cos_sin_cache.shape[1] != head_dim or cos_sin_cache.dtype != torch.float32:
         raise ValueError(f"cos_sin_cache must be [max_position, {head_dim}] float32, "
                          f"got {tuple(cos_sin_cache.shape)} {cos_sin_cache.dtype}")

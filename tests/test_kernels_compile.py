@@ -5,9 +5,10 @@ CI has no GPU, and the interpreter accepts programs the compiler rejects
 small CPU tensors with the launch intercepted; the recorded arguments, with the
 interpreter-only UPCAST switch off and specialised as a CUDA launch would
 specialise them (16-divisible ints and pointers hinted, ints equal to 1 made
-constants, except the kernel's do_not_specialize arguments), go through triton.compile down to a cubin for sm_90 (Triton ships
-ptxas). Shapes are Llama-3-8B's: the specialisations the engine launches in
-bf16, plus fp16/fp32 attention.
+constants, except the kernel's do_not_specialize arguments), go through
+triton.compile down to a cubin for sm_90 (Triton ships ptxas). Shapes are
+Llama-3-8B's: the specialisations the engine launches in bf16, plus fp16/fp32
+attention.
 """
 
 import inspect
