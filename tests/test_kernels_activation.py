@@ -1,10 +1,10 @@
 """Triton SiLU-and-mul against its twin (CPU interpreter).
 
-Tolerance, in units of the dtype's eps: both round SiLU(gate) to the activation
-dtype and then round the product; fp32 exp implementations may differ by an ulp,
-which can move the first rounding across a boundary (1 ulp) and the
-interpreter truncates bf16 stores (1 more ulp): 2 ulps relative for fp16/bf16,
-a few ulps for fp32.
+Tolerance, relative, in units of the dtype's eps (eps * |x| >= 1 ulp of x):
+both sides round SiLU(gate) to the activation dtype and then round the
+product. bf16: the interpreter truncates both times (< 1 eps each) where torch
+rounds to nearest (<= 1/2 eps each): < 3 eps apart. fp16: nearest rounding on
+both sides: 2 eps. fp32: exp implementations differ by an ulp or so: 4.
 """
 
 import pytest
@@ -15,7 +15,7 @@ pytest.importorskip("triton")
 from pagefleet.kernels import reference  # noqa: E402
 from pagefleet.kernels.activation import silu_and_mul  # noqa: E402
 
-ULPS = {torch.float32: 4, torch.float16: 2, torch.bfloat16: 2}
+EPS_MULTIPLE = {torch.float32: 4, torch.float16: 2, torch.bfloat16: 3}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
@@ -26,7 +26,7 @@ def test_silu_and_mul_matches_twin(dtype, shape):
     expected = reference.silu_and_mul(x)
     assert out.shape == expected.shape == (*shape[:-1], shape[-1] // 2)
     eps = torch.finfo(dtype).eps
-    torch.testing.assert_close(out, expected, rtol=ULPS[dtype] * eps, atol=ULPS[dtype] * eps)
+    torch.testing.assert_close(out, expected, rtol=EPS_MULTIPLE[dtype] * eps, atol=EPS_MULTIPLE[dtype] * eps)
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")  # numpy, in the interpreter

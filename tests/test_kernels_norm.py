@@ -1,15 +1,15 @@
 """Triton RMSNorm and fused residual-add + RMSNorm against their twins (CPU interpreter).
 
-Tolerances, in units of the dtype's eps (1 ulp at 1.0):
-* fp16/bf16: the kernel and torch both compute the statistics in fp32 but sum
-  in a different order, so the fp32 normalised value can land on the other
-  side of a rounding boundary (1 ulp), and the final weight * normed product
-  is rounded once more (the interpreter truncates bf16 stores: 1 more ulp).
-  2 ulps, relative.
-* fp32: no low-precision rounding; the sum order and rsqrt differ by a few ulps.
+Tolerances, relative, in units of the dtype's eps (eps * |x| >= 1 ulp of x):
+* bf16: the kernel rounds twice (normalised row to bf16, then weight * row) and
+  the interpreter truncates both times, each < 1 eps relative, where the twin
+  rounds to nearest (<= 1/2 eps each): < 3 eps apart. The fused kernel also
+  feeds its truncated residual (< 1 eps off) into the norm: < 4 eps.
+* fp16: both sides round to nearest twice (<= 1 eps each side): 2 eps.
+* fp32: no low-precision rounding; sum order and rsqrt differ by a few ulps: 8.
 * The new residual is `x + residual` rounded once: exact in fp32/fp16 (same
-  RTNE rounding of the same exact fp32 sum), within 1 ulp in bf16 (the
-  interpreter truncates where torch rounds).
+  RTNE rounding of the same exact fp32 sum), < 1 eps relative in bf16
+  (interpreter truncation against rounding).
 """
 
 import pytest
@@ -21,12 +21,13 @@ from pagefleet.kernels import reference  # noqa: E402
 from pagefleet.kernels.rms_norm import fused_add_rms_norm, rms_norm  # noqa: E402
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-ULPS = {torch.float32: 8, torch.float16: 2, torch.bfloat16: 2}
+EPS_MULTIPLE = {torch.float32: 8, torch.float16: 2, torch.bfloat16: 3}
+FUSED_EPS_MULTIPLE = {**EPS_MULTIPLE, torch.bfloat16: 4}
 
 
-def _tol(dtype):
+def _tol(dtype, table=EPS_MULTIPLE):
     eps = torch.finfo(dtype).eps
-    return dict(rtol=ULPS[dtype] * eps, atol=ULPS[dtype] * eps)
+    return dict(rtol=table[dtype] * eps, atol=table[dtype] * eps)
 
 
 def _inputs(shape, dtype, seed=0):
@@ -53,7 +54,7 @@ def test_fused_add_rms_norm_matches_twin_and_leaves_inputs(dtype):
     x_before, residual_before = x.clone(), residual.clone()
     out, new_residual = fused_add_rms_norm(x, residual, weight, 1e-6)
     expected, expected_residual = reference.fused_add_rms_norm(x, residual, weight, 1e-6)
-    torch.testing.assert_close(out, expected, **_tol(dtype))
+    torch.testing.assert_close(out, expected, **_tol(dtype, FUSED_EPS_MULTIPLE))
     if dtype == torch.bfloat16:
         eps = torch.finfo(dtype).eps
         torch.testing.assert_close(new_residual, expected_residual, rtol=eps, atol=eps)
