@@ -63,21 +63,21 @@ def from_validation_error(exc: ValidationError | RequestValidationError) -> Open
     return bad_request(f"{param}: {msg}" if param else msg, param=param)
 
 
+# Fields inside a message or content part, which OpenAI names with the index in front.
+_NESTED_FIELDS = ("role", "content", "name", "text", "type")
+
+
 def _param_name(loc: list) -> str | None:
     """OpenAI's spelling of a field path ("messages.[1].content"); pydantic's union
-    branch names ("list[int]") that follow the field name are dropped."""
+    branch names ("list[int]") that follow a field name are dropped."""
     if not loc:
         return None
     parts = [str(loc[0])]
     i = 1
-    while i + 1 <= len(loc) - 1 and isinstance(loc[i], int) and isinstance(loc[i + 1], str) \
-            and loc[i + 1] in _MESSAGE_FIELDS:
-        parts += [f"[{loc[i]}]", loc[i + 1]]
+    while i + 1 < len(loc) and isinstance(loc[i], int) and loc[i + 1] in _NESTED_FIELDS:
+        parts += [f"[{loc[i]}]", str(loc[i + 1])]
         i += 2
     return ".".join(parts)
-
-
-_MESSAGE_FIELDS = ("role", "content", "name", "text", "type")
 
 
 def error_response(exc: OpenAIError) -> JSONResponse:

@@ -87,17 +87,17 @@ class OpenAIService:
 
     async def _merged(self, builder: ResponseBuilder, jobs: list[_Job]) -> AsyncIterator[tuple[int, RequestOutputDelta]]:
         """Deltas of every job as they come; leaving early closes every worker stream."""
-        streams = [self.client.generate(f"{builder.id}-{i}", job.token_ids, job.params) for i, job in enumerate(jobs)]
-        if len(streams) == 1:
-            iterators = [_counting(builder, 0, streams[0])]
+        streams = [_counting(builder, i, self.client.generate(f"{builder.id}-{i}", job.token_ids, job.params))
+                   for i, job in enumerate(jobs)]
+        if len(streams) == 1:  # the common case needs no tasks
             try:
-                async for item in iterators[0]:
+                async for item in streams[0]:
                     yield item
             finally:
-                await iterators[0].aclose()
+                await streams[0].aclose()
             return
         queue: asyncio.Queue = asyncio.Queue()
-        tasks = [asyncio.create_task(_pump(i, _counting(builder, i, s), queue)) for i, s in enumerate(streams)]
+        tasks = [asyncio.create_task(_pump(s, queue)) for s in streams]
         try:
             remaining = len(tasks)
             while remaining:
@@ -172,8 +172,6 @@ async def _counting(builder: ResponseBuilder, index: int,
         raise
     except ValueError as exc:
         raise bad_request(str(exc)) from exc
-    except (asyncio.CancelledError, GeneratorExit):
-        raise
     except Exception as exc:
         raise internal_error(exc) from exc
     finally:
@@ -182,14 +180,14 @@ async def _counting(builder: ResponseBuilder, index: int,
             await close()
 
 
-async def _pump(index: int, stream: AsyncIterator, queue: asyncio.Queue) -> None:
+async def _pump(stream: AsyncIterator, queue: asyncio.Queue) -> None:
     try:
         async for item in stream:
             await queue.put(item)
         await queue.put(_FINISHED)
     except asyncio.CancelledError:
         raise
-    except BaseException as exc:  # handed to the consumer, which raises it
+    except Exception as exc:  # handed to the consumer, which raises it
         await queue.put(exc)
     finally:
         await stream.aclose()

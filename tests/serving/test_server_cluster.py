@@ -54,8 +54,9 @@ def server(ray_cluster, tiny_checkpoint, tmp_path_factory):
     port = _free_port()
     config["http_options"]["port"] = port
     # Only sizes change: the shipped file, with a tiny checkpoint and CI-sized resources.
-    config["applications"][0]["args"].update(model=str(ckpt), kv_cache_bytes="16MiB", max_model_len=MAX_MODEL_LEN,
-                                             max_num_seqs=8, worker_num_cpus=0.5, ingress_num_cpus=0.25)
+    config["applications"][0]["args"].update(model=str(ckpt), workers=2, kv_cache_bytes="16MiB",
+                                             max_model_len=MAX_MODEL_LEN, max_num_seqs=8,
+                                             worker_num_cpus=0.5, ingress_num_cpus=0.25)
     path = tmp_path_factory.mktemp("serve") / "serve.yaml"
     path.write_text(yaml.safe_dump(config))
     serve_cli = str(Path(sys.executable).parent / "serve")
