@@ -1,0 +1,1 @@
+"""pagefleet.cluster — `pagefleet` CLI, serve options, the Serve app builder, Ray bring-up."""

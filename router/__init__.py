@@ -1,0 +1,1 @@
+"""pagefleet.router — the Serve ingress (OpenAI API), request validation and replica routing."""

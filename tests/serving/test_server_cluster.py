@@ -78,27 +78,27 @@ def server(ray_cluster, tiny_checkpoint, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def client(server):
+def openai_client(server):
     import openai
 
     return openai.OpenAI(base_url=f"{server[0]}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
 @pytest.fixture(scope="module")
-def tokenizer(server):
+def ckpt_tokenizer(server):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(server[1]))
 
 
-def test_two_replicas_models_health_tokenize(server, client, tokenizer):
+def test_two_replicas_models_health_tokenize(server, openai_client, ckpt_tokenizer):
     base, ckpt = server
     assert len(worker_stats()) == 2
-    models = client.models.list().data
+    models = openai_client.models.list().data
     assert [m.id for m in models] == [ckpt.name]
     assert httpx.get(f"{base}/health").status_code == 200
     r = httpx.post(f"{base}/tokenize", json={"prompt": PROMPTS[0]})
-    assert r.json()["tokens"] == tokenizer.encode(PROMPTS[0])
+    assert r.json()["tokens"] == ckpt_tokenizer.encode(PROMPTS[0])
     assert r.json()["max_model_len"] == MAX_MODEL_LEN
     assert httpx.get(f"{base}/version").json() == {"version": "0.1.0"}
 
@@ -110,44 +110,44 @@ def offline_llm(server):
     return LLM(model=str(server[1]), kv_cache_bytes=16 * 2**20, max_model_len=MAX_MODEL_LEN)
 
 
-def test_greedy_completions_equal_the_offline_llm(server, client, tokenizer, offline_llm):
+def test_greedy_completions_equal_the_offline_llm(server, openai_client, ckpt_tokenizer, offline_llm):
     from pagefleet.worker import SamplingParams
 
-    r = client.completions.create(model=server[1].name, prompt=PROMPTS, max_tokens=8, temperature=0)
+    r = openai_client.completions.create(model=server[1].name, prompt=PROMPTS, max_tokens=8, temperature=0)
     offline = offline_llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=8))
     assert [c.text for c in r.choices] == [o.outputs[0].text for o in offline]
     assert [c.finish_reason for c in r.choices] == [o.outputs[0].finish_reason for o in offline]
-    assert r.usage.prompt_tokens == sum(len(tokenizer.encode(p)) for p in PROMPTS)
+    assert r.usage.prompt_tokens == sum(len(ckpt_tokenizer.encode(p)) for p in PROMPTS)
     assert r.usage.completion_tokens == sum(len(o.outputs[0].token_ids) for o in offline)
 
 
-def test_max_tokens_reaches_length_with_exact_usage(server, client, tokenizer):
-    r = client.completions.create(model=server[1].name, prompt=PROMPTS[1], max_tokens=5, temperature=0,
+def test_max_tokens_reaches_length_with_exact_usage(server, openai_client, ckpt_tokenizer):
+    r = openai_client.completions.create(model=server[1].name, prompt=PROMPTS[1], max_tokens=5, temperature=0,
                                   extra_body={"ignore_eos": True})
     assert r.choices[0].finish_reason == "length"
     assert r.usage.completion_tokens == 5
-    assert r.usage.prompt_tokens == len(tokenizer.encode(PROMPTS[1]))
+    assert r.usage.prompt_tokens == len(ckpt_tokenizer.encode(PROMPTS[1]))
     assert r.usage.total_tokens == r.usage.prompt_tokens + 5
 
 
-def test_stop_string_ends_the_text(server, client):
-    full = client.completions.create(model=server[1].name, prompt=PROMPTS[0], max_tokens=16, temperature=0,
+def test_stop_string_ends_the_text(server, openai_client):
+    full = openai_client.completions.create(model=server[1].name, prompt=PROMPTS[0], max_tokens=16, temperature=0,
                                      extra_body={"ignore_eos": True}).choices[0].text
     stop = full[6:9]
-    r = client.completions.create(model=server[1].name, prompt=PROMPTS[0], max_tokens=16, temperature=0,
+    r = openai_client.completions.create(model=server[1].name, prompt=PROMPTS[0], max_tokens=16, temperature=0,
                                   stop=[stop], extra_body={"ignore_eos": True})
     assert r.choices[0].finish_reason == "stop"
     assert r.choices[0].text == full[:full.index(stop)]
 
 
-def test_chat_streaming_and_not_agree(server, client, tokenizer):
+def test_chat_streaming_and_not_agree(server, openai_client, ckpt_tokenizer):
     messages = [{"role": "system", "content": "You are brief."}, {"role": "user", "content": "Hi there"}]
-    r = client.chat.completions.create(model=server[1].name, messages=messages, max_tokens=6, temperature=0)
-    ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+    r = openai_client.chat.completions.create(model=server[1].name, messages=messages, max_tokens=6, temperature=0)
+    ids = ckpt_tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
     ids = ids["input_ids"] if hasattr(ids, "keys") else ids
     assert r.usage.prompt_tokens == len(ids)
     assert r.choices[0].message.role == "assistant"
-    stream = client.chat.completions.create(model=server[1].name, messages=messages, max_tokens=6, temperature=0,
+    stream = openai_client.chat.completions.create(model=server[1].name, messages=messages, max_tokens=6, temperature=0,
                                             stream=True, stream_options={"include_usage": True})
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
@@ -158,37 +158,37 @@ def test_chat_streaming_and_not_agree(server, client, tokenizer):
     assert finish == [r.choices[0].finish_reason]
 
 
-def test_completion_stream_text_equals_the_whole_response(server, client):
-    whole = client.completions.create(model=server[1].name, prompt=PROMPTS[2], max_tokens=6, temperature=0)
-    chunks = list(client.completions.create(model=server[1].name, prompt=PROMPTS[2], max_tokens=6, temperature=0,
+def test_completion_stream_text_equals_the_whole_response(server, openai_client):
+    whole = openai_client.completions.create(model=server[1].name, prompt=PROMPTS[2], max_tokens=6, temperature=0)
+    chunks = list(openai_client.completions.create(model=server[1].name, prompt=PROMPTS[2], max_tokens=6, temperature=0,
                                             stream=True))
     assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
 
 
-def test_n_and_seed(server, client):
+def test_n_and_seed(server, openai_client):
     kw = dict(model=server[1].name, prompt=PROMPTS[0], max_tokens=6, temperature=1.0, n=2, seed=1234)
-    a, b = client.completions.create(**kw), client.completions.create(**kw)
+    a, b = openai_client.completions.create(**kw), openai_client.completions.create(**kw)
     assert [c.index for c in a.choices] == [0, 1]
     assert [c.text for c in a.choices] == [c.text for c in b.choices]
     assert a.usage.completion_tokens == b.usage.completion_tokens
     assert a.usage.prompt_tokens == b.usage.prompt_tokens
 
 
-def test_logprobs(server, client, tokenizer, offline_llm):
+def test_logprobs(server, openai_client, ckpt_tokenizer, offline_llm):
     from pagefleet.worker import SamplingParams
 
-    r = client.completions.create(model=server[1].name, prompt=PROMPTS[0], max_tokens=4, temperature=0, logprobs=2,
+    r = openai_client.completions.create(model=server[1].name, prompt=PROMPTS[0], max_tokens=4, temperature=0, logprobs=2,
                                   extra_body={"ignore_eos": True})
     lp = r.choices[0].logprobs
     (out,) = offline_llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True,
                                                                 logprobs=2))
     # one entry per generated token, each the token decoded alone (as OpenAI does; a character
     # split across tokens shows as U+FFFD in both halves)
-    assert lp.tokens == [tokenizer.decode([t]) for t in out.outputs[0].token_ids]
+    assert lp.tokens == [ckpt_tokenizer.decode([t]) for t in out.outputs[0].token_ids]
     assert lp.token_logprobs == pytest.approx([e.logprob for e in out.outputs[0].logprobs], abs=1e-4)
     for chosen, top in zip(lp.token_logprobs, lp.top_logprobs):
         assert chosen == max(top.values())  # greedy picks the most likely token
-    c = client.chat.completions.create(model=server[1].name, messages=[{"role": "user", "content": "hey"}],
+    c = openai_client.chat.completions.create(model=server[1].name, messages=[{"role": "user", "content": "hey"}],
                                        max_tokens=3, temperature=0, logprobs=True, top_logprobs=2,
                                        extra_body={"ignore_eos": True})
     content = c.choices[0].logprobs.content
@@ -196,7 +196,7 @@ def test_logprobs(server, client, tokenizer, offline_llm):
     assert all(len(t.top_logprobs) == 2 and t.logprob == t.top_logprobs[0].logprob for t in content)
 
 
-def test_bad_requests_never_reach_a_worker(server, client):
+def test_bad_requests_never_reach_a_worker(server, openai_client):
     base, ckpt = server
     before = {rid: s["num_requests_total"] for rid, s in worker_stats().items()}
     long_prompt = list(range(5, 5 + MAX_MODEL_LEN))
@@ -218,11 +218,11 @@ def test_bad_requests_never_reach_a_worker(server, client):
     assert after == before
 
 
-def test_requests_spread_over_both_replicas(server, client):
+def test_requests_spread_over_both_replicas(server, openai_client):
     before = {rid: s["num_requests_total"] for rid, s in worker_stats().items()}
 
     def one(i):
-        return client.completions.create(model=server[1].name, prompt=f"request {i}", max_tokens=4, temperature=0)
+        return openai_client.completions.create(model=server[1].name, prompt=f"request {i}", max_tokens=4, temperature=0)
 
     with ThreadPoolExecutor(6) as pool:
         results = list(pool.map(one, range(6)))
