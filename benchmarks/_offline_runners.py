@@ -37,8 +37,17 @@ class RunResult:
 
 
 def peak_rss_mib() -> float:
-    # ru_maxrss is in KiB on Linux.
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+    """This process's peak resident set size.
+
+    VmHWM first: getrusage's ru_maxrss survives execve, so a child started by
+    a parent that once held a model would report the parent's peak."""
+    try:
+        for line in open("/proc/self/status"):
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024.0  # kB
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # KiB on Linux
 
 
 def kv_bytes_for(workload: Workload, config: dict, dtype_bytes: int) -> int:
