@@ -13,6 +13,9 @@ logger = logging.getLogger("pagefleet")
 
 
 def main(argv: list[str] | None = None) -> int:
+    # Before torch loads (here and in the Ray workers that inherit this environment):
+    # libgomp's default spin-waiting makes small matmuls ~30x slower on a busy few-core host.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     parser = _parser()
     args = parser.parse_args(argv)
     if args.command is None:
