@@ -92,3 +92,21 @@ def test_explicit_abort_reports_abort(engine):
     deltas = asyncio.run(main())
     assert deltas[-1].finished and deltas[-1].sequences[0].finish_reason == "abort"
     assert engine.abort("ab") is False
+
+
+def test_shutdown_ends_open_streams(tiny_checkpoint):
+    from pagefleet.worker.async_engine import EngineDeadError
+
+    eng = AsyncLLMEngine(EngineArgs(model=str(tiny_checkpoint(arch="llama")), dtype="float32",
+                                    kv_cache_bytes=16 << 20))
+    ids = eng.tokenizer.encode("shut down mid-stream")
+
+    async def main():
+        gen = eng.generate("s", ids, SamplingParams(max_tokens=1500, ignore_eos=True))
+        await gen.__anext__()
+        eng.shutdown()
+        with pytest.raises(EngineDeadError, match="shut down"):
+            async for _ in gen:
+                pass
+
+    asyncio.run(asyncio.wait_for(main(), timeout=60))

@@ -81,7 +81,7 @@ def test_preemption_matches(checkpoint):
     cfg = load_model_config(str(checkpoint))
     per_block = 2 * cfg.num_layers * 16 * cfg.num_kv_heads * cfg.head_dim * 4  # fp32 K and V
     llm = LLM(model=str(checkpoint), dtype="float32", block_size=16, enable_prefix_caching=False,
-              kv_cache_bytes=8 * per_block)
+              kv_cache_bytes=8 * per_block, max_model_len=128)
     assert llm.engine.pool.num_blocks == 8
     prompts = prompts_for(llm.tokenizer)
     assert_equal_to_reference(run(llm, prompts, 24), reference(checkpoint, prompts, 24), "preemption")

@@ -141,3 +141,29 @@ def test_bad_prompts_are_clear_errors_and_leak_nothing(llm):
         llm.generate({"prompt_token_ids": [1] * engine.model_config.max_model_len})
     stats = engine.stats()
     assert stats.num_free_blocks == stats.num_total_blocks and stats.num_waiting == 0
+
+
+def test_out_of_range_and_non_finite_params_are_refused(llm):
+    with pytest.raises(ValueError, match="top_k"):
+        SamplingParams(top_k=10**20)
+    for name in ("temperature", "top_p", "repetition_penalty"):
+        with pytest.raises(ValueError, match=name):
+            SamplingParams(**{name: float("nan")})
+    with pytest.raises(ValueError, match="stop token id 1000"):
+        llm.generate({"prompt_token_ids": [5, 6]}, SamplingParams(min_tokens=2, stop_token_ids=[1000]))
+    assert SamplingParams(temperature=1e-40).greedy
+    ids = llm.tokenizer.encode("near-zero temperature")
+    greedy = llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    tiny = llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=1e-40, max_tokens=6, ignore_eos=True))
+    assert tiny[0].outputs[0].token_ids == greedy[0].outputs[0].token_ids
+
+
+def test_stop_string_before_min_tokens_does_not_cut_text(llm):
+    ids = llm.tokenizer.encode("min tokens and stop strings")
+    full = llm.generate({"prompt_token_ids": ids},
+                        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0].outputs[0]
+    stop = full.text[2:4]  # occurs early in the greedy text
+    assert len(llm.tokenizer.decode(full.token_ids[:3])) >= 4  # ...within the first few tokens
+    out = llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                                                                 min_tokens=12, stop=[stop]))[0].outputs[0]
+    assert out.text == full.text and out.token_ids == full.token_ids and out.finish_reason == "length"

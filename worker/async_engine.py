@@ -52,6 +52,11 @@ class AsyncLLMEngine:
             raise ValueError(f"request id {request_id!r} is already running")
         q: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), q)
+        try:
+            self._raise_if_dead()  # the loop may have died while this stream was being registered
+        except EngineDeadError:
+            self._streams.pop(request_id, None)
+            raise
         self._send(("add", request_id, list(prompt_token_ids), params, extra_keys))
         finished = False
         try:
@@ -87,7 +92,12 @@ class AsyncLLMEngine:
         self._stopped = True
         self._wakeup.set()
         self._thread.join(timeout=10)
+        self._fail_open_streams(EngineDeadError("the engine was shut down"))
         self.engine.shutdown()
+
+    def _fail_open_streams(self, error: BaseException) -> None:
+        for rid in list(self._streams):
+            self._deliver(rid, error)
 
     def _send(self, command: tuple) -> None:
         self._commands.put(command)
@@ -117,7 +127,7 @@ class AsyncLLMEngine:
                 _, rid, ids, params, extra = command
                 try:
                     self.engine.add_request(rid, ids, params, extra)
-                except ValueError as e:
+                except Exception as e:  # a bad request fails alone, never the loop
                     self._deliver(rid, e)
             else:
                 delta = self.engine.abort_request(command[1])
@@ -136,11 +146,11 @@ class AsyncLLMEngine:
                     continue
                 deltas = self.engine.step()
                 self._stats = self.engine.stats()  # before delivery: a reader of a delta sees its step's stats
-                self._last_progress = time.monotonic()
+                if deltas:  # a step that schedules nothing while work waits is no progress
+                    self._last_progress = time.monotonic()
                 for delta in deltas:
                     self._deliver(delta.request_id, delta)
         except BaseException as e:  # the loop must never die silently
             logger.exception("engine loop died")
             self._error = e
-            for rid in list(self._streams):
-                self._deliver(rid, EngineDeadError(f"the engine loop died: {e!r}"))
+            self._fail_open_streams(EngineDeadError(f"the engine loop died: {e!r}"))

@@ -118,14 +118,19 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self.free_queue.append(block)
 
-    def cache(self, block: KVBlock, block_hash: BlockHash) -> None:
-        """Publish a full block under its hash (first writer wins for duplicates)."""
-        if not self.enable_caching or block.block_hash is not None:
-            return
-        if block_hash in self.cached:
-            return
+    def cache(self, block: KVBlock, block_hash: BlockHash) -> bool:
+        """Publish a full block under its hash (first writer wins for duplicates); True if published."""
+        if not self.enable_caching or block.block_hash is not None or block_hash in self.cached:
+            return False
         block.block_hash = block_hash
         self.cached[block_hash] = block
+        return True
+
+    def uncache(self, block: KVBlock) -> None:
+        """Withdraw a block's hash (its KV turned out invalid); the block itself stays as it is."""
+        if block.block_hash is not None and self.cached.get(block.block_hash) is block:
+            del self.cached[block.block_hash]
+        block.block_hash = None
 
     def num_evictable(self, blocks: list[KVBlock]) -> int:
         """How many of these blocks sit in the free queue (touching them uses free capacity)."""

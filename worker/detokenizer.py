@@ -30,9 +30,10 @@ class IncrementalDetokenizer:
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
-    def update(self, token_ids: list[int]) -> str | None:
+    def update(self, token_ids: list[int], check_stop: bool = True) -> str | None:
         """Take the sequence's whole token list after a new token; returns the stop string
-        that ended it, if one did (``self.text`` is then cut there)."""
+        that ended it, if one did (``self.text`` is then cut there). ``check_stop`` is False
+        while min_tokens are not out: text then grows past stop strings untouched."""
         prefix_text = self._decode(token_ids[self.prefix_offset:self.read_offset])
         new_text = self._decode(token_ids[self.prefix_offset:])
         if len(new_text) <= len(prefix_text) or new_text.endswith(_REPLACEMENT):
@@ -41,7 +42,7 @@ class IncrementalDetokenizer:
         self.prefix_offset, self.read_offset = self.read_offset, len(token_ids)
         old_len = len(self.text)
         self.text += delta
-        if not self.stop:
+        if not self.stop or not check_stop:
             return None
         search_from = max(old_len - self.max_stop_len + 1, 0)
         best: tuple[int, str] | None = None

@@ -88,6 +88,13 @@ class LLMEngine:
         if num_blocks < 1:
             raise ValueError(f"the KV cache budget of {budget} bytes holds no block of {per_block} bytes; "
                              "raise kv_cache_bytes / gpu_memory_utilization")
+        max_len = self.model_config.max_model_len
+        if num_blocks * args.block_size < max_len:
+            # As vLLM: one request of max_model_len must fit, or every long request fails later.
+            raise ValueError(
+                f"max_model_len {max_len} is larger than the {num_blocks * args.block_size} tokens the KV cache "
+                f"holds ({num_blocks} blocks of {args.block_size}); lower max_model_len or raise "
+                "kv_cache_bytes / gpu_memory_utilization")
         self.executor.allocate_kv_cache(num_blocks, args.block_size)
         return num_blocks, per_block
 
@@ -109,6 +116,11 @@ class LLMEngine:
         bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < cfg.vocab_size]
         if bad:
             raise ValueError(f"prompt token id {bad[0]!r} is outside the vocabulary [0, {cfg.vocab_size})")
+        if params.n > self.args.max_num_seqs:
+            raise ValueError(f"n={params.n} exceeds max_num_seqs={self.args.max_num_seqs}")
+        bad_stop = [t for t in params.stop_token_ids if not isinstance(t, int) or not 0 <= t < cfg.vocab_size]
+        if bad_stop:
+            raise ValueError(f"stop token id {bad_stop[0]!r} is outside the vocabulary [0, {cfg.vocab_size})")
         if n >= cfg.max_model_len:
             raise ValueError(f"the prompt has {n} tokens, leaving no room to generate within "
                              f"max_model_len={cfg.max_model_len}")
@@ -156,7 +168,12 @@ class LLMEngine:
         if not out.scheduled:
             return []
         step = build_step_input(out.scheduled, self.args.block_size, self.kv.block_ids)
-        logits = self.executor.execute(step)
+        try:
+            logits = self.executor.execute(step)
+        except BaseException:
+            self.kv.unpublish_step()  # blocks hashed for this step hold no valid KV
+            raise
+        self.kv.commit_step()
         sampling = [s.seq for s in out.scheduled if s.seq.num_computed_tokens + s.num_new_tokens == s.seq.num_tokens]
         for item in out.scheduled:
             item.seq.num_computed_tokens += item.num_new_tokens
@@ -174,8 +191,8 @@ class LLMEngine:
         if logprob is not None:
             seq.logprobs.append(logprob)
         p = seq.params
-        stop_str = self.detok[seq.seq_id].update(seq.token_ids)
         allowed = seq.num_output_tokens >= p.min_tokens
+        stop_str = self.detok[seq.seq_id].update(seq.token_ids, check_stop=allowed)
         if allowed and not p.ignore_eos and token in self.model_config.eos_token_ids:
             self.scheduler.finish(seq, "stop")
         elif allowed and token in p.stop_token_ids:

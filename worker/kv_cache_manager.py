@@ -20,6 +20,10 @@ class KVCacheManager:
         self.block_size = block_size
         self.block_tables: dict[int, list[KVBlock]] = {}
         self._num_published: dict[int, int] = {}  # leading blocks of each table already hashed into the pool
+        # Hashes are published when blocks are allocated, so later sequences of the same step
+        # can share them (each layer writes its KV before attention reads it); if the step
+        # fails, these must be withdrawn since their KV was never written.
+        self._step_published: list[tuple[int, KVBlock]] = []
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0     # of those, tokens found
 
@@ -75,8 +79,18 @@ class KVCacheManager:
         start = self._num_published.get(seq.seq_id, 0)
         end = min(num_tokens // self.block_size, len(hashes))
         for i in range(start, end):
-            self.pool.cache(table[i], hashes[i])
+            if self.pool.cache(table[i], hashes[i]):
+                self._step_published.append((seq.seq_id, table[i]))
         self._num_published[seq.seq_id] = max(start, end)
+
+    def commit_step(self) -> None:
+        self._step_published.clear()
+
+    def unpublish_step(self) -> None:
+        for seq_id, block in self._step_published:
+            self.pool.uncache(block)
+            self._num_published.pop(seq_id, None)  # republished from the start when it runs again
+        self._step_published.clear()
 
     def free(self, seq: Sequence) -> None:
         table = self.block_tables.pop(seq.seq_id, None)

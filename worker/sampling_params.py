@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+# Below this temperature sampling is greedy (as in vLLM): dividing logits by ~0 overflows.
+_GREEDY_EPS = 1e-5
+_MAX_TOP_K = 2**31 - 1
 
 
 @dataclass(slots=True)
@@ -47,12 +52,16 @@ class SamplingParams:
 
         if not isinstance(self.n, int) or self.n < 1:
             raise bad("n", "must be an integer >= 1")
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"):
+            if not math.isfinite(getattr(self, name)):
+                raise bad(name, "must be a finite number")
         if self.temperature < 0.0:
             raise bad("temperature", "must be >= 0")
         if not 0.0 < self.top_p <= 1.0:
             raise bad("top_p", "must be in (0, 1]")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise bad("top_k", "must be -1, 0 (disabled) or a positive integer")
+        if not isinstance(self.top_k, int) or not 0 <= self.top_k <= _MAX_TOP_K:
+            raise bad("top_k", f"must be -1, 0 (disabled) or a positive integer up to {_MAX_TOP_K}")
         if not 0.0 <= self.min_p <= 1.0:
             raise bad("min_p", "must be in [0, 1]")
         if not -2.0 <= self.presence_penalty <= 2.0:
@@ -74,4 +83,4 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < _GREEDY_EPS
