@@ -112,10 +112,10 @@ def test_tp2_greedy_matches_tp1(ray_session, tiny_checkpoint, baselines, case):
 def test_tp2_with_forced_chunking_and_preemption(ray_session, tiny_checkpoint, baselines):
     path = tiny_checkpoint(**CASES["llama_4kv_split"])
     want, _ = baselines("llama_4kv_split")
-    # 40 blocks of 16 tokens on each rank cannot hold all four sequences at once.
+    # 10 blocks of 16 tokens on each rank cannot hold all four sequences at once.
     per_block = 2 * 2 * 16 * 2 * 32 * 4  # K and V, 2 layers, 16 tokens, 2 KV heads per rank, head_dim 32, fp32
     llm = LLM(model=str(path), kv_cache_bytes=10 * per_block, tensor_parallel_size=2,
-              max_num_batched_tokens=24, enable_prefix_caching=False)
+              max_num_batched_tokens=24, enable_prefix_caching=False, max_model_len=160)
     try:
         _assert_close(_generate(llm), want, "chunked + preempted")
         assert llm.engine.stats().num_preemptions > 0
