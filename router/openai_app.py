@@ -95,8 +95,8 @@ def build_openai_app(service: OpenAIService, *, api_key: str | None = None) -> F
 async def _parse(request: Request, model: type[Body]) -> Body:
     raw = await request.body()
     try:
-        data: Any = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        data: Any = json.loads(raw, parse_constant=_reject_constant)
+    except (json.JSONDecodeError, UnicodeDecodeError, ValueError) as exc:
         raise bad_request(f"could not parse the JSON body of the request: {exc}") from exc
     if not isinstance(data, dict):
         raise bad_request("the request body must be a JSON object")
@@ -104,6 +104,11 @@ async def _parse(request: Request, model: type[Body]) -> Body:
         return model.model_validate(data)
     except ValidationError as exc:
         raise from_validation_error(exc) from exc
+
+
+def _reject_constant(name: str) -> Any:
+    # Python's json accepts NaN and Infinity, which JSON (and OpenAI) do not.
+    raise ValueError(f"{name} is not valid JSON")
 
 
 def _event_stream(chunks: AsyncIterator[dict]) -> StreamingResponse:

@@ -34,6 +34,7 @@ class ChoiceState:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it (as vLLM reports)
     text_offset: int = 0
     sent_role: bool = False
 
@@ -88,6 +89,7 @@ class ResponseBuilder:
             state.logprobs.extend(seq.logprobs)
         if seq.finish_reason is not None:
             state.finish_reason = seq.finish_reason
+            state.stop_reason = seq.stop_reason
         self.count_sequence(seq)
 
     def full_response(self) -> dict:
@@ -101,10 +103,11 @@ class ResponseBuilder:
                             else self._chat_logprobs(state.logprobs))
             if self.kind == "completion":
                 choices.append({"index": index, "text": text, "logprobs": logprobs,
-                                "finish_reason": state.finish_reason, "stop_reason": None})
+                                "finish_reason": state.finish_reason, "stop_reason": state.stop_reason})
             else:
                 choices.append({"index": index, "message": {"role": "assistant", "content": text},
-                                "logprobs": logprobs, "finish_reason": state.finish_reason})
+                                "logprobs": logprobs, "finish_reason": state.finish_reason,
+                                "stop_reason": state.stop_reason})
         return {"id": self.id, "object": "text_completion" if self.kind == "completion" else "chat.completion",
                 "created": self.created, "model": self.model, "choices": choices,
                 "usage": self.usage.to_dict()}
@@ -138,10 +141,12 @@ class ResponseBuilder:
         state.text_offset += len(seq.text)
         if self.kind == "completion":
             choice = {"index": index, "text": seq.text, "logprobs": logprobs,
-                      "finish_reason": seq.finish_reason, "stop_reason": None}
+                      "finish_reason": seq.finish_reason, "stop_reason": seq.stop_reason}
         else:
             delta = {"content": seq.text} if seq.text or seq.finish_reason is None else {}
             choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": seq.finish_reason}
+            if seq.finish_reason is not None:
+                choice["stop_reason"] = seq.stop_reason
         return self._chunk(choice)
 
     def usage_chunk(self) -> dict:

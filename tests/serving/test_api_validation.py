@@ -139,3 +139,12 @@ def test_api_key_guards_the_openai_routes(service):
         _error(c.get("/v1/models", headers={"Authorization": "Bearer wrong"}), 401, None)
         assert c.get("/v1/models", headers={"Authorization": "Bearer s3cret"}).status_code == 200
         assert c.get("/health").status_code == 200
+
+
+@pytest.mark.parametrize("constant", ["NaN", "Infinity", "-Infinity"])
+def test_non_finite_json_numbers_are_refused(client, fake, constant):
+    r = client.post("/v1/completions", content='{"prompt": "hi", "temperature": %s}' % constant,
+                    headers={"Content-Type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert constant in r.json()["error"]["message"]
+    assert fake.requests == []

@@ -138,6 +138,7 @@ def test_stop_string_ends_the_text(server, openai_client):
                                   stop=[stop], extra_body={"ignore_eos": True})
     assert r.choices[0].finish_reason == "stop"
     assert r.choices[0].text == full[:full.index(stop)]
+    assert r.choices[0].model_extra["stop_reason"] == stop  # which stop ended it, as vLLM reports
 
 
 def test_chat_streaming_and_not_agree(server, openai_client, ckpt_tokenizer):
