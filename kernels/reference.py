@@ -66,6 +66,23 @@ def _gather_blocks(cache: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     return rows.view(*table.shape[:-1], table.shape[-1] * cache.shape[1], *cache.shape[2:])
 
 
+def _length_groups(rows: list[int], lens: list[int], max_padding: float = 1.25) -> list[list[int]]:
+    """Split rows (sorted by length) into runs whose padded size stays within max_padding
+    of their real size: gathering every decode row to the batch's longest context would
+    copy and attend over up to twice the tokens when lengths spread widely."""
+    groups: list[list[int]] = []
+    total = 0
+    for b in rows:
+        group = groups[-1] if groups else None
+        if group is not None and (len(group) + 1) * lens[b] <= max_padding * (total + lens[b]):
+            group.append(b)
+            total += lens[b]
+        else:
+            groups.append([b])
+            total = lens[b]
+    return groups
+
+
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     block_table: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                     scale: float) -> torch.Tensor:
@@ -77,8 +94,9 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     Query token i of sequence b sits at position seq_lens[b] - q_len[b] + i.
     Returns [T, Hq, D].
 
-    Decode rows (one query token) run as one batched call; each multi-token
-    row (prefill or a prefill chunk) runs on its own, so no row pads another.
+    Decode rows (one query token) run as a few batched calls, grouped by context
+    length so that padding to a group's longest row stays small; each multi-token
+    row (prefill or a prefill chunk) runs on its own.
     """
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
@@ -89,16 +107,16 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     block_size = key_cache.shape[1]
     gqa = query.shape[1] != key_cache.shape[2]
 
-    decode = [b for b in range(num_seqs) if q_lens[b] == 1]
-    if decode:
-        max_len = max(lens[b] for b in decode)
-        idx = torch.tensor(decode, dtype=torch.long, device=device)
+    decode = sorted((b for b in range(num_seqs) if q_lens[b] == 1), key=lambda b: lens[b])
+    for group in _length_groups(decode, lens):
+        max_len = lens[group[-1]]
+        idx = torch.tensor(group, dtype=torch.long, device=device)
         tables = block_table.index_select(0, idx)[:, :(max_len + block_size - 1) // block_size].long()
         k = _gather_blocks(key_cache, tables)[:, :max_len]  # [Bd, L, Hkv, D]
         v = _gather_blocks(value_cache, tables)[:, :max_len]
-        ctx = torch.tensor([lens[b] for b in decode], device=device)
+        ctx = torch.tensor([lens[b] for b in group], device=device)
         mask = torch.arange(max_len, device=device).unsqueeze(0) < ctx.unsqueeze(1)  # [Bd, L]
-        q_rows = torch.tensor([starts[b] for b in decode], dtype=torch.long, device=device)
+        q_rows = torch.tensor([starts[b] for b in group], dtype=torch.long, device=device)
         q = query.index_select(0, q_rows).unsqueeze(2)  # [Bd, Hq, 1, D]
         o = F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2),
                                            attn_mask=mask[:, None, None, :], scale=scale,
