@@ -290,6 +290,8 @@ def check_engine(run: Run) -> None:
         llm = LLM(model=tmp, load_format="dummy", dtype="bfloat16", device=run.device.type, block_size=16,
                   max_num_seqs=num_seqs, max_num_batched_tokens=8192 if not tiny else 256,
                   kv_cache_bytes=(num_seqs * (prompt_len + output_len) + 64 * 16) * kv_per_token,
+                  # The pool is sized for this workload, not for the model's 8K context.
+                  max_model_len=max(prompt_len + output_len, single_prompt + single_output),
                   enable_prefix_caching=False)
         model = llm.engine.executor.model
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
