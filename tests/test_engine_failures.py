@@ -39,3 +39,9 @@ def test_pool_smaller_than_max_model_len_is_refused_at_start(tiny_checkpoint):
         LLM(model=path, dtype="float32", kv_cache_bytes=1 << 20)
     llm = LLM(model=path, dtype="float32", kv_cache_bytes=1 << 20, max_model_len=1024)
     assert llm.engine.pool.num_blocks == 64
+
+
+def test_bad_kernel_switch_stops_the_start(tiny_checkpoint, monkeypatch):
+    monkeypatch.setenv("PAGEFLEET_KERNELS", "bogus")
+    with pytest.raises(ValueError, match="PAGEFLEET_KERNELS='bogus'"):
+        LLM(model=str(tiny_checkpoint(arch="llama")), dtype="float32", kv_cache_bytes=16 << 20)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagefleet.kernels import ops
 from pagefleet.worker.config import ModelConfig
 from pagefleet.worker.cpu_malloc import keep_freed_memory
 from pagefleet.worker.loader import load_model
@@ -39,6 +40,8 @@ class ModelRunner:
         self.device = device
         if device.type == "cpu":
             keep_freed_memory()
+        # A bad PAGEFLEET_KERNELS must stop the start, not fail every later step.
+        logger.info("kernels on %s: %s", device, ops.backend_for(torch.empty(0, device=device)))
         self.model = load_model(cfg, tp, device, load_format, seed)
         attn = self.model.layers[0].self_attn
         self.num_kv_heads = attn.num_kv_heads

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 
 import ray
@@ -66,6 +67,9 @@ class TPExecutor:
         self._groups: ProcessGroups | None = None
         self._owns_dist = False  # torch.distributed state is this executor's to destroy
         self._failure: str | None = None
+        # The engine thread steps while the replica's event loop checks health and may shut
+        # down: one lock keeps a step, a teardown and a failure report from interleaving.
+        self._lock = threading.RLock()
         ensure_ray(self.size)
         try:
             self.runner = self._start(args)
@@ -83,6 +87,10 @@ class TPExecutor:
         self.placement = acquire_placement(self.size, use_cuda, STARTUP_TIMEOUT_S)
         if self.placement.rank0_cuda_index is not None:
             self.device = torch.device("cuda", self.placement.rank0_cuda_index)
+        elif use_cuda and self.device.index is None:
+            # Inside a Serve replica (or any Ray actor holding its GPU) Ray narrows
+            # CUDA_VISIBLE_DEVICES to that GPU; set_device and NCCL need the index.
+            self.device = torch.device("cuda", torch.cuda.current_device())
         if use_cuda:
             torch.cuda.set_device(self.device)
         worker_cls = ray.remote(TPWorker)
@@ -136,10 +144,11 @@ class TPExecutor:
 
     def execute(self, step: StepInput) -> torch.Tensor:
         """Run one step on every rank; [S, vocab] fp32 logits of the sampling rows."""
-        self._raise_if_failed()
-        if not self._loops:
-            raise RuntimeError("allocate_kv_cache must run before the first step")
-        return self._guarded(self._execute, step)
+        with self._lock:
+            self._raise_if_failed()
+            if not self._loops:
+                raise RuntimeError("allocate_kv_cache must run before the first step")
+            return self._guarded(self._execute, step)
 
     def _execute(self, step: StepInput) -> torch.Tensor:
         broadcast_step(step, self._groups.control)
@@ -149,16 +158,23 @@ class TPExecutor:
         return logits
 
     def check_health(self) -> None:
-        """Raise TPWorkerError if a rank's actor has died, even while the engine is idle."""
+        """Raise TPWorkerError if a rank's actor has died, even while the engine is idle.
+        While a step runs the step itself watches the actors, so this does not wait."""
         self._raise_if_failed()
-        done, _ = ray.wait(self._loops, num_returns=1, timeout=0) if self._loops else ([], [])
-        if done:
-            raise self._fail(RuntimeError("a tensor-parallel actor stopped while the engine was idle"))
+        if not self._lock.acquire(blocking=False):
+            return
+        try:
+            done, _ = ray.wait(self._loops, num_returns=1, timeout=0) if self._loops else ([], [])
+            if done:
+                raise self._fail(RuntimeError("a tensor-parallel actor stopped while the engine was idle"))
+        finally:
+            self._lock.release()
 
     def shutdown(self) -> None:
-        if self._failure is None:
-            self._failure = "the tensor-parallel executor is shut down"
-            self._teardown(stop_loops=True)
+        with self._lock:
+            if self._failure is None:
+                self._failure = "the tensor-parallel executor is shut down"
+                self._teardown(stop_loops=True)
 
     # ---- failure ---------------------------------------------------------------------------------
 
@@ -239,13 +255,15 @@ class TPExecutor:
                 logger.warning("tensor-parallel actors did not stop cleanly: %s", e)
         for actor in self.actors:
             ray.kill(actor, no_restart=True)
-        if self._owns_dist:
-            destroy_process_groups(abort=not stop_loops)
-            self._owns_dist = False
-        self._groups = None
-        if self.placement is not None:
-            self.placement.release()
-        self.actors, self._loops = [], []
+        try:
+            if self._owns_dist:
+                self._owns_dist = False
+                destroy_process_groups(abort=not stop_loops)
+        finally:
+            self._groups = None
+            if self.placement is not None:
+                self.placement.release()
+            self.actors, self._loops = [], []
 
 
 def _first_line(error: BaseException) -> str:

@@ -83,19 +83,27 @@ def acquire_placement(tp_size: int, use_cuda: bool, timeout_s: float) -> Placeme
     group = placement_group(specs, strategy="STRICT_PACK", name=f"pagefleet-tp-{os.getpid()}")
     placement = Placement(group, owned=True, bundle_specs=specs)
     try:
-        ray.get(group.ready(), timeout=timeout_s)
+        _await_group_and_rank0_gpu(placement, tp_size, use_cuda and not holds_gpu, rank_bundle, timeout_s)
+    except BaseException:
+        placement.release()  # nothing else holds it yet: an error here must not strand N GPUs
+        raise
+    return placement
+
+
+def _await_group_and_rank0_gpu(placement: Placement, tp_size: int, reserve_gpu: bool, rank_bundle: dict,
+                               timeout_s: float) -> None:
+    try:
+        ray.get(placement.group.ready(), timeout=timeout_s)
     except ray.exceptions.GetTimeoutError:
-        placement.release()
         raise RuntimeError(f"could not place {tp_size} tensor-parallel bundles {rank_bundle} on one node within "
                            f"{timeout_s:.0f} s; available: {ray.available_resources()}") from None
-    if use_cuda and not holds_gpu:
-        placement.reservation = _GpuReservation.options(num_gpus=1, scheduling_strategy=placement.strategy(0)).remote()
-        gpu = ray.get(placement.reservation.gpu_ids.remote(), timeout=timeout_s)[0]
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        ids = visible.split(",") if visible else None
-        if ids is not None and gpu not in ids:
-            placement.release()
-            raise RuntimeError(f"Ray gave rank 0 GPU {gpu}, which this process cannot see "
-                               f"(CUDA_VISIBLE_DEVICES={visible})")
-        placement.rank0_cuda_index = ids.index(gpu) if ids is not None else int(gpu)
-    return placement
+    if not reserve_gpu:
+        return
+    placement.reservation = _GpuReservation.options(num_gpus=1, scheduling_strategy=placement.strategy(0)).remote()
+    gpu = ray.get(placement.reservation.gpu_ids.remote(), timeout=timeout_s)[0]
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = visible.split(",") if visible else None
+    if ids is not None and gpu not in ids:
+        raise RuntimeError(f"Ray gave rank 0 GPU {gpu}, which this process cannot see "
+                           f"(CUDA_VISIBLE_DEVICES={visible})")
+    placement.rank0_cuda_index = ids.index(gpu) if ids is not None else int(gpu)
