@@ -45,21 +45,19 @@ def build_openai_app(service: OpenAIService, *, api_key: str | None = None) -> F
     async def list_models() -> dict:
         return service.models()
 
-    @app.post("/v1/completions")
-    async def create_completion(request: Request) -> Response:
-        req = await _parse(request, CompletionRequest)
-        builder, jobs = service.completion(req)
+    async def respond(req, prepare) -> Response:
+        builder, jobs = prepare(req)
         if req.stream:
             return _event_stream(service.stream_chunks(builder, jobs))
         return JSONResponse(await service.run_to_completion(builder, jobs))
 
+    @app.post("/v1/completions")
+    async def create_completion(request: Request) -> Response:
+        return await respond(await _parse(request, CompletionRequest), service.completion)
+
     @app.post("/v1/chat/completions")
     async def create_chat_completion(request: Request) -> Response:
-        req = await _parse(request, ChatCompletionRequest)
-        builder, jobs = service.chat(req)
-        if req.stream:
-            return _event_stream(service.stream_chunks(builder, jobs))
-        return JSONResponse(await service.run_to_completion(builder, jobs))
+        return await respond(await _parse(request, ChatCompletionRequest), service.chat)
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict:

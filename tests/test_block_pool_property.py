@@ -38,13 +38,13 @@ def test_prefix_hit_never_covers_last_token():
     pool = BlockPool(16)
     kv = KVCacheManager(pool, BLOCK)
     p = SamplingParams(max_tokens=4)
-    first = Sequence(0, "a", 0, list(range(8)), p, 0)
+    first = Sequence(0, "a", 0, list(range(8)), p)
     assert kv.allocate(first, 8, kv.find_prefix(first))
-    same = Sequence(1, "b", 0, list(range(8)), p, 1)
+    same = Sequence(1, "b", 0, list(range(8)), p)
     hit = kv.find_prefix(same)
     assert hit.num_tokens == 4  # 8 tokens = 2 full blocks, but the last token must be computed
     assert [b.block_id for b in hit.blocks] == kv.block_ids(first)[:1]
-    longer = Sequence(2, "c", 0, list(range(9)), p, 2)
+    longer = Sequence(2, "c", 0, list(range(9)), p)
     assert kv.find_prefix(longer).num_tokens == 8
 
 
@@ -67,7 +67,7 @@ class PoolMachine(RuleBasedStateMachine):
         params = SamplingParams(n=n, max_tokens=8)
         parent = None
         for i in range(n):
-            seq = Sequence(self.next_id, f"r{self.next_id}", i, prefix + tail, params, self.next_id, parent=parent)
+            seq = Sequence(self.next_id, f"r{self.next_id}", i, prefix + tail, params, parent=parent)
             parent = parent or seq
             self.next_id += 1
             self.sched.add(seq)

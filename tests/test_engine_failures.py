@@ -45,3 +45,12 @@ def test_bad_kernel_switch_stops_the_start(tiny_checkpoint, monkeypatch):
     monkeypatch.setenv("PAGEFLEET_KERNELS", "bogus")
     with pytest.raises(ValueError, match="PAGEFLEET_KERNELS='bogus'"):
         LLM(model=str(tiny_checkpoint(arch="llama")), dtype="float32", kv_cache_bytes=16 << 20)
+
+
+def test_a_bad_prompt_in_a_batch_leaves_no_request_behind(tiny_checkpoint):
+    llm = LLM(model=str(tiny_checkpoint(arch="llama")), dtype="float32", kv_cache_bytes=16 << 20)
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate([{"prompt_token_ids": [5, 6, 7]}, {"prompt_token_ids": []}], SamplingParams(max_tokens=3))
+    assert not llm.engine.has_unfinished()
+    out = llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(temperature=0, max_tokens=3))
+    assert len(out) == 1 and len(out[0].outputs[0].token_ids) == 3

@@ -113,7 +113,7 @@ def test_repetition_penalty_changes_only_seen_tokens():
     from pagefleet.worker.sequence import Sequence
 
     seq = Sequence(0, "r", 0, [1, 2], SamplingParams(repetition_penalty=2.0, presence_penalty=0.5,
-                                                     frequency_penalty=0.25), 0)
+                                                     frequency_penalty=0.25))
     seq.append_token(3)
     seq.append_token(3)
     logits = torch.tensor([[1.0, 2.0, -2.0, 4.0, 5.0]])

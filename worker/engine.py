@@ -74,7 +74,6 @@ class LLMEngine:
         # Output tokens of each sequence already handed out; None once its finish was reported.
         self._sent: dict[int, int | None] = {}
         self._seq_ids = count()
-        self._arrivals = count()
         self.num_steps = 0
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
@@ -137,10 +136,9 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already running")
         self.validate(prompt_token_ids, params)
-        arrival = next(self._arrivals)
         seqs: list[Sequence] = []
         for i in range(params.n):
-            seq = Sequence(next(self._seq_ids), request_id, i, prompt_token_ids, params, arrival,
+            seq = Sequence(next(self._seq_ids), request_id, i, prompt_token_ids, params,
                            parent=seqs[0] if seqs else None, extra_keys=extra_keys)
             self.detok[seq.seq_id] = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop,
                                                             params.include_stop_str_in_output)
@@ -224,7 +222,7 @@ class LLMEngine:
         if sent is None:
             return None  # finished and already reported
         text = self.detok[seq.seq_id].take_new_text(seq.is_finished)
-        new_ids = seq.output_token_ids[sent:]
+        new_ids = seq.token_ids[seq.num_prompt_tokens + sent:]
         if not new_ids and not text and not seq.is_finished:
             return None
         self._sent[seq.seq_id] = None if seq.is_finished else sent + len(new_ids)

@@ -20,10 +20,6 @@ class TensorSlice(Protocol):
     def __getitem__(self, index) -> torch.Tensor: ...
 
 
-def _read_rows(src: TensorSlice, start: int, end: int) -> torch.Tensor:
-    return src[start:end]
-
-
 class ColumnParallelLinear(nn.Module):
     """Output features split over ranks; ``out_sizes`` are the rank-local sizes of the
     logical outputs merged into one matmul (q|k|v or gate|up)."""
@@ -48,7 +44,7 @@ class ColumnParallelLinear(nn.Module):
         start, end = self.shard_rows(shard)
         dst = getattr(self, kind)
         off = self.offsets[shard]
-        dst.data[off:off + end - start].copy_(_read_rows(src, start, end))
+        dst.data[off:off + end - start].copy_(src[start:end])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)

@@ -40,14 +40,15 @@ class LLM:
         engine = self.engine
         order: list[str] = []
         results: dict[str, RequestOutput] = {}
-        for prompt, params in zip(prompts, sampling_params):
-            text, ids = self._prompt_ids(prompt)
-            rid = f"offline-{next(self._ids)}"
-            engine.add_request(rid, ids, params)
-            order.append(rid)
-            results[rid] = RequestOutput(rid, text, ids, [CompletionOutput(i, "", [], None, None)
-                                                          for i in range(params.n)], 0, False)
         try:
+            for prompt, params in zip(prompts, sampling_params):
+                text, ids = self._prompt_ids(prompt)
+                rid = f"offline-{next(self._ids)}"
+                engine.add_request(rid, ids, params)
+                order.append(rid)
+                outputs = [CompletionOutput(i, "", [], [] if params.logprobs is not None else None, None)
+                           for i in range(params.n)]
+                results[rid] = RequestOutput(rid, text, ids, outputs, 0, False)
             while engine.has_unfinished():
                 for delta in engine.step():
                     out = results[delta.request_id]
@@ -58,7 +59,7 @@ class LLM:
                         c.text += s.text
                         c.token_ids.extend(s.token_ids)
                         if s.logprobs is not None:
-                            c.logprobs = (c.logprobs or []) + s.logprobs
+                            c.logprobs.extend(s.logprobs)
                         c.finish_reason = s.finish_reason
                         c.stop_reason = s.stop_reason
         except BaseException:

@@ -100,13 +100,11 @@ class ModelRunner:
 
     def _tensors(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         dev = self.device
-        max_blocks = max(len(t) for t in step.block_tables)
-        table = torch.zeros(len(step.block_tables), max_blocks, dtype=torch.int32)
-        for i, row in enumerate(step.block_tables):
-            table[i, :len(row)] = torch.tensor(row, dtype=torch.int32)
+        width = max(len(t) for t in step.block_tables)
+        padded = [row + [0] * (width - len(row)) for row in step.block_tables]
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(step.slot_mapping, dtype=torch.int64, device=dev),
-            block_table=table.to(dev),
+            block_table=torch.tensor(padded, dtype=torch.int32, device=dev),
             query_start_loc=torch.tensor(step.query_start_loc, dtype=torch.int32, device=dev),
             seq_lens=torch.tensor(step.seq_lens, dtype=torch.int32, device=dev),
         )

@@ -23,11 +23,11 @@ class Sequence:
 
     __slots__ = ("seq_id", "request_id", "index", "params", "token_ids", "num_prompt_tokens",
                  "num_computed_tokens", "num_cached_tokens", "status", "finish_reason", "stop_reason",
-                 "logprobs", "generator", "parent", "extra_keys", "arrival_order", "block_hashes",
+                 "logprobs", "generator", "parent", "extra_keys", "block_hashes",
                  "output_counts")
 
     def __init__(self, seq_id: int, request_id: str, index: int, prompt_token_ids: list[int],
-                 params: SamplingParams, arrival_order: int, parent: "Sequence | None" = None,
+                 params: SamplingParams, parent: "Sequence | None" = None,
                  extra_keys: tuple = ()) -> None:
         self.seq_id = seq_id
         self.request_id = request_id
@@ -48,7 +48,6 @@ class Sequence:
             self.generator = torch.Generator().manual_seed(params.seed + 7919 * index)
         self.parent = parent  # the sequence whose prompt blocks this one shares (n > 1)
         self.extra_keys = extra_keys
-        self.arrival_order = arrival_order
         self.block_hashes: list = []  # chained hashes of this sequence's full blocks, filled lazily
         self.output_counts: dict[int, int] = {}
 
@@ -59,10 +58,6 @@ class Sequence:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
 
     @property
     def is_finished(self) -> bool:

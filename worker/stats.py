@@ -17,7 +17,3 @@ class EngineStats:
     num_steps: int
     prompt_tokens_total: int
     generation_tokens_total: int
-
-    @property
-    def kv_cache_usage(self) -> float:
-        return 1.0 - self.num_free_blocks / self.num_total_blocks if self.num_total_blocks else 0.0
