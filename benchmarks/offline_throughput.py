@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="pagefleet-bench-") as scratch:
         ckpt = Path(args.ckpt) if args.ckpt else Path(scratch) / "ckpt"
         if not (ckpt / "config.json").is_file():
-            from pagefleet.worker.demo_model import write_demo_checkpoint
+            from pagefleet.cluster.demo_model import write_demo_checkpoint
 
             write_demo_checkpoint(ckpt, size="small", arch="llama", dtype="float32", seed=0)
         config = json.loads((ckpt / "config.json").read_text())

@@ -15,6 +15,7 @@ from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
 from pagefleet.cluster.config import ServeOptions
+from pagefleet.cluster.demo_model import or_demo_model
 from pagefleet.router.ingress import INGRESS_DEPLOYMENT_NAME, OpenAIIngress
 from pagefleet.router.request_router import REQUEST_ROUTER_CLASS
 from pagefleet.worker.deployment import worker_deployment
@@ -27,14 +28,15 @@ ROUTING_STATS_PERIOD_S = 1.0
 
 def build_app(args: Mapping[str, Any] | ServeOptions | None = None) -> Application:
     opts = args if isinstance(args, ServeOptions) else ServeOptions.from_dict(args)
-    engine_args = opts.engine_args()
-    gpus = opts.worker_num_gpus
+    engine_args = or_demo_model(opts.engine)
+    serve_args = opts.serve
+    gpus = serve_args.worker_num_gpus
     if gpus is None:
         gpus = 1.0 if _cluster_has_gpus() and engine_args.device != "cpu" else 0.0
     worker = worker_deployment(
         engine_args,
-        num_replicas=opts.workers,
-        num_cpus=opts.worker_num_cpus,
+        num_replicas=serve_args.workers,
+        num_cpus=serve_args.worker_num_cpus,
         num_gpus_per_rank=gpus,
         request_router_config=RequestRouterConfig(
             request_router_class=REQUEST_ROUTER_CLASS,
@@ -45,12 +47,12 @@ def build_app(args: Mapping[str, Any] | ServeOptions | None = None) -> Applicati
     ingress = serve.deployment(
         OpenAIIngress,
         name=INGRESS_DEPLOYMENT_NAME,
-        num_replicas=opts.ingress_replicas,
+        num_replicas=serve_args.ingress_replicas,
         # The ingress only tokenizes and relays; its concurrency is bounded by the workers'.
         max_ongoing_requests=4096,
-        ray_actor_options={"num_cpus": opts.ingress_num_cpus},
+        ray_actor_options={"num_cpus": serve_args.ingress_num_cpus},
     )
-    return ingress.bind(worker, engine_args, opts.api_key)
+    return ingress.bind(worker, engine_args, serve_args.api_key)
 
 
 def _cluster_has_gpus() -> bool:

@@ -7,7 +7,11 @@ import logging
 import os
 import sys
 
-from pagefleet.cluster.config import ServeOptions, parse_bytes
+from pagefleet.cluster.config import ServeArgs, ServeOptions
+from pagefleet.cluster.demo_model import ARCHITECTURES, DEMO_SIZES, write_demo_checkpoint
+from pagefleet.worker.config import DTYPES
+from pagefleet.worker.engine_args import EngineArgs
+from pagefleet.worker.options import add_cli_args
 
 logger = logging.getLogger("pagefleet")
 
@@ -35,69 +39,34 @@ def _parser() -> argparse.ArgumentParser:
     serve.set_defaults(command="serve", run=_serve)
     serve.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                        help="checkpoint directory (same as --model)")
-    serve.add_argument("--model", default=None,
-                       help="Hugging Face checkpoint directory (default: the built-in demo checkpoint, random weights)")
-    serve.add_argument("--served-model-name", default=None, help="the model name clients send (default: directory name)")
-    serve.add_argument("--host", default="127.0.0.1", help="HTTP bind address (default: loopback only)")
-    serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--workers", type=int, default=1, help="engine replicas")
-    serve.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="GPUs (ranks) per replica")
-    serve.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16", "half", "float"])
-    serve.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    serve.add_argument("--max-model-len", type=int, default=None)
-    serve.add_argument("--block-size", type=int, default=16, choices=[8, 16, 32, 64, 128])
-    serve.add_argument("--max-num-seqs", type=int, default=64)
-    serve.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    memory = serve.add_mutually_exclusive_group()
-    memory.add_argument("--kv-cache-bytes", type=_byte_size, default=None,
-                        help="KV cache budget per replica, e.g. 512MiB or 2GiB (the CPU default is 512MiB)")
-    memory.add_argument("--gpu-memory-utilization", type=float, default=None,
-                        help="fraction of GPU memory for weights, activations and KV cache (default 0.9)")
-    serve.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
-    serve.add_argument("--load-format", default="safetensors", choices=["safetensors", "dummy"])
-    serve.add_argument("--seed", type=int, default=0)
-    serve.add_argument("--api-key", default=os.environ.get("PAGEFLEET_API_KEY"),
-                       help="require 'Authorization: Bearer KEY' on /v1 routes (or set PAGEFLEET_API_KEY)")
+    add_cli_args(serve.add_argument_group("engine options"), EngineArgs)
+    add_cli_args(serve.add_argument_group("serving options"), ServeArgs)
     serve.add_argument("--address", default=None,
                        help="join a running Ray cluster ('auto' or HOST:PORT) instead of starting a local one")
-    serve.add_argument("--worker-cpus", type=float, default=1.0, help="Ray CPUs reserved per TP rank")
 
     demo = sub.add_parser("demo-model", help="write a random-weight checkpoint with a locally trained tokenizer")
     demo.set_defaults(command="demo-model", run=_demo_model)
     demo.add_argument("--out", required=True, help="directory to write")
-    demo.add_argument("--size", default="tiny", choices=["tiny", "small"])
-    demo.add_argument("--arch", default="llama", choices=["llama", "qwen2", "qwen3", "mistral"])
-    demo.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    demo.add_argument("--size", default="tiny", choices=list(DEMO_SIZES))
+    demo.add_argument("--arch", default="llama", choices=ARCHITECTURES)
+    demo.add_argument("--dtype", default="float32", choices=DTYPES)
     demo.add_argument("--seed", type=int, default=0)
     return parser
 
 
-def _byte_size(text: str) -> int:
-    try:
-        return parse_bytes(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from exc
-
-
 def options_from_args(args: argparse.Namespace) -> ServeOptions:
+    """ServeOptions from parsed `serve` flags; ValueError for values no flag type catches."""
     if args.model_tag and args.model and args.model_tag != args.model:
         raise ValueError(f"two models given: {args.model_tag!r} and --model {args.model!r}")
-    dtype = {"half": "float16", "float": "float32"}.get(args.dtype, args.dtype)
-    return ServeOptions(
-        model=args.model or args.model_tag, served_model_name=args.served_model_name, host=args.host,
-        port=args.port, workers=args.workers, tensor_parallel_size=args.tensor_parallel_size, dtype=dtype,
-        device=args.device, max_model_len=args.max_model_len, block_size=args.block_size,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        kv_cache_bytes=args.kv_cache_bytes, gpu_memory_utilization=args.gpu_memory_utilization,
-        enable_prefix_caching=args.enable_prefix_caching, load_format=args.load_format, seed=args.seed,
-        api_key=args.api_key, worker_num_cpus=args.worker_cpus)
+    args.model = args.model or args.model_tag
+    return ServeOptions.from_namespace(args)
 
 
 def _serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         opts = options_from_args(args)
-    except (ValueError, FileNotFoundError) as exc:
+    except ValueError as exc:
         print(f"pagefleet serve: error: {exc}", file=sys.stderr)
         return 2
     from pagefleet.cluster.launch import run_server
@@ -106,8 +75,6 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _demo_model(args: argparse.Namespace) -> int:
-    from pagefleet.worker.demo_model import write_demo_checkpoint
-
     path = write_demo_checkpoint(args.out, size=args.size, arch=args.arch, dtype=args.dtype, seed=args.seed)
     print(f"wrote a random-weight {args.size} {args.arch} checkpoint to {path}")
     return 0

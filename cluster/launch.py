@@ -17,16 +17,15 @@ import time
 
 from pagefleet.cluster.config import ServeOptions
 
-def check_model(opts: ServeOptions) -> str:
-    """Resolve (and, for the demo, write) the checkpoint before any Ray process starts, so a
-    bad --model fails in a second and replicas never race to write the demo checkpoint."""
-    from pagefleet.worker.config import load_model_config
-    from pagefleet.worker.engine import resolve_model
+def prepare_model(opts: ServeOptions) -> str:
+    """Resolve (and, for the demo, write) the checkpoint before any Ray process starts, so a bad
+    --model fails in a second and replicas never race to write the demo checkpoint. Returns the
+    served model name; ``opts.engine.model`` is the checkpoint directory afterwards."""
+    from pagefleet.cluster.demo_model import or_demo_model
+    from pagefleet.worker.config import model_config_of
 
-    path = resolve_model(opts.model)
-    cfg = load_model_config(path, dtype=opts.dtype, max_model_len=opts.max_model_len,
-                            served_model_name=opts.served_model_name)
-    return cfg.served_model_name
+    opts.engine = or_demo_model(opts.engine)
+    return model_config_of(opts.engine).served_model_name
 
 
 def run_server(opts: ServeOptions, *, address: str | None = None) -> int:
@@ -36,7 +35,7 @@ def run_server(opts: ServeOptions, *, address: str | None = None) -> int:
         # Before the first `import ray`: Ray reads its auth mode once per process.
         os.environ.setdefault("RAY_AUTH_MODE", "token")
     try:
-        model_name = check_model(opts)
+        model_name = prepare_model(opts)
     except (ValueError, FileNotFoundError) as exc:
         print(f"pagefleet serve: error: {exc}", file=sys.stderr)
         return 2
@@ -61,7 +60,7 @@ def run_server(opts: ServeOptions, *, address: str | None = None) -> int:
     signal.signal(signal.SIGINT, stop)
     signal.signal(signal.SIGTERM, stop)
     try:
-        serve.start(http_options={"host": opts.host, "port": opts.port})
+        serve.start(http_options={"host": opts.serve.host, "port": opts.serve.port})
         serve.run(build_app(opts), name=APP_NAME, route_prefix="/")
         print(banner(opts, model_name, time.monotonic() - started, local), flush=True)
         while True:
@@ -78,12 +77,12 @@ def run_server(opts: ServeOptions, *, address: str | None = None) -> int:
 
 
 def banner(opts: ServeOptions, model_name: str, elapsed_s: float, local: bool) -> str:
-    host = "127.0.0.1" if opts.host in ("0.0.0.0", "::") else opts.host
-    base = f"http://{host}:{opts.port}"
-    auth = f" \\\n  -H 'Authorization: Bearer {opts.api_key}'" if opts.api_key else ""
+    host = "127.0.0.1" if opts.serve.host in ("0.0.0.0", "::") else opts.serve.host
+    base = f"http://{host}:{opts.serve.port}"
+    auth = f" \\\n  -H 'Authorization: Bearer {opts.serve.api_key}'" if opts.serve.api_key else ""
     where = "a local Ray cluster (token auth on)" if local else "the Ray cluster"
     return (
-        f"\npagefleet: serving {model_name!r} with {opts.workers} worker replica(s) on {where}, "
+        f"\npagefleet: serving {model_name!r} with {opts.serve.workers} worker replica(s) on {where}, "
         f"ready in {elapsed_s:.0f} s\n"
         f"  OpenAI API: {base}/v1   health: {base}/health   metrics: {base}/metrics\n"
         f"  try:\n"

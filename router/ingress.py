@@ -10,7 +10,7 @@ worker-side generator, which aborts the request in the engine.
 from __future__ import annotations
 
 import logging
-from typing import AsyncIterator
+from typing import Any, AsyncIterator
 
 from ray import serve
 from ray.serve.handle import DeploymentHandle
@@ -18,8 +18,10 @@ from ray.serve.handle import DeploymentHandle
 from pagefleet.router.openai_app import build_openai_app
 from pagefleet.router.preprocess import ModelInfo
 from pagefleet.router.service import OpenAIService
+from pagefleet.worker.config import model_config_of
 from pagefleet.worker.engine_args import EngineArgs
 from pagefleet.worker.outputs import RequestOutputDelta
+from pagefleet.worker.request_check import RequestLimits
 from pagefleet.worker.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -32,7 +34,7 @@ class HandleWorkerClient:
 
     def __init__(self, handle: DeploymentHandle) -> None:
         self._stream = handle.options(method_name="generate", stream=True)
-        self._health = handle.options(method_name="health")
+        self._health = handle.options(method_name="check_health")
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams) -> AsyncIterator[RequestOutputDelta]:
@@ -50,20 +52,16 @@ class HandleWorkerClient:
         await self._health.remote()
 
 
-def load_model_info(args: EngineArgs):
+def load_model_info(args: EngineArgs) -> tuple[Any, ModelInfo]:
     """The tokenizer and ``ModelInfo`` from the checkpoint's config and tokenizer files,
-    resolved exactly as the engine resolves them (same max_model_len, same name)."""
+    read exactly as the engine reads them (same max_model_len, same name, same limits)."""
     from transformers import AutoTokenizer
 
-    from pagefleet.worker.config import load_model_config
-    from pagefleet.worker.engine import resolve_model
-
-    cfg = load_model_config(resolve_model(args.model), dtype=args.dtype, max_model_len=args.max_model_len,
-                            served_model_name=args.served_model_name)
+    cfg = model_config_of(args)
     tokenizer = AutoTokenizer.from_pretrained(str(cfg.path))
-    info = ModelInfo(served_model_name=cfg.served_model_name, max_model_len=cfg.max_model_len,
-                     vocab_size=cfg.vocab_size, root=str(cfg.path))
-    return tokenizer, info
+    limits = RequestLimits(vocab_size=cfg.vocab_size, max_model_len=cfg.max_model_len,
+                           max_num_seqs=args.max_num_seqs)
+    return tokenizer, ModelInfo(served_model_name=cfg.served_model_name, root=str(cfg.path), limits=limits)
 
 
 @serve.ingress()
@@ -72,7 +70,7 @@ class OpenAIIngress:
         tokenizer, info = load_model_info(engine_args)
         self._service = OpenAIService(tokenizer=tokenizer, info=info, client=HandleWorkerClient(worker))
         self._api_key = api_key
-        logger.info("ingress serves %s (max_model_len %d)", info.served_model_name, info.max_model_len)
+        logger.info("ingress serves %s (max_model_len %d)", info.served_model_name, info.limits.max_model_len)
 
     def __serve_build_asgi_app__(self):
         return build_openai_app(self._service, api_key=self._api_key)

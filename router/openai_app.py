@@ -17,7 +17,7 @@ from pydantic import BaseModel, ValidationError
 
 from pagefleet.router.errors import OpenAIError, bad_request, from_validation_error, install_error_handlers
 from pagefleet.router.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
-from pagefleet.router.service import OpenAIService
+from pagefleet.router.service import OpenAIService, PreparedRequest
 from pagefleet.router.sse import sse_stream
 
 VERSION = "0.1.0"
@@ -45,19 +45,18 @@ def build_openai_app(service: OpenAIService, *, api_key: str | None = None) -> F
     async def list_models() -> dict:
         return service.models()
 
-    async def respond(req, prepare) -> Response:
-        builder, jobs = prepare(req)
-        if req.stream:
-            return _event_stream(service.stream_chunks(builder, jobs))
-        return JSONResponse(await service.run_to_completion(builder, jobs))
+    async def respond(prepared: PreparedRequest) -> Response:
+        if prepared.stream:
+            return _event_stream(service.stream_chunks(prepared))
+        return JSONResponse(await service.run_to_completion(prepared))
 
     @app.post("/v1/completions")
     async def create_completion(request: Request) -> Response:
-        return await respond(await _parse(request, CompletionRequest), service.completion)
+        return await respond(service.completion(await _parse(request, CompletionRequest)))
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(request: Request) -> Response:
-        return await respond(await _parse(request, ChatCompletionRequest), service.chat)
+        return await respond(service.chat(await _parse(request, ChatCompletionRequest)))
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict:

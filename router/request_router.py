@@ -12,7 +12,8 @@ from typing import List, Optional
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
-from pagefleet.router.routing_policy import load_from_routing_stats, rank_replicas
+from pagefleet.router.routing_policy import rank_replicas, replica_load
+from pagefleet.worker.stats import ReplicaStats
 
 REQUEST_ROUTER_CLASS = "pagefleet.router.request_router:LeastLoadedRouter"
 
@@ -24,6 +25,7 @@ class LeastLoadedRouter(FIFOMixin, RequestRouter):
         pending_request: Optional[PendingRequest] = None,
     ) -> List[List[RunningReplica]]:
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
-        loads = [load_from_routing_stats(rid, r.routing_stats, self.replica_queue_len_cache.get(r.replica_id) or 0)
+        loads = [replica_load(rid, ReplicaStats.from_routing_stats(r.routing_stats),
+                              self.replica_queue_len_cache.get(r.replica_id) or 0)
                  for rid, r in by_id.items()]
         return [[by_id[rid]] for rid in rank_replicas(loads)]

@@ -8,10 +8,11 @@ OpenAI clients expect.
 from __future__ import annotations
 
 import time
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagefleet.worker.outputs import RequestOutputDelta, SequenceDelta, TokenLogprob
+from pagefleet.worker.outputs import CompletionOutput, RequestOutputDelta, TokenLogprob
 
 
 @dataclass(slots=True)
@@ -39,12 +40,15 @@ class ChoiceState:
     sent_role: bool = False
 
 
-class ResponseBuilder:
-    def __init__(self, *, kind: str, request_id: str, model: str, tokenizer: Any,
+class ResponseBuilder(ABC):
+    """What completions and chat share; the subclasses say how a choice, a chunk and
+    logprobs look in each API."""
+
+    object_name: str        # of a whole response
+    chunk_object_name: str  # of a stream chunk
+
+    def __init__(self, *, request_id: str, model: str, tokenizer: Any,
                  want_logprobs: bool, include_usage: bool = False) -> None:
-        if kind not in ("completion", "chat"):
-            raise ValueError(f"kind must be 'completion' or 'chat', got {kind!r}")
-        self.kind = kind
         self.id = request_id
         self.model = model
         self.created = int(time.time())
@@ -68,7 +72,7 @@ class ResponseBuilder:
         self.usage.prompt_tokens += first_delta.num_prompt_tokens
         self.usage.cached_tokens += first_delta.num_cached_tokens
 
-    def count_sequence(self, seq: SequenceDelta) -> None:
+    def count_sequence(self, seq: CompletionOutput) -> None:
         self.usage.completion_tokens += len(seq.token_ids)
 
     def token_str(self, token_id: int) -> str:
@@ -79,7 +83,7 @@ class ResponseBuilder:
 
     # ---- whole responses ---------------------------------------------------------------
 
-    def accumulate(self, index: int, seq: SequenceDelta) -> None:
+    def accumulate(self, index: int, seq: CompletionOutput) -> None:
         state = self.choice(index)
         if state.finish_reason is not None:
             return  # the engine repeats a finished sequence, empty, while its siblings run
@@ -96,36 +100,20 @@ class ResponseBuilder:
         choices = []
         for index in sorted(self._choices):
             state = self._choices[index]
-            text = "".join(state.text)
-            logprobs = None
-            if self.want_logprobs:
-                logprobs = (self._completion_logprobs(state.logprobs, 0) if self.kind == "completion"
-                            else self._chat_logprobs(state.logprobs))
-            if self.kind == "completion":
-                choices.append({"index": index, "text": text, "logprobs": logprobs,
-                                "finish_reason": state.finish_reason, "stop_reason": state.stop_reason})
-            else:
-                choices.append({"index": index, "message": {"role": "assistant", "content": text},
-                                "logprobs": logprobs, "finish_reason": state.finish_reason,
-                                "stop_reason": state.stop_reason})
-        return {"id": self.id, "object": "text_completion" if self.kind == "completion" else "chat.completion",
+            logprobs = self._logprobs(state.logprobs, 0) if self.want_logprobs else None
+            choices.append(self._choice(index, "".join(state.text), logprobs, state.finish_reason,
+                                        state.stop_reason))
+        return {"id": self.id, "object": self.object_name,
                 "created": self.created, "model": self.model, "choices": choices,
                 "usage": self.usage.to_dict()}
 
     # ---- stream chunks -----------------------------------------------------------------
 
     def role_chunks(self, indices: list[int]) -> list[dict]:
-        """Chat streams open each choice with the assistant role, as OpenAI does."""
-        out = []
-        for index in indices:
-            state = self.choice(index)
-            if self.kind == "chat" and not state.sent_role:
-                state.sent_role = True
-                out.append(self._chunk({"index": index, "delta": {"role": "assistant", "content": ""},
-                                        "logprobs": None, "finish_reason": None}))
-        return out
+        """The chunks that open a stream before any output (chat: the assistant role)."""
+        return []
 
-    def delta_chunk(self, index: int, seq: SequenceDelta) -> dict | None:
+    def delta_chunk(self, index: int, seq: CompletionOutput) -> dict | None:
         """The chunk for one choice's new output in one engine step; None when it has nothing."""
         state = self.choice(index)
         if state.finish_reason is not None:
@@ -136,18 +124,9 @@ class ResponseBuilder:
             return None
         logprobs = None
         if self.want_logprobs and seq.logprobs:
-            logprobs = (self._completion_logprobs(seq.logprobs, state.text_offset) if self.kind == "completion"
-                        else self._chat_logprobs(seq.logprobs))
+            logprobs = self._logprobs(seq.logprobs, state.text_offset)
         state.text_offset += len(seq.text)
-        if self.kind == "completion":
-            choice = {"index": index, "text": seq.text, "logprobs": logprobs,
-                      "finish_reason": seq.finish_reason, "stop_reason": seq.stop_reason}
-        else:
-            delta = {"content": seq.text} if seq.text or seq.finish_reason is None else {}
-            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": seq.finish_reason}
-            if seq.finish_reason is not None:
-                choice["stop_reason"] = seq.stop_reason
-        return self._chunk(choice)
+        return self._chunk(self._delta_choice(index, seq, logprobs))
 
     def usage_chunk(self) -> dict:
         chunk = self._chunk(None)
@@ -155,15 +134,39 @@ class ResponseBuilder:
         return chunk
 
     def _chunk(self, choice: dict | None) -> dict:
-        chunk = {"id": self.id, "object": "text_completion" if self.kind == "completion" else "chat.completion.chunk",
+        chunk = {"id": self.id, "object": self.chunk_object_name,
                  "created": self.created, "model": self.model, "choices": [] if choice is None else [choice]}
         if self.include_usage:
             chunk["usage"] = None
         return chunk
 
-    # ---- logprobs formats --------------------------------------------------------------
+    # ---- what differs between the two APIs ----------------------------------------------
 
-    def _completion_logprobs(self, entries: list[TokenLogprob], start_offset: int) -> dict:
+    @abstractmethod
+    def _choice(self, index: int, text: str, logprobs: dict | None, finish_reason: str | None,
+                stop_reason: str | int | None) -> dict:
+        """One choice of a whole response."""
+
+    @abstractmethod
+    def _delta_choice(self, index: int, seq: CompletionOutput, logprobs: dict | None) -> dict:
+        """One choice of a stream chunk."""
+
+    @abstractmethod
+    def _logprobs(self, entries: list[TokenLogprob], start_offset: int) -> dict:
+        """Logprobs of these entries in this API's format (completions count text offsets)."""
+
+
+class CompletionResponseBuilder(ResponseBuilder):
+    object_name = chunk_object_name = "text_completion"
+
+    def _choice(self, index, text, logprobs, finish_reason, stop_reason) -> dict:
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
+                "stop_reason": stop_reason}
+
+    def _delta_choice(self, index, seq, logprobs) -> dict:
+        return self._choice(index, seq.text, logprobs, seq.finish_reason, seq.stop_reason)
+
+    def _logprobs(self, entries: list[TokenLogprob], start_offset: int) -> dict:
         """The legacy completions format: parallel lists plus per-token top dicts."""
         tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
         offset = start_offset
@@ -179,7 +182,34 @@ class ResponseBuilder:
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
                 "text_offset": offsets}
 
-    def _chat_logprobs(self, entries: list[TokenLogprob]) -> dict:
+
+class ChatResponseBuilder(ResponseBuilder):
+    object_name = "chat.completion"
+    chunk_object_name = "chat.completion.chunk"
+
+    def role_chunks(self, indices: list[int]) -> list[dict]:
+        """Chat streams open each choice with the assistant role, as OpenAI does."""
+        out = []
+        for index in indices:
+            state = self.choice(index)
+            if not state.sent_role:
+                state.sent_role = True
+                out.append(self._chunk({"index": index, "delta": {"role": "assistant", "content": ""},
+                                        "logprobs": None, "finish_reason": None}))
+        return out
+
+    def _choice(self, index, text, logprobs, finish_reason, stop_reason) -> dict:
+        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+                "finish_reason": finish_reason, "stop_reason": stop_reason}
+
+    def _delta_choice(self, index, seq, logprobs) -> dict:
+        delta = {"content": seq.text} if seq.text or seq.finish_reason is None else {}
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": seq.finish_reason}
+        if seq.finish_reason is not None:
+            choice["stop_reason"] = seq.stop_reason
+        return choice
+
+    def _logprobs(self, entries: list[TokenLogprob], start_offset: int) -> dict:
         content = []
         for e in entries:
             s = self.token_str(e.token_id)

@@ -10,7 +10,9 @@ otherwise all land on the replica that looked idle.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Sequence
+
+from pagefleet.worker.stats import ReplicaStats
 
 
 @dataclass(slots=True, frozen=True)
@@ -29,18 +31,20 @@ class ReplicaLoad:
         return max(self.num_running + self.num_waiting, self.num_ongoing)
 
 
-def load_from_routing_stats(replica_id: str, stats: Mapping[str, Any] | None, num_ongoing: int) -> ReplicaLoad:
-    """A snapshot from the dict a worker published; a replica that has not published yet
-    counts as empty and healthy (it passed Serve's start-up health check)."""
-    stats = stats or {}
+def replica_load(replica_id: str, stats: ReplicaStats | None, num_ongoing: int) -> ReplicaLoad:
+    """A snapshot from what a worker published; a replica that has not published yet counts
+    as empty and healthy (it passed Serve's start-up health check)."""
+    if stats is None:
+        return ReplicaLoad(replica_id=replica_id, num_ongoing=num_ongoing)
+    engine = stats.engine
     return ReplicaLoad(
         replica_id=replica_id,
-        num_running=int(stats.get("num_running", 0)),
-        num_waiting=int(stats.get("num_waiting", 0)),
-        num_free_blocks=int(stats.get("num_free_blocks", 0)),
-        num_total_blocks=int(stats.get("num_total_blocks", 0)),
+        num_running=engine.num_running,
+        num_waiting=engine.num_waiting,
+        num_free_blocks=engine.num_free_blocks,
+        num_total_blocks=engine.num_total_blocks,
         num_ongoing=num_ongoing,
-        healthy=bool(stats.get("healthy", True)),
+        healthy=stats.healthy,
     )
 
 

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Protocol
 
 from pagefleet.router import preprocess as pre
 from pagefleet.router.errors import OpenAIError, bad_request
 from pagefleet.router.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
-from pagefleet.router.responses import ResponseBuilder
+from pagefleet.router.responses import ChatResponseBuilder, CompletionResponseBuilder, ResponseBuilder
 from pagefleet.router.sse import internal_error
 from pagefleet.worker.outputs import RequestOutputDelta
 from pagefleet.worker.sampling_params import SamplingParams
@@ -36,44 +37,49 @@ class OpenAIService:
         self.info = info
         self.client = client
 
-    # ---- /v1/completions -------------------------------------------------------------
+    # ---- /v1/completions, /v1/chat/completions --------------------------------------
 
-    def completion(self, req: CompletionRequest) -> tuple[ResponseBuilder, list[_Job]]:
-        pre.check_model(req.model, self.info)
-        prompts = pre.completion_prompts(req, self.tokenizer, self.info)
-        jobs = [_Job(p.token_ids, pre.completion_sampling_params(req, len(p.token_ids), self.info))
-                for p in prompts]
-        builder = ResponseBuilder(kind="completion", request_id=req.request_id or f"cmpl-{uuid.uuid4().hex}",
-                                  model=self.info.served_model_name, tokenizer=self.tokenizer,
-                                  want_logprobs=req.logprobs is not None,
-                                  include_usage=bool(req.stream_options and req.stream_options.include_usage))
-        return builder, jobs
+    def completion(self, req: CompletionRequest) -> PreparedRequest:
+        pre.check_model_name(req.model, self.info)
+        prompts = pre.completion_prompts(req, self.tokenizer)
+        params = pre.completion_sampling_params(req)
+        builder = CompletionResponseBuilder(request_id=req.request_id or f"cmpl-{uuid.uuid4().hex}",
+                                            model=self.info.served_model_name, tokenizer=self.tokenizer,
+                                            want_logprobs=req.logprobs is not None,
+                                            include_usage=_include_usage(req))
+        return self._prepared(req, builder, [p.token_ids for p in prompts], params)
 
-    # ---- /v1/chat/completions --------------------------------------------------------
-
-    def chat(self, req: ChatCompletionRequest) -> tuple[ResponseBuilder, list[_Job]]:
-        pre.check_model(req.model, self.info)
+    def chat(self, req: ChatCompletionRequest) -> PreparedRequest:
+        pre.check_model_name(req.model, self.info)
         prompt = pre.chat_prompt(req.messages, self.tokenizer, add_generation_prompt=req.add_generation_prompt,
                                  continue_final_message=req.continue_final_message,
                                  add_special_tokens=req.add_special_tokens)
-        pre.check_prompt_tokens(prompt.token_ids, self.info)
-        params = pre.chat_sampling_params(req, len(prompt.token_ids), self.info)
-        builder = ResponseBuilder(kind="chat", request_id=req.request_id or f"chatcmpl-{uuid.uuid4().hex}",
-                                  model=self.info.served_model_name, tokenizer=self.tokenizer,
-                                  want_logprobs=req.logprobs,
-                                  include_usage=bool(req.stream_options and req.stream_options.include_usage))
-        return builder, [_Job(prompt.token_ids, params)]
+        params = pre.chat_sampling_params(req)
+        builder = ChatResponseBuilder(request_id=req.request_id or f"chatcmpl-{uuid.uuid4().hex}",
+                                      model=self.info.served_model_name, tokenizer=self.tokenizer,
+                                      want_logprobs=req.logprobs, include_usage=_include_usage(req))
+        return self._prepared(req, builder, [prompt.token_ids], params)
+
+    def _prepared(self, req: CompletionRequest | ChatCompletionRequest, builder: ResponseBuilder,
+                  prompts: list[list[int]], params: SamplingParams) -> PreparedRequest:
+        jobs = []
+        for token_ids in prompts:
+            pre.check_job(token_ids, params, self.info, req)
+            jobs.append(Job(token_ids, pre.with_max_tokens(params, len(token_ids), self.info)))
+        return PreparedRequest(builder, jobs, req.stream)
 
     # ---- running jobs ------------------------------------------------------------------
 
-    async def run_to_completion(self, builder: ResponseBuilder, jobs: list[_Job]) -> dict:
+    async def run_to_completion(self, prepared: PreparedRequest) -> dict:
         """All prompts run concurrently; the response is built once every one has finished."""
+        builder, jobs = prepared.builder, prepared.jobs
         async for job_index, delta in self._merged(builder, jobs):
             for seq in delta.sequences:
                 builder.accumulate(job_index * jobs[job_index].params.n + seq.index, seq)
         return builder.full_response()
 
-    async def stream_chunks(self, builder: ResponseBuilder, jobs: list[_Job]) -> AsyncIterator[dict]:
+    async def stream_chunks(self, prepared: PreparedRequest) -> AsyncIterator[dict]:
+        builder, jobs = prepared.builder, prepared.jobs
         n = jobs[0].params.n
         for chunk in builder.role_chunks(list(range(len(jobs) * n))):
             yield chunk
@@ -85,7 +91,7 @@ class OpenAIService:
         if builder.include_usage:
             yield builder.usage_chunk()
 
-    async def _merged(self, builder: ResponseBuilder, jobs: list[_Job]) -> AsyncIterator[tuple[int, RequestOutputDelta]]:
+    async def _merged(self, builder: ResponseBuilder, jobs: list[Job]) -> AsyncIterator[tuple[int, RequestOutputDelta]]:
         """Deltas of every job as they come; leaving early closes every worker stream."""
         streams = [_counting(builder, i, self.client.generate(f"{builder.id}-{i}", job.token_ids, job.params))
                    for i, job in enumerate(jobs)]
@@ -116,7 +122,7 @@ class OpenAIService:
     # ---- /tokenize, /detokenize --------------------------------------------------------
 
     def tokenize(self, req: TokenizeRequest) -> dict:
-        pre.check_model(req.model, self.info)
+        pre.check_model_name(req.model, self.info)
         if (req.prompt is None) == (req.messages is None):
             raise bad_request("give exactly one of prompt and messages", "prompt")
         if req.messages is not None:
@@ -126,32 +132,44 @@ class OpenAIService:
         else:
             add_special = True if req.add_special_tokens is None else req.add_special_tokens
             ids = list(self.tokenizer.encode(req.prompt, add_special_tokens=add_special))
-        out = {"count": len(ids), "max_model_len": self.info.max_model_len, "tokens": ids}
+        out = {"count": len(ids), "max_model_len": self.info.limits.max_model_len, "tokens": ids}
         if req.return_token_strs:
             out["token_strs"] = self.tokenizer.convert_ids_to_tokens(ids)
         return out
 
     def detokenize(self, req: DetokenizeRequest) -> dict:
-        pre.check_model(req.model, self.info)
-        bad = next((t for t in req.tokens if not 0 <= t < self.info.vocab_size), None)
+        pre.check_model_name(req.model, self.info)
+        vocab_size = self.info.limits.vocab_size
+        bad = next((t for t in req.tokens if not 0 <= t < vocab_size), None)
         if bad is not None:
-            raise bad_request(f"token id {bad} is outside the vocabulary [0, {self.info.vocab_size})", "tokens")
+            raise bad_request(f"token id {bad} is outside the vocabulary [0, {vocab_size})", "tokens")
         return {"prompt": self.tokenizer.decode(req.tokens)}
 
     def models(self) -> dict:
         return {"object": "list", "data": [{
             "id": self.info.served_model_name, "object": "model", "created": 0, "owned_by": "pagefleet",
-            "root": self.info.root, "parent": None, "max_model_len": self.info.max_model_len}]}
+            "root": self.info.root, "parent": None, "max_model_len": self.info.limits.max_model_len}]}
 
 
-class _Job:
+@dataclass(slots=True)
+class Job:
     """One engine request of an HTTP request (a completions request has one per prompt)."""
 
-    __slots__ = ("token_ids", "params")
+    token_ids: list[int]
+    params: SamplingParams
 
-    def __init__(self, token_ids: list[int], params: SamplingParams) -> None:
-        self.token_ids = token_ids
-        self.params = params
+
+@dataclass(slots=True)
+class PreparedRequest:
+    """A checked request, ready to run: its response builder and its engine requests."""
+
+    builder: ResponseBuilder
+    jobs: list[Job]
+    stream: bool
+
+
+def _include_usage(req: CompletionRequest | ChatCompletionRequest) -> bool:
+    return bool(req.stream_options and req.stream_options.include_usage)
 
 
 _FINISHED = object()

@@ -10,8 +10,8 @@ from safetensors import safe_open
 from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from pagefleet.worker import demo_model
-from pagefleet.worker.demo_model import default_demo_model_dir, write_demo_checkpoint
+from pagefleet.cluster import demo_model, demo_tokenizer
+from pagefleet.cluster.demo_model import default_demo_model_dir, write_demo_checkpoint
 
 ARCHS = ["llama", "qwen2", "qwen3", "mistral"]
 MODEL_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
@@ -86,7 +86,7 @@ def test_every_id_decodes(tiny_checkpoint):
 
 
 def test_small_tokenizer_has_exactly_32000_entries():
-    tokenizer = demo_model.build_demo_tokenizer(32000)
+    tokenizer = demo_tokenizer.build_demo_tokenizer(32000, 4096)
     assert len(tokenizer) == 32000
     assert all(isinstance(tokenizer.decode([i]), str) for i in range(31990, 32000))
     assert tokenizer.decode(tokenizer(TEXT)["input_ids"]) == TEXT
@@ -123,7 +123,7 @@ def test_same_seed_same_bytes_other_seed_other_weights(tmp_path):
 
 def test_tokenizer_training_is_deterministic():
     # Bypass the in-process cache: a fresh training run gives the same file.
-    assert demo_model._trained_tokenizer_json.__wrapped__(1000) == demo_model._trained_tokenizer_json(1000)
+    assert demo_tokenizer._trained_tokenizer_json.__wrapped__(1000) == demo_tokenizer._trained_tokenizer_json(1000)
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -137,7 +137,7 @@ def test_bad_prompts_are_clear_errors_and_leak_nothing(llm):
         llm.generate({"prompt_token_ids": []})
     with pytest.raises(ValueError, match="outside the vocabulary"):
         llm.generate({"prompt_token_ids": [1, engine.model_config.vocab_size]})
-    with pytest.raises(ValueError, match="max_model_len"):
+    with pytest.raises(ValueError, match="maximum context length is 2048 tokens. However, your prompt has 2048"):
         llm.generate({"prompt_token_ids": [1] * engine.model_config.max_model_len})
     stats = engine.stats()
     assert stats.num_free_blocks == stats.num_total_blocks and stats.num_waiting == 0

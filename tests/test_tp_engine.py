@@ -66,7 +66,7 @@ def _assert_close(tp2_outs, tp1_outs, what: str) -> None:
 def _tp1(path, **kw):
     llm = LLM(model=str(path), kv_cache_bytes=KV_BYTES, **kw)
     try:
-        return _generate(llm), llm.engine.executor.weight_bytes()
+        return _generate(llm), llm.engine.executor.runner.weight_bytes()
     finally:
         llm.engine.shutdown()
 

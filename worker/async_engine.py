@@ -9,6 +9,7 @@ import logging
 import queue
 import threading
 import time
+from dataclasses import dataclass
 from typing import AsyncIterator
 
 from pagefleet.worker.engine import LLMEngine
@@ -22,6 +23,23 @@ logger = logging.getLogger(__name__)
 
 class EngineDeadError(RuntimeError):
     pass
+
+
+@dataclass(slots=True)
+class AddRequest:
+    """Engine-thread command: start a request (already checked by the caller)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    extra_keys: tuple
+
+
+@dataclass(slots=True)
+class AbortRequest:
+    """Engine-thread command: finish a request now and free its blocks."""
+
+    request_id: str
 
 
 class AsyncLLMEngine:
@@ -47,7 +65,7 @@ class AsyncLLMEngine:
         """Stream a request's deltas. Bad input raises ValueError before anything is queued;
         if the consumer stops early the request is aborted and its blocks freed."""
         self._raise_if_dead()
-        self.engine.validate(prompt_token_ids, params)
+        self.engine.check(prompt_token_ids, params)
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already running")
         q: asyncio.Queue = asyncio.Queue()
@@ -57,7 +75,7 @@ class AsyncLLMEngine:
         except EngineDeadError:
             self._streams.pop(request_id, None)
             raise
-        self._send(("add", request_id, list(prompt_token_ids), params, extra_keys))
+        self._send(AddRequest(request_id, list(prompt_token_ids), params, extra_keys))
         finished = False
         try:
             while not finished:
@@ -68,13 +86,13 @@ class AsyncLLMEngine:
                 yield item
         finally:
             if not finished:
-                self._send(("abort", request_id))
+                self._send(AbortRequest(request_id))
             self._streams.pop(request_id, None)
 
     def abort(self, request_id: str) -> bool:
         if request_id not in self._streams:
             return False
-        self._send(("abort", request_id))
+        self._send(AbortRequest(request_id))
         return True
 
     def stats(self) -> EngineStats:
@@ -99,7 +117,7 @@ class AsyncLLMEngine:
         for rid in list(self._streams):
             self._deliver(rid, error)
 
-    def _send(self, command: tuple) -> None:
+    def _send(self, command: AddRequest | AbortRequest) -> None:
         self._commands.put(command)
         self._wakeup.set()
 
@@ -123,16 +141,16 @@ class AsyncLLMEngine:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 return
-            if command[0] == "add":
-                _, rid, ids, params, extra = command
+            if isinstance(command, AddRequest):
                 try:
-                    self.engine.add_request(rid, ids, params, extra)
+                    self.engine.add_request(command.request_id, command.prompt_token_ids, command.params,
+                                            command.extra_keys)
                 except Exception as e:  # a bad request fails alone, never the loop
-                    self._deliver(rid, e)
+                    self._deliver(command.request_id, e)
             else:
-                delta = self.engine.abort_request(command[1])
+                delta = self.engine.abort_request(command.request_id)
                 if delta is not None:
-                    self._deliver(command[1], delta)
+                    self._deliver(command.request_id, delta)
 
     def _run(self) -> None:
         try:

@@ -6,12 +6,17 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
+
+    from pagefleet.worker.engine_args import EngineArgs
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = ("float32", "bfloat16", "float16")
+_DTYPE_ALIASES = {"half": "float16", "fp16": "float16", "float": "float32", "fp32": "float32", "bf16": "bfloat16"}
 
 
 @dataclass(slots=True)
@@ -37,7 +42,15 @@ class ModelConfig:
     qk_norm: bool
     dtype: torch.dtype
     eos_token_ids: tuple[int, ...]
-    bos_token_id: int | None
+
+
+def model_config_of(args: "EngineArgs") -> ModelConfig:
+    """The ModelConfig an engine with these options serves (the ingress and the CLI read the same)."""
+    if args.model is None:
+        raise ValueError("no model given: pass a checkpoint directory (`pagefleet serve` without --model "
+                         "serves the built-in demo checkpoint; `pagefleet demo-model --out DIR` writes one)")
+    return load_model_config(args.model, dtype=args.dtype, max_model_len=args.max_model_len,
+                             served_model_name=args.served_model_name)
 
 
 def resolve_model_path(model: str) -> Path:
@@ -132,19 +145,24 @@ def load_model_config(model: str, *, dtype: str = "auto", max_model_len: int | N
         qk_norm=arch == "Qwen3ForCausalLM",
         dtype=resolve_dtype(dtype, cfg),
         eos_token_ids=tuple(eos),
-        bos_token_id=cfg.get("bos_token_id"),
     )
 
 
-def resolve_dtype(dtype: str, cfg: dict) -> torch.dtype:
-    if dtype == "auto":
-        dtype = str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32").removeprefix("torch.")
-    if dtype in ("half", "fp16"):
-        dtype = "float16"
-    if dtype in ("float", "fp32"):
-        dtype = "float32"
-    if dtype == "bf16":
-        dtype = "bfloat16"
-    if dtype not in _DTYPES:
-        raise ValueError(f"unsupported dtype {dtype!r}; use one of auto, {', '.join(_DTYPES)}")
-    return _DTYPES[dtype]
+def parse_dtype(name: str) -> str:
+    """``"auto"`` or a canonical dtype name (float32, bfloat16, float16) from any accepted spelling."""
+    name = str(name).strip().lower().removeprefix("torch.")
+    name = _DTYPE_ALIASES.get(name, name)
+    if name != "auto" and name not in DTYPES:
+        raise ValueError(f"unsupported dtype {name!r}; use one of auto, {', '.join(DTYPES)} "
+                         f"(or {', '.join(_DTYPE_ALIASES)})")
+    return name
+
+
+def resolve_dtype(dtype: str, cfg: dict) -> "torch.dtype":
+    """The torch dtype the engine runs in: ``dtype``, or the checkpoint's own for ``"auto"``."""
+    import torch
+
+    name = parse_dtype(dtype)
+    if name == "auto":
+        name = parse_dtype(str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32"))
+    return getattr(torch, name)

@@ -9,7 +9,6 @@ stays free for new requests, aborts, health checks and stats.
 from __future__ import annotations
 
 import logging
-from dataclasses import asdict
 from typing import Any, AsyncIterator, Callable
 
 from ray import serve
@@ -18,6 +17,7 @@ from ray.serve import Application
 from pagefleet.worker.engine_args import EngineArgs
 from pagefleet.worker.outputs import RequestOutputDelta
 from pagefleet.worker.sampling_params import SamplingParams
+from pagefleet.worker.stats import ReplicaStats
 
 logger = logging.getLogger(__name__)
 
@@ -53,32 +53,23 @@ class WorkerReplica:
         return self.engine.abort(request_id)
 
     async def check_health(self) -> None:
-        """Serve's health probe: raising marks this replica unhealthy and Serve replaces it.
-        The engine raises when its loop died or it has work but stopped stepping."""
+        """Serve's health probe (raising marks this replica unhealthy and Serve replaces it), also
+        routed like a request by the ingress's /health. The engine raises when its loop died or it
+        has work but stopped stepping."""
         self.engine.check_health()
-
-    async def health(self) -> str:
-        """The ingress's /health probe, routed like a request: raises when unhealthy."""
-        self.engine.check_health()
-        return self.replica_id
 
     async def record_routing_stats(self) -> dict[str, Any]:
         """Published to the request router every stats period (see ``request_router_config``)."""
-        return self.stats()
+        return self.stats().to_routing_stats()
 
-    async def get_stats(self) -> dict[str, Any]:
-        return self.stats()
-
-    def stats(self) -> dict[str, Any]:
-        out = asdict(self.engine.stats())
+    def stats(self) -> ReplicaStats:
         try:
             self.engine.check_health()
-            out["healthy"] = True
+            healthy = True
         except Exception:
-            out["healthy"] = False
-        out["replica_id"] = self.replica_id
-        out["num_requests_total"] = self.num_requests_total
-        return out
+            healthy = False
+        return ReplicaStats(replica_id=self.replica_id, healthy=healthy,
+                            num_requests_total=self.num_requests_total, engine=self.engine.stats())
 
     def __del__(self) -> None:
         engine = getattr(self, "engine", None)

@@ -3,25 +3,25 @@
 from __future__ import annotations
 
 import logging
-from collections import defaultdict
 from itertools import count
 
 import torch
 from transformers import AutoTokenizer
 
 from pagefleet.worker.block_pool import BlockPool
-from pagefleet.worker.config import load_model_config
+from pagefleet.worker.config import model_config_of
 from pagefleet.worker.detokenizer import IncrementalDetokenizer
 from pagefleet.worker.engine_args import EngineArgs
+from pagefleet.worker.executor import make_executor
 from pagefleet.worker.kv_cache_manager import KVCacheManager
-from pagefleet.worker.model_runner import ModelRunner, build_step_input
-from pagefleet.worker.outputs import RequestOutputDelta, SequenceDelta
+from pagefleet.worker.model_runner import build_step_input
+from pagefleet.worker.outputs import CompletionOutput, RequestOutputDelta
+from pagefleet.worker.request_check import InvalidRequest, RequestLimits, check_request
 from pagefleet.worker.sampler import Sampler
 from pagefleet.worker.sampling_params import SamplingParams
 from pagefleet.worker.scheduler import Scheduler
-from pagefleet.worker.sequence import Sequence
+from pagefleet.worker.sequence import Sequence, finish_reason
 from pagefleet.worker.stats import EngineStats
-from pagefleet.worker.tp_group import SINGLE
 
 logger = logging.getLogger(__name__)
 
@@ -34,28 +34,16 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-def resolve_model(model: str | None) -> str:
-    if model is not None:
-        return model
-    from pagefleet.worker.demo_model import default_demo_model_dir
-
-    path = default_demo_model_dir()
-    logger.warning("no model given: serving the built-in demo checkpoint at %s (RANDOM WEIGHTS, its text is "
-                   "noise; pass a checkpoint directory to serve a real model)", path)
-    return str(path)
-
-
 class LLMEngine:
     def __init__(self, args: EngineArgs) -> None:
         self.args = args
         self.device = resolve_device(args.device)
-        self.model_config = load_model_config(resolve_model(args.model), dtype=args.dtype,
-                                              max_model_len=args.max_model_len,
-                                              served_model_name=args.served_model_name)
-        cfg = self.model_config
+        self.model_config = cfg = model_config_of(args)
+        self.limits = RequestLimits(vocab_size=cfg.vocab_size, max_model_len=cfg.max_model_len,
+                                    max_num_seqs=args.max_num_seqs)
         self.tokenizer = AutoTokenizer.from_pretrained(str(cfg.path))
         torch.manual_seed(args.seed)
-        self.executor = self._make_executor()
+        self.executor = make_executor(cfg, args, self.device)
         try:
             num_blocks, per_block = self._size_kv_cache()
         except BaseException:
@@ -97,45 +85,23 @@ class LLMEngine:
         self.executor.allocate_kv_cache(num_blocks, args.block_size)
         return num_blocks, per_block
 
-    def _make_executor(self):
-        if self.args.tensor_parallel_size == 1:
-            return ModelRunner(self.model_config, SINGLE, self.device, self.args.load_format, self.args.seed)
-        from pagefleet.worker.tp_executor import TPExecutor
-
-        return TPExecutor(self.model_config, self.args, self.device)
-
     # ---- requests -------------------------------------------------------------------------
 
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Raise ValueError for a request that can never be served."""
-        cfg = self.model_config
-        n = len(prompt_token_ids)
-        if n == 0:
-            raise ValueError("the prompt is empty")
-        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < cfg.vocab_size]
-        if bad:
-            raise ValueError(f"prompt token id {bad[0]!r} is outside the vocabulary [0, {cfg.vocab_size})")
-        if params.n > self.args.max_num_seqs:
-            raise ValueError(f"n={params.n} exceeds max_num_seqs={self.args.max_num_seqs}")
-        bad_stop = [t for t in params.stop_token_ids if not isinstance(t, int) or not 0 <= t < cfg.vocab_size]
-        if bad_stop:
-            raise ValueError(f"stop token id {bad_stop[0]!r} is outside the vocabulary [0, {cfg.vocab_size})")
-        if n >= cfg.max_model_len:
-            raise ValueError(f"the prompt has {n} tokens, leaving no room to generate within "
-                             f"max_model_len={cfg.max_model_len}")
-        if params.max_tokens is not None and n + params.max_tokens > cfg.max_model_len:
-            raise ValueError(f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds "
-                             f"max_model_len={cfg.max_model_len}")
-        longest = min(cfg.max_model_len, n + (params.max_tokens or cfg.max_model_len))
+    def check(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise InvalidRequest for a request that can never be served: the shared request check,
+        plus what only the engine knows (its pool must hold the longest sequence)."""
+        check_request(prompt_token_ids, params, self.limits)
+        max_len = self.limits.max_model_len
+        longest = min(max_len, len(prompt_token_ids) + (params.max_tokens or max_len))
         if -(-longest // self.args.block_size) > self.pool.num_blocks:
-            raise ValueError(f"a sequence of {longest} tokens needs more KV blocks than the whole pool "
-                             f"({self.pool.num_blocks} blocks of {self.args.block_size}); raise kv_cache_bytes")
+            raise InvalidRequest(f"a sequence of {longest} tokens needs more KV blocks than the whole pool "
+                                 f"({self.pool.num_blocks} blocks of {self.args.block_size})", "max_tokens")
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     extra_keys: tuple = ()) -> None:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already running")
-        self.validate(prompt_token_ids, params)
+        self.check(prompt_token_ids, params)
         seqs: list[Sequence] = []
         for i in range(params.n):
             seq = Sequence(next(self._seq_ids), request_id, i, prompt_token_ids, params,
@@ -162,44 +128,32 @@ class LLMEngine:
     # ---- the step -------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutputDelta]:
+        """Schedule, execute, update, collect: one forward pass over the scheduled sequences."""
         out = self.scheduler.schedule()
         if not out.scheduled:
             return []
-        step = build_step_input(out.scheduled, self.args.block_size, self.kv.block_ids)
+        step = build_step_input(out, self.args.block_size, self.kv.block_ids)
         try:
             logits = self.executor.execute(step)
         except BaseException:
             self.kv.unpublish_step()  # blocks hashed for this step hold no valid KV
             raise
         self.kv.commit_step()
-        sampling = [s.seq for s in out.scheduled if s.seq.num_computed_tokens + s.num_new_tokens == s.seq.num_tokens]
-        for item in out.scheduled:
-            item.seq.num_computed_tokens += item.num_new_tokens
-        touched = {item.seq.request_id for item in out.scheduled}
-        if sampling:
-            result = self.sampler(logits, sampling)
-            for seq, token, lp in zip(sampling, result.token_ids, result.logprobs):
-                self._append(seq, token, lp)
+        sampled_seqs = out.sampled_seqs()
+        sampled = self.sampler(logits, sampled_seqs) if sampled_seqs else None
+        for seq in self.scheduler.update_from_output(out, sampled):
+            self._postprocess(seq)
         self.num_steps += 1
-        return self._collect(touched)
+        return self._collect({item.seq.request_id for item in out.scheduled})
 
-    def _append(self, seq: Sequence, token: int, logprob) -> None:
-        seq.append_token(token)
+    def _postprocess(self, seq: Sequence) -> None:
+        """Detokenize a sequence's new token and end it if that token stops it."""
         self.generation_tokens_total += 1
-        if logprob is not None:
-            seq.logprobs.append(logprob)
-        p = seq.params
-        allowed = seq.num_output_tokens >= p.min_tokens
+        allowed = seq.num_output_tokens >= seq.params.min_tokens
         stop_str = self.detok[seq.seq_id].update(seq.token_ids, check_stop=allowed)
-        if allowed and not p.ignore_eos and token in self.model_config.eos_token_ids:
-            self.scheduler.finish(seq, "stop")
-        elif allowed and token in p.stop_token_ids:
-            self.scheduler.finish(seq, "stop", token)
-        elif allowed and stop_str is not None:
-            self.scheduler.finish(seq, "stop", stop_str)
-        elif (p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens) or \
-                seq.num_tokens >= self.model_config.max_model_len:
-            self.scheduler.finish(seq, "length")
+        reason = finish_reason(seq, stop_str, self.model_config.eos_token_ids, self.model_config.max_model_len)
+        if reason is not None:
+            self.scheduler.finish(seq, *reason)
 
     def _collect(self, request_ids: set[str]) -> list[RequestOutputDelta]:
         """One delta per request, holding each sequence with new output or a new finish."""
@@ -217,7 +171,7 @@ class LLMEngine:
                     self._sent.pop(s.seq_id, None)
         return deltas
 
-    def _sequence_delta(self, seq: Sequence) -> SequenceDelta | None:
+    def _sequence_delta(self, seq: Sequence) -> CompletionOutput | None:
         sent = self._sent.get(seq.seq_id, 0)
         if sent is None:
             return None  # finished and already reported
@@ -227,7 +181,7 @@ class LLMEngine:
             return None
         self._sent[seq.seq_id] = None if seq.is_finished else sent + len(new_ids)
         lps = seq.logprobs[sent:] if seq.logprobs is not None else None
-        return SequenceDelta(seq.index, text, new_ids, lps, seq.finish_reason, seq.stop_reason)
+        return CompletionOutput(seq.index, text, new_ids, lps, seq.finish_reason, seq.stop_reason)
 
     def stats(self) -> EngineStats:
         return EngineStats(
@@ -245,9 +199,7 @@ class LLMEngine:
 
     def check_health(self) -> None:
         """Raise if a tensor-parallel rank died, even while the engine is idle."""
-        check = getattr(self.executor, "check_health", None)
-        if check is not None:
-            check()
+        self.executor.check_health()
 
     def shutdown(self) -> None:
         self.executor.shutdown()

@@ -1,41 +1,55 @@
-"""Engine options, named as vLLM names them."""
+"""Engine options, named as vLLM names them: each field is also a `pagefleet serve` flag and a
+`serve.yaml` arg (see ``pagefleet.worker.options``), so an option is defined here once."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pagefleet.worker.config import parse_dtype
+from pagefleet.worker.options import check_choices, option, parse_bytes
+
+BLOCK_SIZES = (8, 16, 32, 64, 128)
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
+
 
 @dataclass(slots=True)
 class EngineArgs:
-    model: str | None = None  # local checkpoint dir; None -> the built-in demo checkpoint (random weights)
-    served_model_name: str | None = None
-    dtype: str = "auto"
-    device: str = "auto"
-    block_size: int = 16
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None
-    kv_cache_bytes: int | None = None  # the KV pool's byte budget per TP rank (CPU default 512 MiB)
-    gpu_memory_utilization: float = 0.9
-    enable_prefix_caching: bool = True
-    tensor_parallel_size: int = 1
-    seed: int = 0
-    load_format: str = "safetensors"  # or "dummy": random weights from config.json alone
+    model: str | None = option(None, help="Hugging Face checkpoint directory (`pagefleet serve` without one "
+                                          "serves the built-in demo checkpoint, random weights)")
+    served_model_name: str | None = option(None, help="the model name clients send (default: the checkpoint "
+                                                      "directory's name)")
+    dtype: str = option("auto", help="weights and activations: auto (the checkpoint's), float32, bfloat16, "
+                                     "float16 (aliases: half, fp16, bf16, float, fp32)")
+    device: str = option("auto", choices=("auto", "cpu", "cuda"), help="where the engine runs")
+    block_size: int = option(16, choices=BLOCK_SIZES, help="tokens per KV cache block")
+    max_num_seqs: int = option(64, help="sequences per engine step")
+    max_num_batched_tokens: int = option(2048, help="tokens per engine step (long prompts are chunked)")
+    max_model_len: int | None = option(None, help="context length (default: the model's)")
+    kv_cache_bytes: int | None = option(None, parse=parse_bytes, metavar="BYTES",
+                                        help="KV cache budget per TP rank, e.g. 512MiB or 2GiB "
+                                             "(CPU default 512MiB; on CUDA it replaces --gpu-memory-utilization)")
+    gpu_memory_utilization: float | None = option(None, help="fraction of GPU memory for weights, activations "
+                                                             f"and KV cache (CUDA; default "
+                                                             f"{DEFAULT_GPU_MEMORY_UTILIZATION})")
+    enable_prefix_caching: bool = option(True, help="reuse the KV blocks of shared prompt prefixes")
+    tensor_parallel_size: int = option(1, aliases=("-tp",), help="GPUs (ranks) per engine")
+    seed: int = option(0, help="seed of the weights of load_format dummy and of unseeded sampling")
+    load_format: str = option("safetensors", choices=("safetensors", "dummy"),
+                              help="dummy: random weights from config.json alone, for sizing runs")
 
     def __post_init__(self) -> None:
-        if self.block_size not in (8, 16, 32, 64, 128):
-            raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128, got {self.block_size}")
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
-        if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
-            raise ValueError(f"kv_cache_bytes must be > 0, got {self.kv_cache_bytes}")
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if self.tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
-        if self.load_format not in ("safetensors", "dummy"):
-            raise ValueError(f"load_format must be 'safetensors' or 'dummy', got {self.load_format!r}")
-        if self.device not in ("auto", "cpu", "cuda"):
-            raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
+        check_choices(self)
+        self.dtype = parse_dtype(self.dtype)
+        if self.kv_cache_bytes is not None:
+            self.kv_cache_bytes = parse_bytes(self.kv_cache_bytes)
+        for name in ("max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.gpu_memory_utilization is not None:
+            if self.kv_cache_bytes is not None:
+                raise ValueError("give kv_cache_bytes or gpu_memory_utilization, not both")
+            if not 0.0 < self.gpu_memory_utilization <= 1.0:
+                raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from pagefleet.kernels.ops import Kernels
 from pagefleet.worker.config import ModelConfig
 from pagefleet.worker.model import LlamaForCausalLM
 from pagefleet.worker.tp_group import TPGroup
@@ -33,10 +34,10 @@ def checkpoint_files(path: Path) -> list[Path]:
     return files
 
 
-def load_model(cfg: ModelConfig, tp: TPGroup, device: torch.device, load_format: str = "safetensors",
-               seed: int = 0) -> LlamaForCausalLM:
+def load_model(cfg: ModelConfig, tp: TPGroup, kernels: Kernels, device: torch.device,
+               load_format: str = "safetensors", seed: int = 0) -> LlamaForCausalLM:
     with torch.device(device):
-        model = LlamaForCausalLM(cfg, tp, device)
+        model = LlamaForCausalLM(cfg, tp, kernels, device)
     if load_format == "dummy":
         _init_dummy(model, seed)
     else:

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from pagefleet.kernels import ops
+from pagefleet.kernels.ops import Kernels
+from pagefleet.kernels.reference import build_cos_sin_cache
 from pagefleet.worker.config import ModelConfig
 from pagefleet.worker.layers import (
     ColumnParallelLinear,
@@ -34,8 +35,9 @@ class AttentionMetadata:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPGroup, device) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, kernels: Kernels, device) -> None:
         super().__init__()
+        self.kernels = kernels
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads,
                                           cfg.attention_bias, tp, cfg.dtype, device)
         self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, False, tp, cfg.dtype, device)
@@ -56,19 +58,20 @@ class Attention(nn.Module):
         k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
-            q = ops.rms_norm(q, self.q_norm.weight, self.eps)
-            k = ops.rms_norm(k, self.k_norm.weight, self.eps)
-        q, k = ops.rotary_embedding(positions, q, k, cos_sin)
+            q = self.kernels.rms_norm(q, self.q_norm.weight, self.eps)
+            k = self.kernels.rms_norm(k, self.k_norm.weight, self.eps)
+        q, k = self.kernels.rotary_embedding(positions, q, k, cos_sin)
         key_cache, value_cache = kv_cache
-        ops.write_kv_cache(k, v, key_cache, value_cache, meta.slot_mapping)
-        o = ops.paged_attention(q, key_cache, value_cache, meta.block_table, meta.query_start_loc,
+        self.kernels.write_kv_cache(k, v, key_cache, value_cache, meta.slot_mapping)
+        o = self.kernels.paged_attention(q, key_cache, value_cache, meta.block_table, meta.query_start_loc,
                                 meta.seq_lens, self.scale)
         return self.o_proj(o.reshape(num_tokens, self.num_heads * self.head_dim))
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPGroup, device) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, kernels: Kernels, device) -> None:
         super().__init__()
+        self.kernels = kernels
         if cfg.intermediate_size % tp.size:
             raise ValueError(f"intermediate_size {cfg.intermediate_size} does not split over "
                              f"tensor_parallel_size {tp.size}")
@@ -79,14 +82,15 @@ class MLP(nn.Module):
                                            cfg.dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.kernels.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPGroup, device) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, kernels: Kernels, device) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg, tp, device)
-        self.mlp = MLP(cfg, tp, device)
+        self.kernels = kernels
+        self.self_attn = Attention(cfg, tp, kernels, device)
+        self.mlp = MLP(cfg, tp, kernels, device)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype, device)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype, device)
 
@@ -94,26 +98,27 @@ class DecoderLayer(nn.Module):
         eps = self.input_layernorm.eps
         if residual is None:
             residual = hidden
-            hidden = ops.rms_norm(hidden, self.input_layernorm.weight, eps)
+            hidden = self.kernels.rms_norm(hidden, self.input_layernorm.weight, eps)
         else:
-            hidden, residual = ops.fused_add_rms_norm(hidden, residual, self.input_layernorm.weight, eps)
+            hidden, residual = self.kernels.fused_add_rms_norm(hidden, residual, self.input_layernorm.weight, eps)
         hidden = self.self_attn(positions, hidden, meta, kv_cache, cos_sin)
-        hidden, residual = ops.fused_add_rms_norm(hidden, residual, self.post_attention_layernorm.weight, eps)
+        hidden, residual = self.kernels.fused_add_rms_norm(hidden, residual, self.post_attention_layernorm.weight, eps)
         return self.mlp(hidden), residual
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPGroup, device: torch.device | str = "cpu") -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, kernels: Kernels, device: torch.device | str = "cpu") -> None:
         super().__init__()
         self.cfg = cfg
         self.tp = tp
+        self.kernels = kernels
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, cfg.dtype, device)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, tp, device) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, tp, kernels, device) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype, device)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, cfg.dtype, device)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.register_buffer("cos_sin", ops.build_cos_sin_cache(cfg.head_dim, cfg.max_position_embeddings,
+        self.register_buffer("cos_sin", build_cos_sin_cache(cfg.head_dim, cfg.max_position_embeddings,
                                                                 cfg.rope_theta, cfg.rope_scaling).to(device),
                              persistent=False)
 
@@ -124,7 +129,7 @@ class LlamaForCausalLM(nn.Module):
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
             hidden, residual = layer(positions, hidden, residual, meta, kv_cache, self.cos_sin)
-        hidden, _ = ops.fused_add_rms_norm(hidden, residual, self.norm.weight, self.norm.eps)
+        hidden, _ = self.kernels.fused_add_rms_norm(hidden, residual, self.norm.weight, self.norm.eps)
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:

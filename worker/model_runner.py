@@ -4,15 +4,20 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from pagefleet.kernels import ops
+from pagefleet.kernels.ops import select_kernels
 from pagefleet.worker.config import ModelConfig
 from pagefleet.worker.cpu_malloc import keep_freed_memory
+from pagefleet.worker.engine_args import DEFAULT_GPU_MEMORY_UTILIZATION
 from pagefleet.worker.loader import load_model
 from pagefleet.worker.model import AttentionMetadata
 from pagefleet.worker.tp_group import TPGroup
+
+if TYPE_CHECKING:
+    from pagefleet.worker.scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -40,9 +45,10 @@ class ModelRunner:
         self.device = device
         if device.type == "cpu":
             keep_freed_memory()
-        # A bad PAGEFLEET_KERNELS must stop the start, not fail every later step.
-        logger.info("kernels on %s: %s", device, ops.backend_for(torch.empty(0, device=device)))
-        self.model = load_model(cfg, tp, device, load_format, seed)
+        # Decided once, here: a bad PAGEFLEET_KERNELS stops the start instead of failing every step.
+        self.kernels = select_kernels(device)
+        logger.info("kernels on %s: %s", device, self.kernels.backend)
+        self.model = load_model(cfg, tp, self.kernels, device, load_format, seed)
         attn = self.model.layers[0].self_attn
         self.num_kv_heads = attn.num_kv_heads
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -55,7 +61,7 @@ class ModelRunner:
     def weight_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.model.parameters())
 
-    def available_kv_bytes(self, kv_cache_bytes: int | None, gpu_memory_utilization: float,
+    def available_kv_bytes(self, kv_cache_bytes: int | None, gpu_memory_utilization: float | None,
                            max_num_batched_tokens: int) -> int:
         """CPU: the byte budget. CUDA: free memory after a profile run of the largest step,
         times the utilization fraction, like vLLM."""
@@ -69,7 +75,8 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         _, total = torch.cuda.mem_get_info(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
-        return max(int(total * gpu_memory_utilization) - peak, 0)
+        fraction = DEFAULT_GPU_MEMORY_UTILIZATION if gpu_memory_utilization is None else gpu_memory_utilization
+        return max(int(total * fraction) - peak, 0)
 
     def _profile_run(self, num_tokens: int) -> None:
         # One sequence of num_tokens over a scratch cache big enough to hold it.
@@ -85,9 +92,6 @@ class ModelRunner:
         finally:
             self.kv_caches = saved
             del caches
-
-    def shutdown(self) -> None:
-        """Nothing to tear down in-process; the executor interface has it for TP."""
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
         shape = (num_blocks, block_size, self.num_kv_heads, self.cfg.head_dim)
@@ -120,8 +124,8 @@ class ModelRunner:
         return self.model.compute_logits(hidden.index_select(0, logits_indices))
 
 
-def build_step_input(scheduled, block_size: int, block_ids_of) -> StepInput:
-    """Flatten scheduled sequences (``ScheduledSeq`` list) into a StepInput."""
+def build_step_input(out: "SchedulerOutput", block_size: int, block_ids_of) -> StepInput:
+    """Flatten a scheduler output into a StepInput; its sampled rows are ``out.sampled_seqs()``."""
     input_ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
@@ -129,7 +133,7 @@ def build_step_input(scheduled, block_size: int, block_ids_of) -> StepInput:
     starts = [0]
     seq_lens: list[int] = []
     logits_indices: list[int] = []
-    for item in scheduled:
+    for item in out.scheduled:
         seq, n = item.seq, item.num_new_tokens
         start = seq.num_computed_tokens
         end = start + n
@@ -140,6 +144,6 @@ def build_step_input(scheduled, block_size: int, block_ids_of) -> StepInput:
         tables.append(blocks)
         starts.append(starts[-1] + n)
         seq_lens.append(end)
-        if end == seq.num_tokens:
+        if item.sample:
             logits_indices.append(starts[-1] - 1)
     return StepInput(input_ids, positions, slots, tables, starts, seq_lens, logits_indices)

@@ -15,8 +15,9 @@ class TokenLogprob:
 
 
 @dataclass(slots=True)
-class SequenceDelta:
-    """New output of one of a request's ``n`` sequences in one engine step."""
+class CompletionOutput:
+    """One of a request's ``n`` sequences: its whole output (offline), or its new output in one
+    engine step (in a ``RequestOutputDelta``)."""
 
     index: int
     text: str
@@ -31,20 +32,10 @@ class RequestOutputDelta:
     """One chunk of a request's stream: at most one per request per engine step."""
 
     request_id: str
-    sequences: list[SequenceDelta]
+    sequences: list[CompletionOutput]
     num_prompt_tokens: int
     num_cached_tokens: int
     finished: bool
-
-
-@dataclass(slots=True)
-class CompletionOutput:
-    index: int
-    text: str
-    token_ids: list[int]
-    logprobs: list[TokenLogprob] | None
-    finish_reason: str | None
-    stop_reason: str | int | None = None
 
 
 @dataclass(slots=True)

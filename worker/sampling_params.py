@@ -5,9 +5,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from pagefleet.worker.request_check import InvalidRequest
+
+MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI allows
 # Below this temperature sampling is greedy (as in vLLM): dividing logits by ~0 overflows.
 _GREEDY_EPS = 1e-5
 _MAX_TOP_K = 2**31 - 1
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 
 @dataclass(slots=True)
@@ -47,8 +51,8 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
-        def bad(name: str, why: str) -> ValueError:
-            return ValueError(f"{name} {why}, got {getattr(self, name)!r}")
+        def bad(name: str, why: str) -> InvalidRequest:
+            return InvalidRequest(f"{name} {why}, got {getattr(self, name)!r}", name)
 
         if not isinstance(self.n, int) or self.n < 1:
             raise bad("n", "must be an integer >= 1")
@@ -76,8 +80,11 @@ class SamplingParams:
             raise bad("min_tokens", "must be an integer >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
-            raise bad("logprobs", "must be an integer in [0, 20]")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}]")
+        if self.seed is not None and (not isinstance(self.seed, int) or not _INT64_MIN <= self.seed <= _INT64_MAX):
+            raise bad("seed", "must be an integer that fits in a signed 64-bit integer")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", "must be non-empty strings")
 

@@ -5,15 +5,20 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pagefleet.worker.kv_cache_manager import KVCacheManager
 from pagefleet.worker.sequence import Sequence, SequenceStatus
+
+if TYPE_CHECKING:
+    from pagefleet.worker.sampler import SamplerOutput
 
 
 @dataclass(slots=True)
 class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int
+    sample: bool  # this step computes the sequence's last token, so its next token is sampled
 
 
 @dataclass(slots=True)
@@ -21,9 +26,9 @@ class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
 
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
+    def sampled_seqs(self) -> list[Sequence]:
+        """The sequences whose next token this step samples, in logits-row order."""
+        return [s.seq for s in self.scheduled if s.sample]
 
 
 class Scheduler:
@@ -37,9 +42,6 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
-
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -55,7 +57,7 @@ class Scheduler:
                 if victim is seq:
                     break
             else:
-                out.scheduled.append(ScheduledSeq(seq, num_new))
+                out.scheduled.append(_scheduled(seq, num_new))
                 budget -= num_new
                 i += 1
         if out.preempted:
@@ -77,10 +79,24 @@ class Scheduler:
             seq.num_computed_tokens = prefix.num_tokens
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            out.scheduled.append(ScheduledSeq(seq, num_new))
+            out.scheduled.append(_scheduled(seq, num_new))
             budget -= num_new
         self.waiting.extendleft(reversed(skipped))
         return out
+
+    def update_from_output(self, out: SchedulerOutput, sampled: "SamplerOutput | None") -> list[Sequence]:
+        """After the step ran: advance each scheduled sequence's progress and append the sampled
+        tokens (``sampled`` rows are ``out.sampled_seqs()``). Returns the sequences that got a token."""
+        for item in out.scheduled:
+            item.seq.num_computed_tokens += item.num_new_tokens
+        if sampled is None:
+            return []
+        seqs = out.sampled_seqs()
+        for seq, token, logprob in zip(seqs, sampled.token_ids, sampled.logprobs, strict=True):
+            seq.append_token(token)
+            if logprob is not None:
+                seq.logprobs.append(logprob)
+        return seqs
 
     @staticmethod
     def _parent_ready(parent: Sequence) -> bool:
@@ -106,3 +122,7 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.stop_reason = stop_reason
+
+
+def _scheduled(seq: Sequence, num_new_tokens: int) -> ScheduledSeq:
+    return ScheduledSeq(seq, num_new_tokens, seq.num_computed_tokens + num_new_tokens == seq.num_tokens)

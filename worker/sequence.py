@@ -70,3 +70,23 @@ class Sequence:
     def __repr__(self) -> str:
         return (f"Sequence({self.request_id}#{self.index}, computed={self.num_computed_tokens}/"
                 f"{self.num_tokens}, {self.status.value})")
+
+
+def finish_reason(seq: Sequence, stop_str: str | None, eos_token_ids: tuple[int, ...],
+                  max_model_len: int) -> tuple[str, str | int | None] | None:
+    """Why ``seq`` ends after its newest token, as (finish_reason, stop_reason), or None.
+
+    Precedence: EOS, a stop token id, a stop string (found by the detokenizer), then length.
+    Nothing but length ends a sequence before ``min_tokens`` are out."""
+    p = seq.params
+    token = seq.token_ids[-1]
+    if seq.num_output_tokens >= p.min_tokens:
+        if not p.ignore_eos and token in eos_token_ids:
+            return "stop", None
+        if token in p.stop_token_ids:
+            return "stop", token
+        if stop_str is not None:
+            return "stop", stop_str
+    if (p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens) or seq.num_tokens >= max_model_len:
+        return "length", None
+    return None

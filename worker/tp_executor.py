@@ -122,7 +122,7 @@ class TPExecutor:
         """Per rank: every rank holds the same number of KV heads (its share, or one replica)."""
         return self.runner.kv_bytes_per_block(block_size)
 
-    def available_kv_bytes(self, kv_cache_bytes: int | None, gpu_memory_utilization: float,
+    def available_kv_bytes(self, kv_cache_bytes: int | None, gpu_memory_utilization: float | None,
                            max_num_batched_tokens: int) -> int:
         """Per rank. On CUDA every rank profiles at once (the forward has collectives) and
         the smallest free memory wins; on CPU it is the byte budget."""

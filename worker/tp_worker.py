@@ -69,7 +69,7 @@ class TPWorker:
         self.runner, report = build_runner(self.cfg, self.groups, self.device, load_format, seed)
         return report
 
-    def available_kv_bytes(self, kv_cache_bytes: int | None, gpu_memory_utilization: float,
+    def available_kv_bytes(self, kv_cache_bytes: int | None, gpu_memory_utilization: float | None,
                            max_num_batched_tokens: int) -> int:
         # On CUDA this is a profile run with collectives: rank 0 runs its own at the same time.
         return self.runner.available_kv_bytes(kv_cache_bytes, gpu_memory_utilization, max_num_batched_tokens)

@@ -5,6 +5,7 @@ from serving_fakes import MAX_MODEL_LEN, MODEL, FakeWorkerClient, make_tokenizer
 from pagefleet.router.openai_app import build_openai_app
 from pagefleet.router.preprocess import ModelInfo
 from pagefleet.router.service import OpenAIService
+from pagefleet.worker.request_check import RequestLimits
 
 
 @pytest.fixture(scope="session")
@@ -19,7 +20,8 @@ def fake(tokenizer):
 
 @pytest.fixture
 def info(tokenizer):
-    return ModelInfo(served_model_name=MODEL, max_model_len=MAX_MODEL_LEN, vocab_size=len(tokenizer), root="/ckpt")
+    return ModelInfo(served_model_name=MODEL, root="/ckpt",
+                     limits=RequestLimits(vocab_size=len(tokenizer), max_model_len=MAX_MODEL_LEN, max_num_seqs=8))
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ import asyncio
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from pagefleet.worker.outputs import RequestOutputDelta, SequenceDelta, TokenLogprob
+from pagefleet.worker.outputs import CompletionOutput, RequestOutputDelta, TokenLogprob
 from pagefleet.worker.sampling_params import SamplingParams
 
 MODEL = "tiny-test"
@@ -74,7 +74,7 @@ class FakeWorkerClient:
                 for i in range(params.n):
                     own_len = max(1, params.max_tokens - i) if self.stagger else params.max_tokens
                     if step >= own_len:
-                        seqs.append(SequenceDelta(i, "", [], [] if params.logprobs is not None else None, "stop"))
+                        seqs.append(CompletionOutput(i, "", [], [] if params.logprobs is not None else None, "stop"))
                         continue
                     own_last = step == own_len - 1
                     tok = fake_token(prompt_token_ids, step, i, self.vocab_size)
@@ -83,7 +83,7 @@ class FakeWorkerClient:
                         top = [(tok, -0.5), (tok + 1, -1.5), (tok + 2, float("-inf"))][:params.logprobs]
                         logprobs = [TokenLogprob(tok, -0.5, top)]
                     reason = None if not own_last else ("length" if own_len == params.max_tokens else "stop")
-                    seqs.append(SequenceDelta(i, self.tokenizer.decode([tok]), [tok], logprobs, reason))
+                    seqs.append(CompletionOutput(i, self.tokenizer.decode([tok]), [tok], logprobs, reason))
                 finished = last
                 yield RequestOutputDelta(request_id, seqs, len(prompt_token_ids), self.num_cached_tokens, last)
         finally:

@@ -1,5 +1,9 @@
 """/v1/completions and /v1/models over the real FastAPI app with a scripted worker."""
 
+import platform
+
+from prometheus_client.parser import text_string_to_metric_families
+
 from serving_fakes import MODEL, fake_token
 
 
@@ -98,8 +102,10 @@ def test_cached_tokens_are_reported(service, tokenizer, info):
 def test_version_and_metrics(client):
     assert client.get("/version").json() == {"version": "0.1.0"}
     r = client.get("/metrics")
-    assert r.status_code == 200
-    assert "python_info" in r.text  # prometheus_client's default registry, rendered for real
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain; version=")
+    families = {f.name: f for f in text_string_to_metric_families(r.text)}
+    (info,) = families["python_info"].samples  # prometheus_client's default registry, rendered for real
+    assert info.labels["version"] == platform.python_version()
 
 
 def test_health_reflects_the_workers(client, fake):

@@ -1,6 +1,7 @@
 """The routing policy as a pure function: no Ray."""
 
-from pagefleet.router.routing_policy import ReplicaLoad, load_from_routing_stats, rank_replicas
+from pagefleet.router.routing_policy import ReplicaLoad, rank_replicas, replica_load
+from pagefleet.worker.stats import EngineStats, ReplicaStats
 
 
 def test_fewest_queued_requests_first():
@@ -28,7 +29,12 @@ def test_unhealthy_replicas_go_last():
 
 
 def test_snapshot_from_published_stats():
-    stats = {"num_running": 2, "num_waiting": 1, "num_free_blocks": 7, "num_total_blocks": 9, "healthy": False}
-    assert load_from_routing_stats("r1", stats, 5) == ReplicaLoad("r1", 2, 1, 7, 9, 5, False)
-    assert load_from_routing_stats("r2", None, 0) == ReplicaLoad("r2")
+    engine = EngineStats(num_total_blocks=9, num_free_blocks=7, num_running=2, num_waiting=1,
+                         prefix_cache_queries=0, prefix_cache_hits=0, num_preemptions=0, num_steps=3,
+                         prompt_tokens_total=0, generation_tokens_total=0)
+    published = ReplicaStats("r1", healthy=False, num_requests_total=4, engine=engine).to_routing_stats()
+    assert replica_load("r1", ReplicaStats.from_routing_stats(published), 5) == ReplicaLoad("r1", 2, 1, 7, 9, 5, False)
+    # A replica that has published nothing yet counts as empty and healthy.
+    assert ReplicaStats.from_routing_stats({}) is None
+    assert replica_load("r2", ReplicaStats.from_routing_stats(None), 0) == ReplicaLoad("r2")
     assert rank_replicas([]) == []

@@ -78,8 +78,8 @@ def test_closing_a_stream_aborts_every_request_under_it(service, fake):
     async def run():
         fake.step_gate = asyncio.Event()  # hold every request after its first step
         from pagefleet.router.protocol import CompletionRequest
-        builder, jobs = service.completion(CompletionRequest(prompt=["hello", "world"], max_tokens=5, stream=True))
-        chunks = service.stream_chunks(builder, jobs)
+        prepared = service.completion(CompletionRequest(prompt=["hello", "world"], max_tokens=5, stream=True))
+        chunks = service.stream_chunks(prepared)
         first = await chunks.__anext__()
         await chunks.aclose()
         return first

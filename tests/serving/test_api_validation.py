@@ -2,7 +2,7 @@
 
 import pytest
 
-from serving_fakes import MAX_MODEL_LEN, MODEL
+from serving_fakes import MAX_MODEL_LEN
 
 LONG_IDS = list(range(2, 2 + MAX_MODEL_LEN))
 

@@ -10,10 +10,13 @@ def _opts(*argv):
     return options_from_args(_parser().parse_args(["serve", *argv]))
 
 
-def test_defaults_serve_the_demo_on_loopback_8000():
+def test_defaults_serve_the_demo_on_loopback_8000(monkeypatch):
+    monkeypatch.delenv("PAGEFLEET_API_KEY", raising=False)
     opts = _opts()
-    assert (opts.model, opts.host, opts.port, opts.workers, opts.tensor_parallel_size) == (None, "127.0.0.1", 8000, 1, 1)
-    assert opts.api_key is None
+    assert (opts.engine.model, opts.serve.host, opts.serve.port) == (None, "127.0.0.1", 8000)
+    assert (opts.serve.workers, opts.engine.tensor_parallel_size, opts.serve.api_key) == (1, 1, None)
+    monkeypatch.setenv("PAGEFLEET_API_KEY", "from-env")
+    assert _opts().serve.api_key == "from-env"
 
 
 def test_vllm_named_flags_reach_the_engine_args():
@@ -21,40 +24,50 @@ def test_vllm_named_flags_reach_the_engine_args():
                  "--workers", "3", "--tensor-parallel-size", "2", "--dtype", "half", "--max-model-len", "512",
                  "--block-size", "32", "--max-num-seqs", "8", "--max-num-batched-tokens", "256",
                  "--kv-cache-bytes", "512MiB", "--api-key", "k", "--seed", "7", "--no-enable-prefix-caching")
-    args = opts.engine_args()
-    assert (opts.host, opts.port, opts.workers, opts.api_key) == ("0.0.0.0", 9000, 3, "k")
+    args = opts.engine
+    assert (opts.serve.host, opts.serve.port, opts.serve.workers, opts.serve.api_key) == ("0.0.0.0", 9000, 3, "k")
     assert (args.model, args.served_model_name, args.tensor_parallel_size, args.dtype) == ("/ckpt", "m", 2, "float16")
     assert (args.max_model_len, args.block_size, args.max_num_seqs, args.max_num_batched_tokens) == (512, 32, 8, 256)
     assert (args.kv_cache_bytes, args.seed, args.enable_prefix_caching) == (512 * 2**20, 7, False)
-    assert _opts("/ckpt2").model == "/ckpt2"
-    assert _opts("-tp", "2").tensor_parallel_size == 2
-    assert _opts("--gpu-memory-utilization", "0.8").engine_args().gpu_memory_utilization == 0.8
+    assert _opts("/ckpt2").engine.model == "/ckpt2"
+    assert _opts("-tp", "2").engine.tensor_parallel_size == 2
+    assert _opts("--worker-cpus", "0.5").serve.worker_num_cpus == 0.5
+    assert _opts("--gpu-memory-utilization", "0.8").engine.gpu_memory_utilization == 0.8
 
 
-@pytest.mark.parametrize("argv", [
-    ["--kv-cache-bytes", "1GiB", "--gpu-memory-utilization", "0.5"],
-    ["--kv-cache-bytes", "lots"],
-    ["--block-size", "7"],
-    ["--port", "http"],
+@pytest.mark.parametrize("argv, message", [
+    (["--kv-cache-bytes", "lots"], "not a byte size: 'lots'"),
+    (["--block-size", "7"], "invalid choice: 7"),
+    (["--port", "http"], "invalid int value: 'http'"),
 ])
-def test_bad_flags_exit_with_usage(argv, capsys):
+def test_bad_flags_exit_with_usage(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:
         _parser().parse_args(["serve", *argv])
     assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--kv-cache-bytes", "1GiB", "--gpu-memory-utilization", "0.5"], "not both"),
+    (["--workers", "0"], "workers must be an integer >= 1, got 0"),
+    (["--dtype", "fp8"], "unsupported dtype 'fp8'"),
+    (["/a", "--model", "/b"], "two models given"),
+])
+def test_bad_combinations_exit_before_any_cluster_starts(argv, message, capsys):
+    assert main(["serve", *argv]) == 2
+    assert message in capsys.readouterr().err
 
 
 def test_missing_checkpoint_fails_before_any_cluster_starts(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("RAY_AUTH_MODE", "token")  # restored afterwards: run_server sets it for a local Ray
     assert main(["serve", "--model", str(tmp_path / "nope")]) == 2
     assert "does not download models" in capsys.readouterr().err
-    assert main(["serve", "--workers", "0"]) == 2
-    assert "workers must be" in capsys.readouterr().err
 
 
 def test_banner_shows_where_and_how(capsys):
     from pagefleet.cluster.config import ServeOptions
 
-    text = banner(ServeOptions(port=8123, api_key="k", workers=2), "demo", 12.3, local=True)
+    text = banner(ServeOptions.from_dict({"port": 8123, "api_key": "k", "workers": 2}), "demo", 12.3, local=True)
     assert "http://127.0.0.1:8123/v1" in text
     assert "curl http://127.0.0.1:8123/v1/chat/completions" in text
     assert "Authorization: Bearer k" in text

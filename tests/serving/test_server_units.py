@@ -7,12 +7,13 @@ import pytest
 import yaml
 
 from pagefleet.cluster.app import build_app
-from pagefleet.cluster.config import ServeOptions, parse_bytes
+from pagefleet.cluster.config import ServeOptions
 from pagefleet.worker.deployment import WorkerReplica, worker_deployment_options
 from pagefleet.worker.engine_args import EngineArgs
-from pagefleet.worker.outputs import RequestOutputDelta, SequenceDelta
+from pagefleet.worker.outputs import CompletionOutput, RequestOutputDelta
 from pagefleet.worker.sampling_params import SamplingParams
-from pagefleet.worker.stats import EngineStats
+from pagefleet.worker.options import parse_bytes
+from pagefleet.worker.stats import EngineStats, ReplicaStats
 
 SERVE_YAML = Path(__file__).resolve().parents[2] / "deploy" / "serve.yaml"
 
@@ -33,7 +34,7 @@ class FakeEngine:
         try:
             for step in range(params.max_tokens):
                 last = step == params.max_tokens - 1
-                yield RequestOutputDelta(request_id, [SequenceDelta(0, "x", [step], None, "length" if last else None)],
+                yield RequestOutputDelta(request_id, [CompletionOutput(0, "x", [step], None, "length" if last else None)],
                                          len(prompt_token_ids), 0, last)
         finally:
             self.closed.append(request_id)
@@ -61,11 +62,9 @@ def test_worker_replica_streams_and_publishes_its_load():
     deltas = asyncio.run(run())
     assert [d.sequences[0].token_ids for d in deltas] == [[0], [1], [2]]
     assert deltas[-1].finished
-    stats = asyncio.run(replica.record_routing_stats())
-    assert stats == {"num_total_blocks": 100, "num_free_blocks": 90, "num_running": 1, "num_waiting": 2,
-                     "prefix_cache_queries": 0, "prefix_cache_hits": 0, "num_preemptions": 0, "num_steps": 5,
-                     "prompt_tokens_total": 10, "generation_tokens_total": 20, "healthy": True,
-                     "replica_id": "local", "num_requests_total": 1}
+    published = asyncio.run(replica.record_routing_stats())
+    assert ReplicaStats.from_routing_stats(published) == ReplicaStats(
+        replica_id="local", healthy=True, num_requests_total=1, engine=EngineStats(100, 90, 1, 2, 0, 0, 0, 5, 10, 20))
 
 
 def test_worker_replica_health_is_the_engines():
@@ -74,9 +73,7 @@ def test_worker_replica_health_is_the_engines():
     replica.engine.dead = True
     with pytest.raises(RuntimeError, match="loop died"):
         asyncio.run(replica.check_health())
-    with pytest.raises(RuntimeError):
-        asyncio.run(replica.health())
-    assert asyncio.run(replica.get_stats())["healthy"] is False
+    assert replica.stats().healthy is False
 
 
 def test_closing_the_worker_stream_closes_the_engine_stream():
@@ -121,25 +118,33 @@ def test_parse_bytes_refuses(bad):
 
 def test_serve_options_check_everything_up_front():
     opts = ServeOptions.from_dict({"kv_cache_bytes": "64MiB", "workers": 2, "max_num_seqs": 4})
-    args = opts.engine_args()
+    args = opts.engine
     assert (args.kv_cache_bytes, args.max_num_seqs, args.model) == (64 * 2**20, 4, None)
+    assert opts.serve.workers == 2
     assert opts.logical_cpus_needed() == 2.5
-    with pytest.raises(ValueError, match="unknown serve option"):
+    with pytest.raises(ValueError, match=r"unknown option\(s\) \['num_workers'\]"):
         ServeOptions.from_dict({"num_workers": 2})
     with pytest.raises(ValueError, match="not both"):
-        ServeOptions(kv_cache_bytes=2**20, gpu_memory_utilization=0.5)
-    with pytest.raises(ValueError, match="workers"):
-        ServeOptions(workers=0)
-    with pytest.raises(ValueError, match="block_size"):
-        ServeOptions(block_size=5)
+        ServeOptions.from_dict({"kv_cache_bytes": 2**20, "gpu_memory_utilization": 0.5})
+    with pytest.raises(ValueError, match="workers must be an integer >= 1, got 0"):
+        ServeOptions.from_dict({"workers": 0})
+    with pytest.raises(ValueError, match="block_size must be one of 8, 16, 32, 64, 128, got 5"):
+        ServeOptions.from_dict({"block_size": 5})
 
 
-def test_build_app_accepts_the_yaml_args_and_refuses_unknown_ones():
+def test_build_app_accepts_the_yaml_args_and_refuses_unknown_ones(tiny_checkpoint):
     config = yaml.safe_load(SERVE_YAML.read_text())
     (app,) = config["applications"]
     assert app["import_path"] == "pagefleet.cluster.app:build_app"
-    assert build_app(app["args"]) is not None
-    with pytest.raises(ValueError, match="unknown serve option"):
+    model = str(tiny_checkpoint("llama"))
+    built = build_app({**app["args"], "model": model, "workers": 2, "worker_num_cpus": 0.5, "api_key": "k"})
+    ingress = built._bound_deployment  # Serve has no public accessor for an Application's deployment
+    worker_app, engine_args, api_key = ingress.init_args
+    worker = worker_app._bound_deployment
+    assert (ingress.name, ingress.num_replicas, api_key) == ("OpenAIIngress", 1, "k")
+    assert (worker.name, worker.num_replicas, worker.ray_actor_options["num_cpus"]) == ("PagefleetWorker", 2, 0.5)
+    assert worker.init_args == (engine_args,) and engine_args.model == model
+    with pytest.raises(ValueError, match="unknown option"):
         build_app({"replicas": 3})
 
 

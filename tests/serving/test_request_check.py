@@ -1,0 +1,99 @@
+"""One request check: the ingress and `LLM.generate` refuse the same request with the same message,
+and the ingress gets there without loading any engine module."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from fastapi.testclient import TestClient
+
+from serving_fakes import FakeWorkerClient
+from pagefleet.router.ingress import load_model_info
+from pagefleet.router.openai_app import build_openai_app
+from pagefleet.router.service import OpenAIService
+from pagefleet.worker.engine_args import EngineArgs
+from pagefleet.worker.sampling_params import SamplingParams
+
+MAX_MODEL_LEN = 64
+MAX_NUM_SEQS = 4
+VOCAB = 1000  # the tiny demo checkpoint's
+
+
+@pytest.fixture(scope="module")
+def args(tiny_checkpoint):
+    return EngineArgs(model=str(tiny_checkpoint("llama")), max_model_len=MAX_MODEL_LEN, max_num_seqs=MAX_NUM_SEQS,
+                      kv_cache_bytes=16 << 20, dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def ingress(args):
+    tokenizer, info = load_model_info(args)
+    service = OpenAIService(tokenizer=tokenizer, info=info, client=FakeWorkerClient(tokenizer, VOCAB))
+    with TestClient(build_openai_app(service)) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def llm(args):
+    from pagefleet.worker import LLM
+
+    with LLM(**{f: getattr(args, f) for f in ("model", "max_model_len", "max_num_seqs", "kv_cache_bytes",
+                                               "dtype")}) as engine:
+        yield engine
+
+
+# (prompt token ids, sampling fields sent both as JSON and as SamplingParams, the param named)
+BAD = [
+    ([5, VOCAB], {"max_tokens": 4}, "prompt"),
+    ([5] * MAX_MODEL_LEN, {"max_tokens": 1}, "prompt"),
+    ([5] * 60, {"max_tokens": 5}, "max_tokens"),
+    ([5, 6], {"max_tokens": 4, "n": MAX_NUM_SEQS + 1}, "n"),
+    ([5, 6], {"max_tokens": 4, "stop_token_ids": [VOCAB + 7]}, "stop_token_ids"),
+    ([5] * 60, {"max_tokens": None, "min_tokens": 10}, "min_tokens"),
+    ([5, 6], {"max_tokens": 4, "top_p": 0.0}, "top_p"),
+    ([5, 6], {"max_tokens": 4, "seed": 2**64}, "seed"),
+    ([5, 6], {"max_tokens": 0}, "max_tokens"),
+]
+
+
+@pytest.mark.parametrize("prompt, fields, param", BAD)
+def test_same_bad_request_same_message(ingress, llm, prompt, fields, param):
+    r = ingress.post("/v1/completions", json={"prompt": prompt, **fields})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param
+    with pytest.raises(ValueError) as offline:
+        llm.generate({"prompt_token_ids": prompt}, SamplingParams(**fields))
+    assert str(offline.value) == error["message"]
+    assert not llm.engine.has_unfinished()
+
+
+def test_importing_and_starting_the_ingress_loads_no_engine_module(args):
+    code = f"""
+import json, sys
+from fastapi.testclient import TestClient
+from pagefleet.router.ingress import load_model_info, OpenAIIngress
+from pagefleet.router.openai_app import build_openai_app
+from pagefleet.router.service import OpenAIService
+from pagefleet.worker.engine_args import EngineArgs
+args = EngineArgs(model={args.model!r}, max_model_len={MAX_MODEL_LEN})
+tokenizer, info = load_model_info(args)
+app = build_openai_app(OpenAIService(tokenizer=tokenizer, info=info, client=None))
+with TestClient(app) as client:
+    r = client.post("/tokenize", json={{"prompt": "hello"}})
+    assert r.status_code == 200, r.text
+    r = client.post("/v1/completions", json={{"prompt": [5, 99999]}})
+    assert r.status_code == 400, r.text
+print(json.dumps(sorted(m for m in sys.modules if m.startswith("pagefleet"))))
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    loaded = json.loads(result.stdout.strip().splitlines()[-1])
+    engine_modules = [m for m in loaded if m.startswith("pagefleet.kernels") or m in (
+        "pagefleet.worker.engine", "pagefleet.worker.model", "pagefleet.worker.layers",
+        "pagefleet.worker.model_runner", "pagefleet.worker.loader", "pagefleet.worker.async_engine")]
+    assert engine_modules == []
+    assert "pagefleet.router.ingress" in loaded and "pagefleet.worker.request_check" in loaded

@@ -1,0 +1,122 @@
+"""Every option is defined once: each EngineArgs / ServeArgs field is a `pagefleet serve` flag, a
+`serve.yaml` arg and (engine options) an `LLM(...)` keyword, with the same default and value."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pagefleet.cluster.cli import _parser, options_from_args
+from pagefleet.cluster.config import ServeArgs, ServeOptions
+from pagefleet.worker import llm as llm_module
+from pagefleet.worker.engine_args import EngineArgs
+from pagefleet.worker.options import default_of, flag_name, option_fields
+
+SERVE_YAML = Path(__file__).resolve().parents[1] / "deploy" / "serve.yaml"
+
+# A value other than the default for each option: (the flag's text, the value it means).
+OTHER_VALUES = {
+    "model": ("/ckpt", "/ckpt"),
+    "served_model_name": ("m", "m"),
+    "dtype": ("bf16", "bfloat16"),
+    "device": ("cpu", "cpu"),
+    "block_size": ("32", 32),
+    "max_num_seqs": ("8", 8),
+    "max_num_batched_tokens": ("512", 512),
+    "max_model_len": ("1024", 1024),
+    "kv_cache_bytes": ("2GiB", 2 * 2**30),
+    "gpu_memory_utilization": ("0.5", 0.5),
+    "enable_prefix_caching": (None, False),  # --no-enable-prefix-caching
+    "tensor_parallel_size": ("2", 2),
+    "seed": ("7", 7),
+    "load_format": ("dummy", "dummy"),
+    "host": ("0.0.0.0", "0.0.0.0"),
+    "port": ("9000", 9000),
+    "workers": ("3", 3),
+    "api_key": ("k", "k"),
+    "worker_num_cpus": ("0.5", 0.5),
+    "worker_num_gpus": ("1", 1.0),
+    "ingress_num_cpus": ("0.25", 0.25),
+    "ingress_replicas": ("2", 2),
+}
+ENGINE_FIELDS = [f.name for f in option_fields(EngineArgs)]
+SERVE_FIELDS = [f.name for f in option_fields(ServeArgs)]
+
+
+@pytest.fixture(autouse=True)
+def _no_api_key_env(monkeypatch):
+    monkeypatch.delenv("PAGEFLEET_API_KEY", raising=False)
+
+
+def _cli(*argv: str) -> ServeOptions:
+    return options_from_args(_parser().parse_args(["serve", *argv]))
+
+
+def _part(opts: ServeOptions, name: str):
+    return opts.engine if name in ENGINE_FIELDS else opts.serve
+
+
+def test_the_table_above_covers_every_option():
+    assert sorted(OTHER_VALUES) == sorted(ENGINE_FIELDS + SERVE_FIELDS)
+    assert not set(ENGINE_FIELDS) & set(SERVE_FIELDS)
+
+
+@pytest.mark.parametrize("name", ENGINE_FIELDS + SERVE_FIELDS)
+def test_option_has_one_default_everywhere(name):
+    cls = EngineArgs if name in ENGINE_FIELDS else ServeArgs
+    (field,) = [f for f in option_fields(cls) if f.name == name]
+    default = default_of(field)
+    assert getattr(_part(_cli(), name), name) == default                      # no flag given
+    assert getattr(_part(ServeOptions.from_dict({}), name), name) == default  # serve.yaml without the key
+    assert getattr(cls(), name) == default                                    # LLM(...) / build_app without it
+
+
+@pytest.mark.parametrize("name", ENGINE_FIELDS + SERVE_FIELDS)
+def test_option_means_the_same_as_flag_yaml_arg_and_keyword(name):
+    text, value = OTHER_VALUES[name]
+    flag = flag_name(next(f for f in dataclasses.fields(EngineArgs) + dataclasses.fields(ServeArgs)
+                          if f.name == name))
+    argv = [f"--no-{flag[2:]}"] if text is None else [flag, text]
+    assert getattr(_part(_cli(*argv), name), name) == value
+    as_yaml = yaml.safe_load(yaml.safe_dump({name: value if text is None else yaml.safe_load(text)}))
+    assert getattr(_part(ServeOptions.from_dict(as_yaml), name), name) == value
+
+
+@pytest.mark.parametrize("name", ENGINE_FIELDS)
+def test_engine_option_is_an_llm_keyword(name, monkeypatch):
+    seen = []
+    monkeypatch.setattr(llm_module, "LLMEngine", lambda args: seen.append(args) or _Stub())
+    _, value = OTHER_VALUES[name]
+    kwargs = {"model": "/ckpt", name: value}
+    llm_module.LLM(**kwargs)
+    assert getattr(seen[0], name) == value
+
+
+class _Stub:
+    tokenizer = None
+
+
+def test_shipped_serve_yaml_agrees_with_the_flags():
+    config = yaml.safe_load(SERVE_YAML.read_text())
+    (app,) = config["applications"]
+    args = app["args"]
+    opts = ServeOptions.from_dict(args)  # every key is an option
+    for name, value in args.items():
+        cls = EngineArgs if name in ENGINE_FIELDS else ServeArgs
+        field = next(f for f in option_fields(cls) if f.name == name)
+        # The file shows knobs at their defaults; it must never disagree with the flags silently.
+        assert value == default_of(field), name
+        assert getattr(_part(opts, name), name) == value
+
+
+def test_a_secret_option_never_shows(monkeypatch, capsys):
+    monkeypatch.setenv("PAGEFLEET_API_KEY", "s3cret-key")
+    opts = _cli()
+    assert opts.serve.api_key == "s3cret-key"
+    assert "s3cret-key" not in repr(opts)
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["serve", "--help"])
+    assert "s3cret-key" not in capsys.readouterr().out

@@ -1,0 +1,67 @@
+"""The one check of a request against what the served model and engine can take.
+
+Pure: token ids, ``SamplingParams`` (whose own fields check their ranges when
+built) and ``RequestLimits``. The ingress calls it before anything is queued,
+so bad requests never reach a worker; the engine calls the same function at
+its own entry points (``LLM.generate``, the replica), because a token id
+outside the vocabulary would otherwise fail a whole batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pagefleet.worker.sampling_params import SamplingParams
+
+
+class InvalidRequest(ValueError):
+    """A request that can never be served; ``param`` names the offending field (OpenAI's ``param``)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(slots=True, frozen=True)
+class RequestLimits:
+    vocab_size: int
+    max_model_len: int
+    max_num_seqs: int
+
+
+def check_request(prompt_token_ids: list[int], params: "SamplingParams", limits: RequestLimits) -> None:
+    """Raise ``InvalidRequest`` for a request that can never be served."""
+    n = len(prompt_token_ids)
+    if n == 0:
+        raise InvalidRequest("prompt must not be empty", "prompt")
+    bad = _first_outside_vocab(prompt_token_ids, limits.vocab_size)
+    if bad is not None:
+        raise InvalidRequest(f"token id {prompt_token_ids[bad]!r} is outside the vocabulary "
+                             f"[0, {limits.vocab_size})", "prompt")
+    if n >= limits.max_model_len:
+        raise InvalidRequest(f"This model's maximum context length is {limits.max_model_len} tokens. However, "
+                             f"your prompt has {n} tokens, leaving no room for a completion.", "prompt")
+    if params.max_tokens is not None and n + params.max_tokens > limits.max_model_len:
+        raise InvalidRequest(
+            f"This model's maximum context length is {limits.max_model_len} tokens. However, you requested "
+            f"{n + params.max_tokens} tokens ({n} in the prompt, {params.max_tokens} in the completion). "
+            "Please reduce the length of the prompt or completion.", "max_tokens")
+    if n + params.min_tokens > limits.max_model_len:
+        raise InvalidRequest(f"min_tokens ({params.min_tokens}) does not fit beside the prompt ({n} tokens) "
+                             f"within the maximum context length of {limits.max_model_len} tokens", "min_tokens")
+    if params.n > limits.max_num_seqs:
+        raise InvalidRequest(f"n ({params.n}) must be <= max_num_seqs ({limits.max_num_seqs})", "n")
+    bad = _first_outside_vocab(params.stop_token_ids, limits.vocab_size)
+    if bad is not None:
+        raise InvalidRequest(f"stop token id {params.stop_token_ids[bad]!r} is outside the vocabulary "
+                             f"[0, {limits.vocab_size})", "stop_token_ids")
+
+
+def _first_outside_vocab(token_ids: list[int], vocab_size: int) -> int | None:
+    """The index of the first entry that is not a token id of the vocabulary, or None."""
+    for i, t in enumerate(token_ids):
+        if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size:
+            return i
+    return None
