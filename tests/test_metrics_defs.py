@@ -10,7 +10,7 @@ from pagefleet.router.node_metrics import pagefleet_families
 from pagefleet.router.routing_policy import ReplicaLoad, replica_load, routing_reason
 from pagefleet.worker.metrics import ENGINE_METRICS, MetricSpec, histogram_buckets, token_count_buckets
 from pagefleet.worker.metrics_collector import EngineMetricsBatch, EngineMetricsCollector
-from pagefleet.worker.outputs import RequestOutputDelta, SequenceDelta
+from pagefleet.worker.outputs import CompletionOutput, RequestOutputDelta
 from pagefleet.worker.stats import EngineStats
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "metrics.md"
@@ -65,7 +65,7 @@ def _stats(**kw) -> EngineStats:
 
 
 def _delta(rid, tokens_per_seq, finish=None, prompt=7, finished=False):
-    seqs = [SequenceDelta(i, "", list(range(n)), None, finish[i] if finish else None)
+    seqs = [CompletionOutput(i, "", list(range(n)), None, finish[i] if finish else None)
             for i, n in enumerate(tokens_per_seq)]
     return RequestOutputDelta(rid, seqs, prompt, 0, finished)
 

@@ -33,6 +33,7 @@ OTHER_VALUES = {
     "tensor_parallel_size": ("2", 2),
     "seed": ("7", 7),
     "load_format": ("dummy", "dummy"),
+    "log_stats_interval": ("2.5", 2.5),
     "host": ("0.0.0.0", "0.0.0.0"),
     "port": ("9000", 9000),
     "workers": ("3", 3),
@@ -41,6 +42,7 @@ OTHER_VALUES = {
     "worker_num_gpus": ("1", 1.0),
     "ingress_num_cpus": ("0.25", 0.25),
     "ingress_replicas": ("2", 2),
+    "metrics_export_port": ("9090", 9090),
 }
 ENGINE_FIELDS = [f.name for f in option_fields(EngineArgs)]
 SERVE_FIELDS = [f.name for f in option_fields(ServeArgs)]
