@@ -42,8 +42,9 @@ class RayNodes:
         self.temp_dir = tempfile.mkdtemp(prefix="/tmp/pf-2n-")  # short: unix socket paths
         self.token = secrets.token_hex(32)
         # Token auth as Ray's docs give it: the mode, and the cluster's token on every node.
+        # Metrics reported each second (Ray's default is 10 s) so a test reads them sooner.
         self.env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": self.token,
-                    "OMP_WAIT_POLICY": "PASSIVE"}
+                    "OMP_WAIT_POLICY": "PASSIVE", "RAY_metrics_report_interval_ms": "1000"}
         self.gcs_port = free_port()
         self.dashboard_port = free_port()
         self.metrics_ports: list[int] = []

@@ -69,16 +69,20 @@ def _tokens_by_replica(nodes: RayNodes) -> list[dict[str, float]]:
     return out
 
 
-def _both_nodes_answered(nodes: RayNodes, before: list[dict[str, float]], timeout_s: float = 30) -> None:
-    """Each node's agent shows one replica of this app (not in ``before``) that generated tokens."""
+def _both_nodes_answer(nodes: RayNodes, base: str, model: str, before: list[dict[str, float]],
+                       timeout_s: float = 120) -> None:
+    """Send batches of 8 concurrent requests until each node's agent shows one replica of this app
+    (not in ``before``) that generated tokens: replicas on both nodes answer."""
     deadline = time.monotonic() + timeout_s
     while True:
+        with ThreadPoolExecutor(8) as pool:
+            assert [r.status_code for r in pool.map(lambda i: _complete(base, model, i), range(8))] == [200] * 8
+        time.sleep(3)  # the engines flush each second, the agents export each second here
         per_node = [{r: n for r, n in now.items() if r not in old and n > 0}
                     for now, old in zip(_tokens_by_replica(nodes), before)]
         if all(len(replicas) == 1 for replicas in per_node):
             return
         assert time.monotonic() < deadline, f"replicas with output per node: {per_node}"
-        time.sleep(1)
 
 
 def test_two_nodes_serve_deploy_pagefleet_serve_and_a_lost_node(nodes, tiny_checkpoint, tmp_path):
@@ -96,9 +100,7 @@ def test_two_nodes_serve_deploy_pagefleet_serve_and_a_lost_node(nodes, tiny_chec
                           env=nodes.env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     _wait_ready(base)
-    with ThreadPoolExecutor(8) as pool:
-        assert [r.status_code for r in pool.map(lambda i: _complete(base, model, i), range(8))] == [200] * 8
-    _both_nodes_answered(nodes, [{}, {}])
+    _both_nodes_answer(nodes, base, model, [{}, {}])
     first_app = _tokens_by_replica(nodes)
     done = subprocess.run([str(BIN / "serve"), "shutdown", "-y", "--address", nodes.dashboard], env=nodes.env,
                           capture_output=True, text=True, timeout=120)
@@ -134,9 +136,7 @@ def test_two_nodes_serve_deploy_pagefleet_serve_and_a_lost_node(nodes, tiny_chec
         assert f"http://127.0.0.1:{port}/v1" in banner
         for metrics_port in nodes.metrics_ports:  # where Prometheus scrapes each node
             assert f":{metrics_port}" in banner
-        with ThreadPoolExecutor(8) as pool:
-            assert [r.status_code for r in pool.map(lambda i: _complete(base, model, i), range(8))] == [200] * 8
-        _both_nodes_answered(nodes, first_app)
+        _both_nodes_answer(nodes, base, model, first_app)
 
         # 4. The second node's raylet dies (its replica with it); the head's replica serves on.
         os.kill(nodes.raylet_pid(1), signal.SIGKILL)
