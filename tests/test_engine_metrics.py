@@ -106,3 +106,18 @@ def test_engine_metrics_logs_the_stats_line(caplog):
         metrics.after_step(0.5, 1.0, _stats(steps=1, gen=1, running=1), [])
         metrics.after_step(1.5, 2.5, _stats(steps=2, gen=2, running=1), [])
     assert [r.getMessage().split(",")[1].strip() for r in caplog.records] == ["Avg generation throughput: 0.8 tokens/s"]
+
+
+def test_start_up_logs_weight_loading_and_the_kv_pool(tiny_checkpoint, caplog, capsys):
+    from pagefleet.worker import LLM
+
+    with caplog.at_level(logging.INFO, logger="pagefleet"):
+        llm = LLM(model=str(tiny_checkpoint(arch="llama")), dtype="float32", kv_cache_bytes=2 << 20,
+                  max_model_len=256)
+        llm.shutdown()
+    messages = [r.getMessage() for r in caplog.records]
+    assert any(m.startswith("loaded the weights of llama") for m in messages), messages
+    # 2 MiB / 16 KiB per block (2 layers x K,V x 16 tokens x 2 heads x 32 dims x fp32) = 128 blocks
+    assert any("KV cache (per rank) of 128 blocks = 2048 tokens (2.0 MiB); maximum concurrency at max_model_len "
+               "256: 8.00x" in m for m in messages), messages
+    assert "Loading safetensors checkpoint shards: 100%" in capsys.readouterr().err
