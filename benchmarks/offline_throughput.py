@@ -117,6 +117,7 @@ def run_one(system: str, ckpt: str, workload_path: str) -> dict:
     }
     if result.note:
         line["note"] = result.note
+    line.update(result.extra or {})
     return line
 
 
@@ -183,6 +184,12 @@ def summarize(results: list[dict], machine: dict, workload: dict, model: str) ->
         off, on = (statistics.median(runs[s]) for s in METRICS_SYSTEMS)
         summary["metrics_runs_output_tokens_per_s"] = runs
         summary["metrics_on_throughput_ratio"] = round(on / off, 4)  # median with metrics / median without
+        cpu = {s: [r["output_tokens_per_cpu_s"] for r in results if r.get("system") == s and "error" not in r]
+               for s in METRICS_SYSTEMS}
+        off, on = (statistics.median(cpu[s]) for s in METRICS_SYSTEMS)
+        summary["metrics_on_tokens_per_cpu_s_ratio"] = round(on / off, 4)
+        summary["metrics_hooks_share_of_wall_max"] = max(
+            r["metrics_hooks_share_of_wall"] for r in results if r.get("system") == METRICS_SYSTEMS[1] and "error" not in r)
     failed = [r["system"] for r in results if "error" in r]
     if failed:
         summary["failed"] = failed

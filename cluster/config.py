@@ -33,19 +33,14 @@ class ServeArgs:
                                                       "GPUs, else 0)")
     ingress_num_cpus: float = option(0.5, help="Ray CPUs reserved per ingress replica")
     ingress_replicas: int = option(1, help="replicas of the OpenAI ingress")
-    metrics_export_port: int = option(8080, help="port of the local Ray's metrics agent, where Prometheus "
-                                                 "scrapes the ray_pagefleet_* series (a cluster joined with "
-                                                 "--address keeps its own)")
 
     def __post_init__(self) -> None:
         for name in ("workers", "ingress_replicas"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        for name in ("port", "metrics_export_port"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or not 0 < value < 65536:
-                raise ValueError(f"{name} must be in 1..65535, got {value!r}")
+        if not isinstance(self.port, int) or not 0 < self.port < 65536:
+            raise ValueError(f"port must be in 1..65535, got {self.port!r}")
         if self.worker_num_cpus < 0 or self.ingress_num_cpus < 0 or (self.worker_num_gpus or 0) < 0:
             raise ValueError("CPU and GPU counts must be >= 0")
 

@@ -29,7 +29,9 @@ def prepare_model(opts: ServeOptions) -> str:
     return model_config_of(opts.engine).served_model_name
 
 
-def run_server(opts: ServeOptions, *, address: str | None = None) -> int:
+def run_server(opts: ServeOptions, *, address: str | None = None, metrics_export_port: int = 8080) -> int:
+    """``address``: join that Ray cluster, else start a local one whose metrics agent serves
+    Prometheus on ``metrics_export_port``."""
     started = time.monotonic()
     local = address is None
     if local:
@@ -51,7 +53,7 @@ def run_server(opts: ServeOptions, *, address: str | None = None) -> int:
         # every replica (they share the cores).
         num_cpus = max(os.cpu_count() or 1, math.ceil(opts.logical_cpus_needed()) + 1)
         # A known metrics export port: Prometheus scrapes this node's Ray metrics agent there.
-        ray.init(num_cpus=num_cpus, include_dashboard=False, _metrics_export_port=opts.serve.metrics_export_port)
+        ray.init(num_cpus=num_cpus, include_dashboard=False, _metrics_export_port=metrics_export_port)
     else:
         print(f"pagefleet: joining the Ray cluster at {address}", flush=True)
         try:

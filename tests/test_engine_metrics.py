@@ -121,3 +121,19 @@ def test_start_up_logs_weight_loading_and_the_kv_pool(tiny_checkpoint, caplog, c
     assert any("KV cache (per rank) of 128 blocks = 2048 tokens (2.0 MiB); maximum concurrency at max_model_len "
                "256: 8.00x" in m for m in messages), messages
     assert "Loading safetensors checkpoint shards: 100%" in capsys.readouterr().err
+
+
+def test_a_failing_recorder_never_stops_the_engine_loop(caplog):
+    class Broken:
+        calls = 0
+
+        def record(self, batch):
+            Broken.calls += 1
+            raise RuntimeError("exporter down")
+
+    metrics = EngineMetrics(_stats(), 0.0, recorder=Broken(), flush_interval_s=1.0)
+    with caplog.at_level(logging.ERROR, logger="pagefleet.engine"):
+        for t in (1.0, 2.0, 3.0):
+            metrics.after_step(t - 0.5, t, _stats(steps=int(t), gen=int(t), running=1), [])
+    assert Broken.calls == 3
+    assert len([r for r in caplog.records if "recording engine metrics failed" in r.getMessage()]) == 1

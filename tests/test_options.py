@@ -42,7 +42,6 @@ OTHER_VALUES = {
     "worker_num_gpus": ("1", 1.0),
     "ingress_num_cpus": ("0.25", 0.25),
     "ingress_replicas": ("2", 2),
-    "metrics_export_port": ("9090", 9090),
 }
 ENGINE_FIELDS = [f.name for f in option_fields(EngineArgs)]
 SERVE_FIELDS = [f.name for f in option_fields(ServeArgs)]

@@ -34,6 +34,7 @@ class EngineMetrics:
         self._log = StatsLogger(log_interval_s, stats, now) if log_interval_s > 0 else None
         self._flush_interval_s = flush_interval_s
         self._flushed_at = now
+        self._record_failed = False
 
     def request_added(self, request_id: str, now: float) -> None:
         if self._collector is not None:
@@ -56,8 +57,16 @@ class EngineMetrics:
         self._tick(now, stats)
 
     def flush(self) -> None:
-        if self._collector is not None:
-            self._recorder.record(self._collector.take())
+        if self._collector is None:
+            return
+        batch = self._collector.take()
+        try:
+            self._recorder.record(batch)
+        except Exception:  # metrics must never stop the engine loop; this batch is lost, say so once
+            if not self._record_failed:
+                logger.exception("recording engine metrics failed; the engine goes on (further failures "
+                                 "are not logged)")
+            self._record_failed = True
 
     def _tick(self, now: float, stats: EngineStats) -> None:
         if self._collector is not None and now - self._flushed_at >= self._flush_interval_s:
