@@ -11,6 +11,7 @@ output) report the extra work as `generated_tokens`.
 from __future__ import annotations
 
 import resource
+import os
 import time
 from dataclasses import dataclass
 
@@ -34,6 +35,7 @@ class RunResult:
     generated_tokens: int  # tokens the system actually generated (>= output_tokens)
     wall_s: float
     note: str | None = None
+    extra: dict | None = None  # system-specific figures, copied into the result line
 
 
 def peak_rss_mib() -> float:
@@ -59,11 +61,18 @@ def kv_bytes_for(workload: Workload, config: dict, dtype_bytes: int) -> int:
     return (blocks + len(workload.prompts)) * BLOCK_SIZE * per_token
 
 
+def max_len_for(workload: Workload) -> int:
+    """The longest request: the engine refuses a KV pool smaller than max_model_len, and the pool
+    here holds exactly the workload."""
+    return max(len(p) + n for p, n in zip(workload.prompts, workload.output_lens))
+
+
 def run_pagefleet(ckpt: str, workload: Workload, config: dict) -> RunResult:
     from pagefleet.worker import LLM, SamplingParams
 
     llm = LLM(model=ckpt, dtype="float32", device="cpu", block_size=BLOCK_SIZE, max_num_seqs=MAX_NUM_SEQS,
-              max_num_batched_tokens=MAX_BATCH_TOKENS, kv_cache_bytes=kv_bytes_for(workload, config, 4))
+              max_num_batched_tokens=MAX_BATCH_TOKENS, kv_cache_bytes=kv_bytes_for(workload, config, 4),
+              max_model_len=max_len_for(workload))
     llm.generate([{"prompt_token_ids": workload.prompts[0][:16]}],
                  SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
     prompts = [{"prompt_token_ids": ids} for ids in workload.prompts]
@@ -75,6 +84,68 @@ def run_pagefleet(ckpt: str, workload: Workload, config: dict) -> RunResult:
     if lengths != workload.output_lens:
         raise RuntimeError("pagefleet did not generate the exact output lengths asked for")
     return RunResult(sum(lengths), sum(lengths), wall)
+
+
+def run_pagefleet_serving(ckpt: str, workload: Workload, config: dict, metrics: bool) -> RunResult:
+    """The serving path: ``AsyncLLMEngine`` (engine thread, per-request streams) in a process with a
+    local Ray, as in a worker replica; ``metrics`` records the engine metrics with ``ray.util.metrics``
+    exactly as a replica does. Both variants start Ray, so the difference is the metrics alone."""
+    import asyncio
+
+    os.environ.setdefault("RAY_AUTH_MODE", "token")
+    import ray
+
+    from pagefleet.worker import AsyncLLMEngine, EngineArgs, SamplingParams
+    from pagefleet.worker.metrics_recorder import RayEngineMetricsRecorder
+
+    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+
+    def recorder(cfg):
+        return RayEngineMetricsRecorder(cfg.served_model_name, "bench", cfg.max_model_len)
+
+    engine = AsyncLLMEngine(EngineArgs(model=ckpt, dtype="float32", device="cpu", block_size=BLOCK_SIZE,
+                                       max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=MAX_BATCH_TOKENS,
+                                       kv_cache_bytes=kv_bytes_for(workload, config, 4),
+                                       max_model_len=max_len_for(workload)),
+                            metrics=recorder if metrics else None)
+
+    async def one(rid: str, ids: list[int], max_tokens: int) -> int:
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        count = 0
+        async for delta in engine.generate(rid, ids, params):
+            count += sum(len(s.token_ids) for s in delta.sequences)
+        return count
+
+    async def run_all() -> list[int]:
+        return await asyncio.gather(*(one(f"r{i}", ids, n) for i, (ids, n) in
+                                      enumerate(zip(workload.prompts, workload.output_lens))))
+
+    # Time spent in the engine thread's metrics hooks (collecting and recording), measured
+    # directly: on a shared machine this is steadier than a throughput difference.
+    hooks_s = [0.0]
+    observer = engine._metrics  # the loop's EngineMetrics; wrapped here, for this measurement only
+    for name in ("request_added", "after_step", "after_abort", "idle"):
+        def timed(*a, _f=getattr(observer, name), **kw):
+            t = time.perf_counter()
+            try:
+                return _f(*a, **kw)
+            finally:
+                hooks_s[0] += time.perf_counter() - t
+        setattr(observer, name, timed)
+    try:
+        asyncio.run(one("warmup", workload.prompts[0][:16], 2))
+        hooks_s[0] = 0.0
+        start, cpu = time.perf_counter(), time.process_time()
+        lengths = asyncio.run(run_all())
+        wall, cpu = time.perf_counter() - start, time.process_time() - cpu
+    finally:
+        engine.shutdown()
+        ray.shutdown()
+    if lengths != workload.output_lens:
+        raise RuntimeError("pagefleet did not generate the exact output lengths asked for")
+    return RunResult(sum(lengths), sum(lengths), wall, extra={
+        "cpu_s": round(cpu, 3), "output_tokens_per_cpu_s": round(sum(lengths) / cpu, 2),
+        "metrics_hooks_s": round(hooks_s[0], 4), "metrics_hooks_share_of_wall": round(hooks_s[0] / wall, 5)})
 
 
 def _load_hf_model(ckpt: str):

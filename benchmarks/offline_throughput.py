@@ -16,6 +16,12 @@ with the ratios and the machine it ran on.
 
     python benchmarks/offline_throughput.py            # full: 64 requests
     python benchmarks/offline_throughput.py --quick    # smoke test: 8 short requests
+    python benchmarks/offline_throughput.py --metrics 3  # serving path, metrics off/on, alternated 3 times
+
+With --metrics the systems are the serving path, ``AsyncLLMEngine`` in a process with a local Ray
+(pagefleet-serving), and the same with the engine metrics recorded through ``ray.util.metrics``
+(pagefleet-serving-metrics); the summary's ``metrics_on_throughput_ratio`` is the median
+throughput with metrics over the median without.
 """
 
 from __future__ import annotations
@@ -25,12 +31,16 @@ import json
 import os
 import platform
 import random
+import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-SYSTEMS = ("pagefleet", "hf-static-8", "hf-static-32", "hf-cb")
+DEFAULT_SYSTEMS = ("pagefleet", "hf-static-8", "hf-static-32", "hf-cb")
+# The serving path (engine thread on a local Ray) without and with metrics: --metrics runs these.
+METRICS_SYSTEMS = ("pagefleet-serving", "pagefleet-serving-metrics")
+SYSTEMS = DEFAULT_SYSTEMS + METRICS_SYSTEMS
 NUM_SPECIAL_TOKENS = 5  # ids 0..4 of the demo tokenizer; prompts avoid them
 
 
@@ -88,6 +98,8 @@ def run_one(system: str, ckpt: str, workload_path: str) -> dict:
         result = runners.run_hf_static(ckpt, workload, batch_size=32)
     elif system == "hf-cb":
         result = runners.run_hf_continuous(ckpt, workload)
+    elif system in METRICS_SYSTEMS:
+        result = runners.run_pagefleet_serving(ckpt, workload, config, metrics=system.endswith("-metrics"))
     else:
         raise ValueError(f"unknown system {system!r}; choose from {', '.join(SYSTEMS)}")
     line = {
@@ -105,6 +117,7 @@ def run_one(system: str, ckpt: str, workload_path: str) -> dict:
     }
     if result.note:
         line["note"] = result.note
+    line.update(result.extra or {})
     return line
 
 
@@ -154,7 +167,7 @@ def summarize(results: list[dict], machine: dict, workload: dict, model: str) ->
         "output_tokens_per_s": {s: r["output_tokens_per_s"] for s, r in ok.items()},
         "machine": machine,
     }
-    hf = {s: r for s, r in ok.items() if s != "pagefleet"}
+    hf = {s: r for s, r in ok.items() if s.startswith("hf-")}
     if "pagefleet" in ok and hf:
         best = max(hf, key=lambda s: hf[s]["output_tokens_per_s"])
         pf = ok["pagefleet"]
@@ -165,6 +178,18 @@ def summarize(results: list[dict], machine: dict, workload: dict, model: str) ->
             s: round(pf["output_tokens_per_s"] / r["output_tokens_per_s"], 3) for s, r in hf.items()}
         if "hf-cb" in ok:
             summary["peak_rss_ratio_vs_hf_cb"] = round(pf["peak_rss_mib"] / ok["hf-cb"]["peak_rss_mib"], 3)
+    runs = {s: [r["output_tokens_per_s"] for r in results if r.get("system") == s and "error" not in r]
+            for s in METRICS_SYSTEMS}
+    if all(runs.values()):
+        off, on = (statistics.median(runs[s]) for s in METRICS_SYSTEMS)
+        summary["metrics_runs_output_tokens_per_s"] = runs
+        summary["metrics_on_throughput_ratio"] = round(on / off, 4)  # median with metrics / median without
+        cpu = {s: [r["output_tokens_per_cpu_s"] for r in results if r.get("system") == s and "error" not in r]
+               for s in METRICS_SYSTEMS}
+        off, on = (statistics.median(cpu[s]) for s in METRICS_SYSTEMS)
+        summary["metrics_on_tokens_per_cpu_s_ratio"] = round(on / off, 4)
+        summary["metrics_hooks_share_of_wall_max"] = max(
+            r["metrics_hooks_share_of_wall"] for r in results if r.get("system") == METRICS_SYSTEMS[1] and "error" not in r)
     failed = [r["system"] for r in results if "error" in r]
     if failed:
         summary["failed"] = failed
@@ -174,8 +199,10 @@ def summarize(results: list[dict], machine: dict, workload: dict, model: str) ->
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="smoke test: 8 requests, prompts 16-64, outputs 8-16")
-    parser.add_argument("--systems", default=",".join(SYSTEMS),
+    parser.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS),
                         help=f"comma-separated subset of {','.join(SYSTEMS)}")
+    parser.add_argument("--metrics", type=int, metavar="N", default=0,
+                        help="instead: the serving path without and with metrics, alternated N times each")
     parser.add_argument("--ckpt", help="checkpoint dir: reused if it holds a config.json, else written there")
     parser.add_argument("--seed", type=int, default=0, help="workload seed")
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds allowed per system")
@@ -190,6 +217,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    if args.metrics:
+        systems = list(METRICS_SYSTEMS) * args.metrics  # A/B/A/B: machine noise falls on both alike
     unknown = sorted(set(systems) - set(SYSTEMS))
     if unknown:
         parser.error(f"unknown systems {unknown}; choose from {', '.join(SYSTEMS)}")

@@ -43,6 +43,9 @@ def _parser() -> argparse.ArgumentParser:
     add_cli_args(serve.add_argument_group("serving options"), ServeArgs)
     serve.add_argument("--address", default=None,
                        help="join a running Ray cluster ('auto' or HOST:PORT) instead of starting a local one")
+    serve.add_argument("--metrics-export-port", type=_port, default=8080,
+                       help="port of the local Ray's metrics agent, where Prometheus scrapes the ray_pagefleet_* "
+                            "series (a cluster joined with --address keeps its own)")
 
     demo = sub.add_parser("demo-model", help="write a random-weight checkpoint with a locally trained tokenizer")
     demo.set_defaults(command="demo-model", run=_demo_model)
@@ -52,6 +55,13 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--dtype", default="float32", choices=DTYPES)
     demo.add_argument("--seed", type=int, default=0)
     return parser
+
+
+def _port(text: str) -> int:
+    port = int(text)
+    if not 0 < port < 65536:
+        raise argparse.ArgumentTypeError(f"a port is in 1..65535, got {port}")
+    return port
 
 
 def options_from_args(args: argparse.Namespace) -> ServeOptions:
@@ -71,7 +81,7 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     from pagefleet.cluster.launch import run_server
 
-    return run_server(opts, address=args.address)
+    return run_server(opts, address=args.address, metrics_export_port=args.metrics_export_port)
 
 
 def _demo_model(args: argparse.Namespace) -> int:

@@ -16,6 +16,7 @@ import sys
 import time
 
 from pagefleet.cluster.config import ServeOptions
+from pagefleet.cluster.ray_join import join_error, running_serve_http, serve_conflict
 
 def prepare_model(opts: ServeOptions) -> str:
     """Resolve (and, for the demo, write) the checkpoint before any Ray process starts, so a bad
@@ -28,7 +29,9 @@ def prepare_model(opts: ServeOptions) -> str:
     return model_config_of(opts.engine).served_model_name
 
 
-def run_server(opts: ServeOptions, *, address: str | None = None) -> int:
+def run_server(opts: ServeOptions, *, address: str | None = None, metrics_export_port: int = 8080) -> int:
+    """``address``: join that Ray cluster, else start a local one whose metrics agent serves
+    Prometheus on ``metrics_export_port``."""
     started = time.monotonic()
     local = address is None
     if local:
@@ -49,9 +52,22 @@ def run_server(opts: ServeOptions, *, address: str | None = None) -> int:
         # Logical CPUs: replicas reserve Ray CPUs, not cores, so a small machine still fits
         # every replica (they share the cores).
         num_cpus = max(os.cpu_count() or 1, math.ceil(opts.logical_cpus_needed()) + 1)
-        ray.init(num_cpus=num_cpus, include_dashboard=False)
+        # A known metrics export port: Prometheus scrapes this node's Ray metrics agent there.
+        ray.init(num_cpus=num_cpus, include_dashboard=False, _metrics_export_port=metrics_export_port)
     else:
-        ray.init(address=address)
+        print(f"pagefleet: joining the Ray cluster at {address}", flush=True)
+        try:
+            ray.init(address=address)
+        except Exception as exc:  # ConnectionError, or Ray's RuntimeError around an auth failure
+            print(f"pagefleet serve: error: {join_error(address, exc)}", file=sys.stderr)
+            return 1
+    # Serve keeps the HTTP options it first started with: refuse a port it would ignore.
+    running = None if local else running_serve_http()
+    conflict = serve_conflict(running, opts.serve.host, opts.serve.port)
+    if conflict is not None:
+        print(f"pagefleet serve: error: {conflict}", file=sys.stderr)
+        ray.shutdown()
+        return 2
 
     def stop(*_):
         raise KeyboardInterrupt
@@ -62,13 +78,14 @@ def run_server(opts: ServeOptions, *, address: str | None = None) -> int:
     try:
         serve.start(http_options={"host": opts.serve.host, "port": opts.serve.port})
         serve.run(build_app(opts), name=APP_NAME, route_prefix="/")
-        print(banner(opts, model_name, time.monotonic() - started, local), flush=True)
+        print(banner(opts, model_name, time.monotonic() - started, local, metrics_targets(),
+                     started_serve=running is None), flush=True)
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
         print("pagefleet: shutting down", flush=True)
     finally:
-        if local:
+        if local or running is None:  # Serve was started here: leave nothing behind holding the port
             serve.shutdown()
         else:
             serve.delete(APP_NAME)
@@ -76,11 +93,26 @@ def run_server(opts: ServeOptions, *, address: str | None = None) -> int:
     return 0
 
 
-def banner(opts: ServeOptions, model_name: str, elapsed_s: float, local: bool) -> str:
+def metrics_targets() -> list[str]:
+    """Each live node's Ray metrics agent, as Prometheus targets (HOST:PORT)."""
+    import ray
+
+    return sorted(f"{n['NodeManagerAddress']}:{n['MetricsExportPort']}" for n in ray.nodes()
+                  if n.get("Alive") and n.get("MetricsExportPort"))
+
+
+def banner(opts: ServeOptions, model_name: str, elapsed_s: float, local: bool,
+           metrics_targets: list[str] = (), started_serve: bool = True) -> str:
     host = "127.0.0.1" if opts.serve.host in ("0.0.0.0", "::") else opts.serve.host
     base = f"http://{host}:{opts.serve.port}"
     auth = f" \\\n  -H 'Authorization: Bearer {opts.serve.api_key}'" if opts.serve.api_key else ""
     where = "a local Ray cluster (token auth on)" if local else "the Ray cluster"
+    if local:
+        stops = "stops the server and the local Ray cluster"
+    elif started_serve:
+        stops = "removes the app and the Serve instance this command started; the Ray cluster keeps running"
+    else:
+        stops = "removes the app; Serve and the Ray cluster keep running"
     return (
         f"\npagefleet: serving {model_name!r} with {opts.serve.workers} worker replica(s) on {where}, "
         f"ready in {elapsed_s:.0f} s\n"
@@ -89,5 +121,7 @@ def banner(opts: ServeOptions, model_name: str, elapsed_s: float, local: bool) -
         f"  curl {base}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\\n"
         f"    -d '{{\"model\": \"{model_name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}], "
         f"\"max_tokens\": 32}}'\n"
-        f"  Ctrl-C stops the server{' and the local Ray cluster' if local else ''}.\n"
+        f"  Prometheus: scrape Ray's metrics agent{'s' if len(metrics_targets) > 1 else ''} at "
+        f"{', '.join(metrics_targets) or '(none found)'} (ray_pagefleet_* series; deploy/README.md)\n"
+        f"  Ctrl-C {stops}.\n"
     )

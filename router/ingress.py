@@ -15,6 +15,8 @@ from typing import Any, AsyncIterator
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
+from pagefleet.router.metrics import RouterMetrics
+from pagefleet.router.node_metrics import NodeMetricsReader
 from pagefleet.router.openai_app import build_openai_app
 from pagefleet.router.preprocess import ModelInfo
 from pagefleet.router.service import OpenAIService
@@ -70,7 +72,9 @@ class OpenAIIngress:
         tokenizer, info = load_model_info(engine_args)
         self._service = OpenAIService(tokenizer=tokenizer, info=info, client=HandleWorkerClient(worker))
         self._api_key = api_key
+        self._metrics = RouterMetrics(default_tags={"model_name": info.served_model_name})
         logger.info("ingress serves %s (max_model_len %d)", info.served_model_name, info.limits.max_model_len)
 
     def __serve_build_asgi_app__(self):
-        return build_openai_app(self._service, api_key=self._api_key)
+        return build_openai_app(self._service, api_key=self._api_key, metrics=self._metrics,
+                                node_metrics=NodeMetricsReader())

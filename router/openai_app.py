@@ -16,6 +16,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
 from pagefleet.router.errors import OpenAIError, bad_request, from_validation_error, install_error_handlers
+from pagefleet.router.metrics import RouterMetrics
+from pagefleet.router.node_metrics import NodeMetricsReader
 from pagefleet.router.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from pagefleet.router.service import OpenAIService, PreparedRequest
 from pagefleet.router.sse import sse_stream
@@ -26,7 +28,15 @@ HEALTH_TIMEOUT_S = 5.0
 Body = TypeVar("Body", bound=BaseModel)
 
 
-def build_openai_app(service: OpenAIService, *, api_key: str | None = None) -> FastAPI:
+# Routes counted by name in pagefleet_http_requests; anything else counts as "other".
+ROUTES = frozenset({"/v1/models", "/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize",
+                    "/health", "/version", "/metrics"})
+
+
+def build_openai_app(service: OpenAIService, *, api_key: str | None = None, metrics: RouterMetrics | None = None,
+                     node_metrics: NodeMetricsReader | None = None) -> FastAPI:
+    """``metrics`` counts every response by route and status code; ``node_metrics`` adds this
+    node's pagefleet series (from Ray's metrics agent) to ``GET /metrics``."""
     app = FastAPI(title="pagefleet", version=VERSION)
     install_error_handlers(app)
 
@@ -40,6 +50,19 @@ def build_openai_app(service: OpenAIService, *, api_key: str | None = None) -> F
                     return JSONResponse(OpenAIError("invalid or missing API key", status_code=401,
                                                     code="invalid_api_key").body(), status_code=401)
             return await call_next(request)
+
+    if metrics is not None:
+        # Added after the API-key check, so it wraps it: a 401 is counted too.
+        @app.middleware("http")
+        async def count_requests(request: Request, call_next):
+            route = request.url.path if request.url.path in ROUTES else "other"
+            try:
+                response = await call_next(request)
+            except Exception:
+                metrics.inc("http_requests", route=route, status_code="500")
+                raise
+            metrics.inc("http_requests", route=route, status_code=str(response.status_code))
+            return response
 
     @app.get("/v1/models")
     async def list_models() -> dict:
@@ -81,10 +104,13 @@ def build_openai_app(service: OpenAIService, *, api_key: str | None = None) -> F
         return {"version": VERSION}
 
     @app.get("/metrics")
-    async def metrics() -> Response:
+    async def prometheus_metrics() -> Response:
         from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
-        return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
+        text = generate_latest(REGISTRY).decode()
+        if node_metrics is not None:
+            text += await node_metrics.read()
+        return Response(text, media_type=CONTENT_TYPE_LATEST)
 
     return app
 

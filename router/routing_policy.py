@@ -24,6 +24,7 @@ class ReplicaLoad:
     num_total_blocks: int = 0
     num_ongoing: int = 0  # requests this router has in flight on the replica
     healthy: bool = True
+    published: bool = True  # False: no routing stats yet, ranked on this router's in-flight count alone
 
     @property
     def num_queued(self) -> int:
@@ -35,7 +36,7 @@ def replica_load(replica_id: str, stats: ReplicaStats | None, num_ongoing: int) 
     """A snapshot from what a worker published; a replica that has not published yet counts
     as empty and healthy (it passed Serve's start-up health check)."""
     if stats is None:
-        return ReplicaLoad(replica_id=replica_id, num_ongoing=num_ongoing)
+        return ReplicaLoad(replica_id=replica_id, num_ongoing=num_ongoing, published=False)
     engine = stats.engine
     return ReplicaLoad(
         replica_id=replica_id,
@@ -51,5 +52,34 @@ def replica_load(replica_id: str, stats: ReplicaStats | None, num_ongoing: int) 
 def rank_replicas(loads: Sequence[ReplicaLoad]) -> list[str]:
     """Replica ids, best first: healthy before unhealthy, then fewest queued requests,
     then most free KV blocks, then id (so equal replicas rank the same every time)."""
-    ordered = sorted(loads, key=lambda r: (not r.healthy, r.num_queued, -r.num_free_blocks, r.replica_id))
-    return [r.replica_id for r in ordered]
+    return [r.replica_id for r in _ordered(loads)]
+
+
+def _ordered(loads: Sequence[ReplicaLoad]) -> list[ReplicaLoad]:
+    return sorted(loads, key=lambda r: (not r.healthy, r.num_queued, -r.num_free_blocks, r.replica_id))
+
+
+def routing_reason(loads: Sequence[ReplicaLoad]) -> str:
+    """Why ``rank_replicas`` put its first replica first, for the routing-decisions metric:
+
+    ``only_replica``; ``least_queued`` (fewer queued requests than the runner-up);
+    ``most_free_blocks`` (queues tied, more free KV blocks); ``tie`` (equal, first by id);
+    ``fallback_unhealthy`` (no healthy replica); ``fallback_no_stats`` (the chosen replica
+    has published no load yet, so only this router's in-flight count ranked it).
+    """
+    if not loads:
+        raise ValueError("no replicas to route to")
+    ordered = _ordered(loads)
+    first = ordered[0]
+    if not first.healthy:
+        return "fallback_unhealthy"
+    if not first.published:
+        return "fallback_no_stats"
+    if len(ordered) == 1:
+        return "only_replica"
+    second = ordered[1]
+    if not second.healthy or first.num_queued < second.num_queued:
+        return "least_queued"
+    if first.num_free_blocks > second.num_free_blocks:
+        return "most_free_blocks"
+    return "tie"

@@ -33,6 +33,7 @@ OTHER_VALUES = {
     "tensor_parallel_size": ("2", 2),
     "seed": ("7", 7),
     "load_format": ("dummy", "dummy"),
+    "log_stats_interval": ("2.5", 2.5),
     "host": ("0.0.0.0", "0.0.0.0"),
     "port": ("9000", 9000),
     "workers": ("3", 3),

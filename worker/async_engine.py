@@ -10,10 +10,12 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
+from pagefleet.worker.config import ModelConfig
 from pagefleet.worker.engine import LLMEngine
 from pagefleet.worker.engine_args import EngineArgs
+from pagefleet.worker.engine_metrics import EngineMetrics, MetricsRecorder
 from pagefleet.worker.outputs import RequestOutputDelta
 from pagefleet.worker.sampling_params import SamplingParams
 from pagefleet.worker.stats import EngineStats
@@ -43,7 +45,9 @@ class AbortRequest:
 
 
 class AsyncLLMEngine:
-    def __init__(self, args: EngineArgs, stall_timeout_s: float = 60.0) -> None:
+    def __init__(self, args: EngineArgs, stall_timeout_s: float = 60.0,
+                 metrics: Callable[[ModelConfig], MetricsRecorder] | None = None) -> None:
+        """``metrics`` makes the recorder for this engine's metrics (None: none recorded)."""
         self.engine = LLMEngine(args)
         self.tokenizer = self.engine.tokenizer
         self.model_config = self.engine.model_config
@@ -52,6 +56,9 @@ class AsyncLLMEngine:
         self._wakeup = threading.Event()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stats = self.engine.stats()
+        self._metrics = EngineMetrics(self._stats, time.monotonic(),
+                                      recorder=metrics(self.model_config) if metrics is not None else None,
+                                      log_interval_s=args.log_stats_interval)
         self._last_progress = time.monotonic()
         self._error: BaseException | None = None
         self._stopped = False
@@ -147,9 +154,12 @@ class AsyncLLMEngine:
                                             command.extra_keys)
                 except Exception as e:  # a bad request fails alone, never the loop
                     self._deliver(command.request_id, e)
+                else:
+                    self._metrics.request_added(command.request_id, time.monotonic())
             else:
                 delta = self.engine.abort_request(command.request_id)
                 if delta is not None:
+                    self._metrics.after_abort(time.monotonic(), self.engine.stats(), delta)
                     self._deliver(command.request_id, delta)
 
     def _run(self) -> None:
@@ -159,11 +169,14 @@ class AsyncLLMEngine:
                 if not self.engine.has_unfinished():
                     self._stats = self.engine.stats()
                     self._last_progress = time.monotonic()
+                    self._metrics.idle(self._last_progress, self._stats)
                     self._wakeup.wait(timeout=1.0)
                     self._wakeup.clear()
                     continue
+                started = time.monotonic()
                 deltas = self.engine.step()
                 self._stats = self.engine.stats()  # before delivery: a reader of a delta sees its step's stats
+                self._metrics.after_step(started, time.monotonic(), self._stats, deltas)
                 if deltas:  # a step that schedules nothing while work waits is no progress
                     self._last_progress = time.monotonic()
                 for delta in deltas:

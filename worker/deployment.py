@@ -26,8 +26,12 @@ WORKER_DEPLOYMENT_NAME = "PagefleetWorker"
 
 def _default_engine(args: EngineArgs):
     from pagefleet.worker.async_engine import AsyncLLMEngine
+    from pagefleet.worker.metrics_recorder import RayEngineMetricsRecorder
 
-    return AsyncLLMEngine(args)
+    def recorder(cfg):
+        return RayEngineMetricsRecorder(cfg.served_model_name, _replica_id(), cfg.max_model_len)
+
+    return AsyncLLMEngine(args, metrics=recorder)
 
 
 class WorkerReplica:

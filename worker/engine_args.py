@@ -36,6 +36,9 @@ class EngineArgs:
     seed: int = option(0, help="seed of the weights of load_format dummy and of unseeded sampling")
     load_format: str = option("safetensors", choices=("safetensors", "dummy"),
                               help="dummy: random weights from config.json alone, for sizing runs")
+    log_stats_interval: float = option(10.0, metavar="SECONDS",
+                                       help="seconds between engine stats lines (throughput, queue, KV usage, "
+                                            "prefix hits) while busy; 0 turns them off")
 
     def __post_init__(self) -> None:
         check_choices(self)
@@ -46,6 +49,9 @@ class EngineArgs:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.log_stats_interval < 0:
+            raise ValueError(f"log_stats_interval must be >= 0 (0 turns the stats line off), got "
+                             f"{self.log_stats_interval}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.gpu_memory_utilization is not None:

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from tqdm.auto import tqdm
 
 from pagefleet.kernels.ops import Kernels
 from pagefleet.worker.config import ModelConfig
@@ -41,15 +43,22 @@ def load_model(cfg: ModelConfig, tp: TPGroup, kernels: Kernels, device: torch.de
     if load_format == "dummy":
         _init_dummy(model, seed)
     else:
-        _load_safetensors(model, cfg.path)
+        started = time.monotonic()
+        _load_safetensors(model, cfg.path, progress=tp.rank == 0)
+        if tp.rank == 0:
+            size = sum(p.numel() * p.element_size() for p in model.parameters())
+            logger.info("loaded the weights of %s (%.2f GiB on this rank) in %.1f s", cfg.path.name, size / 2**30,
+                        time.monotonic() - started)
     return model.eval()
 
 
-def _load_safetensors(model: LlamaForCausalLM, path: Path) -> None:
+def _load_safetensors(model: LlamaForCausalLM, path: Path, progress: bool = False) -> None:
+    """``progress``: a bar over the shards (rank 0 shows it; the other ranks load the same files)."""
     table = model.modules_by_checkpoint_name()
     expected = {name for name, (module, kind, _) in table.items() if getattr(module, kind, None) is not None}
     loaded: set[str] = set()
-    for file in checkpoint_files(path):
+    files = checkpoint_files(path)
+    for file in tqdm(files, desc="Loading safetensors checkpoint shards", unit="shard", disable=not progress):
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():
                 if name.endswith(_IGNORED_SUFFIXES):

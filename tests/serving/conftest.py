@@ -35,20 +35,51 @@ def client(service):
         yield c
 
 
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 @pytest.fixture(scope="session")
-def ray_cluster():
+def ray_temp_dir():
+    """This session's own Ray temp dir (short: Ray's unix socket paths must fit 107 bytes), so its
+    Prometheus service-discovery file is not another Ray's on the same machine."""
+    import shutil
+    import tempfile
+
+    path = tempfile.mkdtemp(prefix="/tmp/pf-ray-")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def ray_cluster(ray_temp_dir):
     """One local Ray cluster for the whole session, started by the first test that needs it.
 
     Logical CPUs exceed the real cores on purpose: replicas reserve Ray CPUs, not cores.
+    The dashboard process is on because it writes Prometheus' service-discovery file; metrics
+    are reported every second (Ray's default is 10 s) so metric tests wait less.
     """
     import ray
 
     started = not ray.is_initialized()
     if started:
-        ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+        ray.init(num_cpus=8, include_dashboard=True, dashboard_port=free_port(), log_to_driver=False,
+                 _temp_dir=ray_temp_dir, _metrics_export_port=free_port(),
+                 _system_config={"metrics_report_interval_ms": 1000})
     yield ray.get_runtime_context().gcs_address
     if started and ray.is_initialized():
         from ray import serve
 
         serve.shutdown()
         ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def serve_http_port(ray_cluster) -> int:
+    """Serve's HTTP port for the session: Serve keeps the port it first started with, so every
+    module that deploys an app on the session cluster uses this one."""
+    return free_port()

@@ -34,7 +34,7 @@ def test_snapshot_from_published_stats():
                          prompt_tokens_total=0, generation_tokens_total=0)
     published = ReplicaStats("r1", healthy=False, num_requests_total=4, engine=engine).to_routing_stats()
     assert replica_load("r1", ReplicaStats.from_routing_stats(published), 5) == ReplicaLoad("r1", 2, 1, 7, 9, 5, False)
-    # A replica that has published nothing yet counts as empty and healthy.
+    # A replica that has published nothing yet counts as empty and healthy (and says it has no stats).
     assert ReplicaStats.from_routing_stats({}) is None
-    assert replica_load("r2", ReplicaStats.from_routing_stats(None), 0) == ReplicaLoad("r2")
+    assert replica_load("r2", ReplicaStats.from_routing_stats(None), 0) == ReplicaLoad("r2", published=False)
     assert rank_replicas([]) == []

@@ -78,3 +78,50 @@ def test_banner_shows_where_and_how(capsys):
 def test_no_command_prints_help(capsys):
     assert main([]) == 2
     assert "serve" in capsys.readouterr().out
+
+
+def test_metrics_export_port_is_a_ray_bring_up_flag():
+    args = _parser().parse_args(["serve", "--metrics-export-port", "9100"])
+    assert args.metrics_export_port == 9100
+    assert _parser().parse_args(["serve"]).metrics_export_port == 8080
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["serve", "--metrics-export-port", "70000"])
+
+
+def test_banner_says_where_prometheus_scrapes_and_what_ctrl_c_stops():
+    from pagefleet.cluster.config import ServeOptions
+
+    opts = ServeOptions.from_dict({})
+    local = banner(opts, "demo", 1.0, local=True, metrics_targets=["10.0.0.5:8080"])
+    assert "scrape Ray's metrics agent at 10.0.0.5:8080" in local
+    assert "Ctrl-C stops the server and the local Ray cluster." in local
+    joined = banner(opts, "demo", 1.0, local=False, metrics_targets=["10.0.0.5:8080", "10.0.0.6:8080"],
+                    started_serve=True)
+    assert "scrape Ray's metrics agents at 10.0.0.5:8080, 10.0.0.6:8080" in joined
+    assert "removes the app and the Serve instance this command started" in joined
+    shared = banner(opts, "demo", 1.0, local=False, metrics_targets=[], started_serve=False)
+    assert "Ctrl-C removes the app; Serve and the Ray cluster keep running." in shared
+
+
+def test_join_errors_are_one_sentence_with_the_fix():
+    from ray.exceptions import AuthenticationError
+
+    from pagefleet.cluster.ray_join import ServeHTTP, join_error, serve_conflict
+
+    try:
+        try:
+            raise AuthenticationError("InvalidAuthToken: token is missing")
+        except AuthenticationError as inner:
+            raise RuntimeError("Failed to connect to GCS") from inner
+    except RuntimeError as outer:
+        wrapped = ConnectionError("Failed to connect to Ray cluster at 10.0.0.5:6379")
+        wrapped.__cause__ = outer
+    text = join_error("10.0.0.5:6379", wrapped)
+    assert text.startswith("the Ray cluster at 10.0.0.5:6379 refused this machine's credentials")
+    assert "RAY_AUTH_MODE=token" in text and "~/.ray/auth_token" in text and "\n" not in text
+    plain = join_error("10.0.0.5:6379", ConnectionError("no route"))
+    assert plain.startswith("could not join a Ray cluster at 10.0.0.5:6379 (ConnectionError)")
+    assert serve_conflict(None, "127.0.0.1", 8000) is None
+    assert serve_conflict(ServeHTTP("127.0.0.1", 8000), "127.0.0.1", 8000) is None
+    conflict = serve_conflict(ServeHTTP("0.0.0.0", 8000), "127.0.0.1", 9000)
+    assert "--host 0.0.0.0 --port 8000" in conflict and "serve shutdown" in conflict

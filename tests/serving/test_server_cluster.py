@@ -8,7 +8,6 @@ below runs against it.
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import time
@@ -27,12 +26,6 @@ MAX_MODEL_LEN = 256
 PROMPTS = ["Hello, my name is", "The capital of France is", "pagefleet serves models"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def worker_stats() -> dict[str, ReplicaStats]:
     """Each worker replica's published routing stats, keyed by replica id.
 
@@ -49,12 +42,12 @@ def worker_stats() -> dict[str, ReplicaStats]:
 
 
 @pytest.fixture(scope="module")
-def server(ray_cluster, tiny_checkpoint, tmp_path_factory):
+def server(ray_cluster, serve_http_port, tiny_checkpoint, tmp_path_factory):
     from ray import serve
 
     ckpt = tiny_checkpoint("llama")
     config = yaml.safe_load(SERVE_YAML.read_text())
-    port = _free_port()
+    port = serve_http_port
     config["http_options"]["port"] = port
     # Only sizes change: the shipped file, with a tiny checkpoint and CI-sized resources.
     config["applications"][0]["args"].update(model=str(ckpt), workers=2, kv_cache_bytes="16MiB",

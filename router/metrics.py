@@ -1,0 +1,71 @@
+"""Router and ingress metrics: their names (one table with the engine's) and a small recording API.
+
+``ROUTER_METRICS`` is the table; ``RouterMetrics`` records any of its entries
+by key through ``ray.util.metrics``, so a new router series (the global
+scheduler's admission queue, predicted and realised prefix hits, ...) is one
+entry here and one call where it happens. Outside a Ray worker process (unit
+tests with a FastAPI test client) nothing is recorded.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from pagefleet.worker.metrics import MetricSpec
+
+logger = logging.getLogger(__name__)
+
+ROUTER_METRICS: dict[str, MetricSpec] = {
+    "http_requests": MetricSpec(
+        "pagefleet_http_requests", "counter", "HTTP requests answered by the ingress, by route and status code.",
+        tag_keys=("model_name", "route", "status_code")),
+    "routing_decisions": MetricSpec(
+        "pagefleet_router_decisions", "counter",
+        "Replica choices of the request router, by policy and reason (fallback_* reasons: the policy could "
+        "not rank on fresh load and fell back).", tag_keys=("policy", "reason")),
+}
+
+
+class RouterMetrics:
+    """Records ``ROUTER_METRICS`` entries by key; ``enabled`` is False outside a Ray worker."""
+
+    def __init__(self, specs: dict[str, MetricSpec] = ROUTER_METRICS, default_tags: dict[str, str] | None = None):
+        self._specs = specs
+        self._metrics: dict[str, Any] = {}
+        self.enabled = _in_ray_worker()
+        if self.enabled:
+            from pagefleet.worker.metrics_recorder import make_ray_metric
+
+            for key, spec in specs.items():
+                tags = {k: v for k, v in (default_tags or {}).items() if k in spec.tag_keys}
+                self._metrics[key] = make_ray_metric(spec, tags)
+
+    def inc(self, key: str, value: float = 1.0, **tags: str) -> None:
+        self._check(key, "counter")
+        if self.enabled and value > 0:
+            self._metrics[key].inc(value, tags=tags or None)
+
+    def set(self, key: str, value: float, **tags: str) -> None:
+        self._check(key, "gauge")
+        if self.enabled:
+            self._metrics[key].set(value, tags=tags or None)
+
+    def observe(self, key: str, value: float, **tags: str) -> None:
+        self._check(key, "histogram")
+        if self.enabled:
+            self._metrics[key].observe(value, tags=tags or None)
+
+    def _check(self, key: str, kind: str) -> None:
+        spec = self._specs.get(key)
+        if spec is None or spec.kind != kind:
+            raise KeyError(f"no {kind} {key!r} in the router metrics table")
+
+
+def _in_ray_worker() -> bool:
+    try:
+        import ray
+
+        return ray.is_initialized()
+    except ImportError:  # pragma: no cover - ray is a dependency
+        return False

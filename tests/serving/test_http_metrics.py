@@ -1,0 +1,55 @@
+"""pagefleet_http_requests counts every response by route and status code (no Ray: a recording fake)."""
+
+from collections import Counter
+
+from fastapi.testclient import TestClient
+
+from serving_fakes import MODEL
+from pagefleet.router.metrics import ROUTER_METRICS, RouterMetrics
+from pagefleet.router.openai_app import build_openai_app
+
+
+class RecordingMetrics(RouterMetrics):
+    def __init__(self):
+        super().__init__()
+        self.enabled = False  # never touch Ray here, even inside a test session that started it
+        self.counts: Counter = Counter()
+
+    def inc(self, key, value=1.0, **tags):
+        super().inc(key, value, **tags)  # checks the key against the table
+        self.counts[(key, tags["route"], tags["status_code"])] += value
+
+
+def test_responses_are_counted_by_route_and_status(service):
+    metrics = RecordingMetrics()
+    with TestClient(build_openai_app(service, api_key="k", metrics=metrics)) as client:
+        auth = {"Authorization": "Bearer k"}
+        body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+        assert client.post("/v1/completions", json=body, headers=auth).status_code == 200
+        assert client.post("/v1/completions", json=body, headers=auth).status_code == 200
+        assert client.post("/v1/completions", json={**body, "max_tokens": -1}, headers=auth).status_code == 400
+        assert client.post("/v1/completions", json=body).status_code == 401
+        assert client.post("/v1/completions", json={**body, "model": "nope"}, headers=auth).status_code == 404
+        assert client.get("/v1/models", headers=auth).status_code == 200
+        assert client.get("/no/such/route").status_code == 404
+        assert client.get("/version").status_code == 200
+    assert metrics.counts == Counter({
+        ("http_requests", "/v1/completions", "200"): 2,
+        ("http_requests", "/v1/completions", "400"): 1,
+        ("http_requests", "/v1/completions", "401"): 1,
+        ("http_requests", "/v1/completions", "404"): 1,
+        ("http_requests", "/v1/models", "200"): 1,
+        ("http_requests", "other", "404"): 1,
+        ("http_requests", "/version", "200"): 1,
+    })
+
+
+def test_router_metrics_refuse_keys_outside_the_table():
+    import pytest
+
+    metrics = RecordingMetrics()
+    assert set(ROUTER_METRICS) == {"http_requests", "routing_decisions"}
+    with pytest.raises(KeyError):
+        metrics.set("http_requests", 1.0)  # a counter, not a gauge
+    with pytest.raises(KeyError):
+        metrics.observe("no_such_metric", 1.0)

@@ -1,0 +1,269 @@
+"""Metrics end to end: a two-replica pagefleet on the session's Ray cluster, scraped by a real
+Prometheus (Debian's package) through Ray's service-discovery file with deploy/prometheus/prometheus.yml;
+counters checked exactly against the responses, every dashboard query evaluated.
+
+Without a `prometheus` binary these tests skip, except under CI=true, where they fail.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from conftest import free_port
+from pagefleet.worker.stats import ReplicaStats
+
+ROOT = Path(__file__).resolve().parents[2]
+APP = "pagefleet"
+MAX_MODEL_LEN = 256
+RATE_WINDOW = "1m"
+
+
+def _prometheus_binary() -> str:
+    path = shutil.which("prometheus")
+    if path is None:
+        message = "no `prometheus` binary (scripts/install.sh installs Debian's package)"
+        if os.environ.get("CI") == "true":
+            pytest.fail(message)
+        pytest.skip(message)
+    return path
+
+
+def replica_ids() -> list[str]:
+    import ray
+
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+             if a["namespace"] == "serve" and "PagefleetWorker" in a["name"]]
+    stats = ray.get([ray.get_actor(n, namespace="serve").record_routing_stats.remote() for n in names], timeout=60)
+    return sorted(ReplicaStats.from_routing_stats(s).replica_id for s in stats)
+
+
+@pytest.fixture(scope="module")
+def prometheus(ray_temp_dir, tmp_path_factory):
+    """deploy/prometheus/prometheus.yml with this session's Ray temp dir and a 1 s scrape interval."""
+    binary = _prometheus_binary()
+    config = yaml.safe_load((ROOT / "deploy" / "prometheus" / "prometheus.yml").read_text())
+    config["global"].update(scrape_interval="1s", evaluation_interval="1s")
+    sd = config["scrape_configs"][0]["file_sd_configs"][0]
+    sd["files"] = [str(Path(ray_temp_dir) / Path(f).name) for f in sd["files"]]
+    sd["refresh_interval"] = "1s"
+    work = tmp_path_factory.mktemp("prometheus")
+    (work / "prometheus.yml").write_text(yaml.safe_dump(config))
+    port = free_port()
+    proc = subprocess.Popen([binary, f"--config.file={work / 'prometheus.yml'}", f"--storage.tsdb.path={work / 'data'}",
+                             f"--web.listen-address=127.0.0.1:{port}"],
+                            stdout=subprocess.DEVNULL, stderr=open(work / "prometheus.log", "w"))
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, (work / "prometheus.log").read_text()[-2000:]
+            try:
+                if httpx.get(f"{base}/-/ready", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "Prometheus did not become ready"
+            time.sleep(0.5)
+        yield base
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def query(prom: str, expr: str) -> list[dict]:
+    r = httpx.get(f"{prom}/api/v1/query", params={"query": expr}, timeout=30)
+    assert r.status_code == 200, (expr, r.text)
+    body = r.json()
+    assert body["status"] == "success", (expr, body)
+    return body["data"]["result"]
+
+
+@pytest.fixture(scope="module")
+def app(ray_cluster, serve_http_port, tiny_checkpoint, tmp_path_factory):
+    from ray import serve
+
+    ckpt = tiny_checkpoint("llama")
+    config = yaml.safe_load((ROOT / "deploy" / "serve.yaml").read_text())
+    config["http_options"]["port"] = serve_http_port
+    # A KV pool of 24 blocks (16 KiB each for this model) per replica: 8 long requests on a replica
+    # need more, so the traffic below preempts.
+    config["applications"][0]["args"].update(model=str(ckpt), workers=2, kv_cache_bytes=24 * 16 * 2**10,
+                                             max_model_len=MAX_MODEL_LEN, max_num_seqs=8, worker_num_cpus=0.5,
+                                             ingress_num_cpus=0.25)
+    path = tmp_path_factory.mktemp("serve-metrics") / "serve.yaml"
+    path.write_text(yaml.safe_dump(config))
+    serve_cli = str(Path(sys.executable).parent / "serve")
+    done = subprocess.run([serve_cli, "run", "--address", ray_cluster, "--non-blocking", str(path)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    deadline = time.monotonic() + 300
+    while (status := serve.status().applications.get(APP)) is None or status.status != "RUNNING":
+        assert status is None or status.status in ("DEPLOYING", "NOT_STARTED"), status
+        assert time.monotonic() < deadline, f"app not RUNNING: {status}"
+        time.sleep(1)
+    base = f"http://127.0.0.1:{serve_http_port}"
+    yield base, ckpt.name, replica_ids()
+    serve.delete(APP)
+
+
+def _counters(prom: str, replicas: list[str]) -> dict:
+    sel = 'replica=~"%s"' % "|".join(replicas)
+    out = {}
+    for name in ("generation_tokens", "prompt_tokens", "num_preemptions"):
+        rows = query(prom, f"sum(ray_pagefleet_{name}_total{{{sel}}})")
+        out[name] = float(rows[0]["value"][1]) if rows else 0.0
+    rows = query(prom, f"sum by (finished_reason) (ray_pagefleet_request_success_total{{{sel}}})")
+    out["finished"] = {r["metric"]["finished_reason"]: float(r["value"][1]) for r in rows}
+    rows = query(prom, 'sum by (route, status_code) (ray_pagefleet_http_requests_total{route=~"/v1/.*"})')
+    out["http"] = {(r["metric"]["route"], r["metric"]["status_code"]): float(r["value"][1]) for r in rows}
+    return out
+
+
+def _settled(prom: str, replicas: list[str], timeout_s: float = 60.0) -> dict:
+    """Counters once two reads 3 s apart agree (the engines flush each second, Ray's agents export
+    each second here, Prometheus scrapes each second)."""
+    deadline = time.monotonic() + timeout_s
+    last = _counters(prom, replicas)
+    while True:
+        time.sleep(3)
+        now = _counters(prom, replicas)
+        if now == last and now["finished"]:
+            return now
+        assert time.monotonic() < deadline, f"counters still moving: {last} -> {now}"
+        last = now
+
+
+def _delta(after: dict, before: dict) -> dict:
+    out = {}
+    for key, value in after.items():
+        if isinstance(value, dict):
+            diff = {k: v - before[key].get(k, 0.0) for k, v in value.items()}
+            out[key] = {k: v for k, v in diff.items() if v}
+        else:
+            out[key] = value - before[key]
+    return out
+
+
+@pytest.fixture(scope="module")
+def traffic(app, prometheus):
+    """A known batch of requests; returns what the responses reported and the counters' growth."""
+    import openai
+
+    base, model, replicas = app
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=300)
+    deadline = time.monotonic() + 60
+    while not query(prometheus, 'up{job="ray"} == 1'):  # discovery found the agents
+        assert time.monotonic() < deadline, "Prometheus found no Ray target to scrape"
+        time.sleep(1)
+    # One request first, so the series exist before the baseline is read.
+    client.completions.create(model=model, prompt="warm up", max_tokens=2, temperature=0)
+    before = _settled(prometheus, replicas)
+
+    def long_one(i):
+        return client.completions.create(model=model, prompt=f"request number {i} of sixteen", max_tokens=80,
+                                         temperature=0, extra_body={"ignore_eos": True})
+
+    with ThreadPoolExecutor(16) as pool:
+        responses = list(pool.map(long_one, range(16)))
+    full = client.completions.create(model=model, prompt="Hello, my name is", max_tokens=16, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    stop = full.choices[0].text[6:9]
+    responses.append(full)
+    responses.append(client.completions.create(model=model, prompt="Hello, my name is", max_tokens=16,
+                                               temperature=0, stop=[stop], extra_body={"ignore_eos": True}))
+    responses.append(client.completions.create(model=model, prompt="two at once", max_tokens=5, n=2, seed=7,
+                                               temperature=1.0))
+    responses.append(client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}],
+                                                    max_tokens=6, temperature=0))
+    stream = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Stream"}],
+                                            max_tokens=7, temperature=0, stream=True,
+                                            stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert httpx.post(f"{base}/v1/completions", json={"model": model, "prompt": "x", "max_tokens": -1}).status_code == 400
+    assert httpx.post(f"{base}/v1/completions", json={"model": "nope", "prompt": "x"}).status_code == 404
+
+    usage = [r.usage for r in responses] + [chunks[-1].usage]
+    reasons = Counter(c.finish_reason for r in responses for c in r.choices)
+    reasons.update(c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason)
+    reported = {
+        "generation_tokens": sum(u.completion_tokens for u in usage),
+        "prompt_tokens": sum(u.prompt_tokens for u in usage),
+        "finished": dict(reasons),
+        "http": {("/v1/completions", "200"): 19.0, ("/v1/chat/completions", "200"): 2.0,
+                 ("/v1/completions", "400"): 1.0, ("/v1/completions", "404"): 1.0},
+    }
+    after = _settled(prometheus, replicas)
+    return reported, _delta(after, before)
+
+
+def test_exported_counters_equal_what_the_responses_reported(traffic):
+    reported, grown = traffic
+    assert reported["finished"]["stop"] >= 1 and reported["finished"]["length"] >= 17  # both reasons exercised
+    assert grown["generation_tokens"] == reported["generation_tokens"]
+    assert grown["prompt_tokens"] == reported["prompt_tokens"]
+    assert grown["finished"] == {k: float(v) for k, v in reported["finished"].items()}
+    assert grown["http"] == reported["http"]
+    assert grown["num_preemptions"] > 0  # the small KV pool made the engines preempt
+
+
+def _dashboard_queries() -> list[tuple[str, str]]:
+    dash = json.loads((ROOT / "deploy" / "grafana" / "pagefleet.json").read_text())
+    out = [(p["title"], t["expr"]) for p in dash["panels"] for t in p["targets"]]
+    out += [(f"variable {v['name']}", v["definition"]) for v in dash["templating"]["list"] if v["type"] == "query"]
+    return out
+
+
+def _as_promql(expr: str) -> str:
+    """Grafana's variables as Grafana sends them with "All" selected."""
+    return (expr.replace("$__rate_interval", RATE_WINDOW).replace("$model_name", ".*").replace("$replica", ".*"))
+
+
+def test_every_dashboard_query_returns_data(traffic, prometheus):
+    import re
+
+    missing = []
+    for title, expr in _dashboard_queries():
+        match = re.fullmatch(r"label_values\((.*), (\w+)\)", expr)
+        if match:  # a variable: the label must have values on the series
+            rows = query(prometheus, f"count by ({match.group(2)}) ({_as_promql(match.group(1))})")
+        else:
+            rows = query(prometheus, _as_promql(expr))
+        if not rows:
+            missing.append((title, expr))
+    assert not missing, missing
+
+
+def test_dashboard_series_are_all_exported(traffic, prometheus):
+    import re
+
+    exported = {r for r in httpx.get(f"{prometheus}/api/v1/label/__name__/values", timeout=30).json()["data"]
+                if r.startswith("ray_pagefleet_")}
+    named = {n for _, expr in _dashboard_queries() for n in re.findall(r"\bray_pagefleet_\w+", expr)}
+    assert named <= exported, named - exported
+
+
+def test_metrics_endpoint_on_the_serve_port_shows_the_pagefleet_series(app, traffic):
+    base, model, replicas = app
+    text = httpx.get(f"{base}/metrics", timeout=30).text
+    for replica in replicas:
+        assert f'replica="{replica}"' in text
+    for series in ("ray_pagefleet_generation_tokens_total{", "ray_pagefleet_num_requests_running{",
+                   "ray_pagefleet_time_to_first_token_seconds_bucket{", "ray_pagefleet_http_requests_total{"):
+        assert series in text, series
+    assert "python_gc_objects_collected_total" in text  # the ingress process's own series stay
