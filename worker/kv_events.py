@@ -41,6 +41,7 @@ class KVEventBatch:
     num_running: int = 0  # sequences, not requests: an n=4 request is 4
     num_waiting: int = 0
     num_reserved_blocks: int = 0  # blocks unfinished sequences will still take to reach max_tokens
+    added: list[str] = field(default_factory=list)  # requests taken in since the previous batch
 
     @property
     def num_stored(self) -> int:
@@ -63,6 +64,7 @@ class KVSnapshot:
     num_running: int
     num_waiting: int
     num_reserved_blocks: int
+    added: list[str] = field(default_factory=list)  # as in a batch: requests taken in since the previous one
 
 
 @dataclass(slots=True)
@@ -164,6 +166,7 @@ def merge_batches(batches: Sequence[KVEventBatch]) -> KVEventBatch:
     merged = log.drain(first.worker_id, last.seq, last.num_free_blocks, last.num_total_blocks,
                        KVLoad(last.num_running, last.num_waiting, last.num_reserved_blocks))
     merged.first_seq = first.first_seq
+    merged.added = [rid for batch in batches for rid in batch.added]
     return merged
 
 
@@ -178,14 +181,23 @@ class KVEventSource:
         self.worker_id = worker_id
         self.pool = pool
         self.seq = -1  # of the last batch drained
+        self._added: list[str] = []
+
+    def request_added(self, request_id: str) -> None:
+        """The engine took a request in: the next batch says so (its blocks now show in the
+        worker's own counts, so the scheduler stops predicting them)."""
+        self._added.append(request_id)
 
     def drain(self, load: KVLoad) -> KVEventBatch:
         self.seq += 1
-        return self.pool.events.drain(self.worker_id, self.seq, self.pool.num_free, self.pool.num_blocks, load)
+        batch = self.pool.events.drain(self.worker_id, self.seq, self.pool.num_free, self.pool.num_blocks, load)
+        batch.added, self._added = self._added, []
+        return batch
 
     def snapshot(self, load: KVLoad) -> KVSnapshot:
         """The pool's whole state as of a new batch number. Pending changes are drained into
         that batch first and the batch is dropped: the snapshot already contains it."""
-        seq = self.drain(load).seq
-        return KVSnapshot(self.worker_id, seq, pack_hashes(self.pool.cached), self.pool.num_free,
-                          self.pool.num_blocks, load.num_running, load.num_waiting, load.num_reserved_blocks)
+        batch = self.drain(load)
+        return KVSnapshot(self.worker_id, batch.seq, pack_hashes(self.pool.cached), self.pool.num_free,
+                          self.pool.num_blocks, load.num_running, load.num_waiting, load.num_reserved_blocks,
+                          batch.added)
