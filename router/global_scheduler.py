@@ -26,6 +26,8 @@ prefix entries (so a burst with one prefix keeps to one worker) end after
 
 from __future__ import annotations
 
+import heapq
+from collections import Counter
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
@@ -76,18 +78,17 @@ class WorkerView:
     num_waiting: int = 0
     num_reserved_blocks: int = 0
     predicted_blocks: int = 0
+    # Derived from the numbers above by ``refresh`` whenever they change (read once per decision):
+    load_blocks: int = 0  # committed: in use + reserved by unfinished sequences + predicted
+    room_blocks: int | None = None  # free - reserved - predicted; None until the worker reports
+    queued: int = 0  # sequences running or waiting
 
-    @property
-    def load_blocks(self) -> int:
+    def refresh(self) -> None:
         used = self.num_total_blocks - self.num_free_blocks
-        return used + self.num_reserved_blocks + self.predicted_blocks
-
-    @property
-    def room_blocks(self) -> int | None:
-        """Blocks a new request may take; None while the worker has not reported."""
-        if not self.reported:
-            return None
-        return self.num_free_blocks - self.num_reserved_blocks - self.predicted_blocks
+        self.load_blocks = used + self.num_reserved_blocks + self.predicted_blocks
+        if self.reported:
+            self.room_blocks = self.num_free_blocks - self.num_reserved_blocks - self.predicted_blocks
+        self.queued = self.num_running + self.num_waiting
 
 
 @dataclass(slots=True)
@@ -117,10 +118,13 @@ class _Prediction:
 
 class GlobalScheduler:
     def __init__(self, *, weight: float = 4.0, prediction_ttl_s: float = 2.0, liveness_timeout_s: float = 10.0,
-                 snapshot_retry_s: float = 2.0) -> None:
+                 snapshot_retry_s: float = 2.0, max_ranked: int = 8) -> None:
         if weight < 0:
             raise ValueError(f"the cost weight must be >= 0, got {weight}")
+        if max_ranked < 1:
+            raise ValueError(f"max_ranked must be >= 1, got {max_ranked}")
         self.weight = weight
+        self.max_ranked = max_ranked
         self.prediction_ttl_s = prediction_ttl_s
         self.liveness_timeout_s = liveness_timeout_s
         self.snapshot_retry_s = snapshot_retry_s
@@ -131,7 +135,7 @@ class GlobalScheduler:
         self._next_slot = 0
         self._predictions: dict[str, _Prediction] = {}  # in expiry order
         self._predicted_mask: dict[int, int] = {}  # routing key -> slots predicted to hold it
-        self._predicted_refs: dict[tuple[int, int], int] = {}  # (key, slot) -> predictions saying so
+        self._predicted_refs: dict[int, Counter] = {}  # slot -> routing key -> predictions saying so
 
     # ---- workers -----------------------------------------------------------------------------
 
@@ -182,6 +186,7 @@ class GlobalScheduler:
             if pred is not None and pred.slot == view.slot and pred.blocks:
                 self._release_blocks(pred)
                 self.counters.predictions_confirmed += 1
+        view.refresh()
 
     def apply_batch(self, batch: KVEventBatch, now: float) -> bool:
         """Apply one worker's batch; True when the scheduler needs a snapshot from that worker."""
@@ -234,50 +239,42 @@ class GlobalScheduler:
 
     def route(self, req: RouteRequest, now: float, candidates: Collection[str] | None = None,
               force: bool = False) -> RouteDecision:
-        """Rank ``candidates`` (default: every known worker) for ``req``.
+        """Rank ``candidates`` (default: every known worker) for ``req``; the ranking holds
+        the best ``max_ranked``.
 
         The first choice is recorded as a prediction when the request is admitted, or
         always with ``force`` (the caller routes it whether or not a worker has room)."""
         self.expire(now)
-        keys = routing_keys(req.block_hashes)
-        ids = list(self.workers) if candidates is None else list(candidates)
-        if not ids:
+        views = self.workers.values() if candidates is None else [self._view(c, now) for c in candidates]
+        if not views:
             return RouteDecision([], False, "no_workers", 0)
+        keys = routing_keys(req.block_hashes)
         matched = self.index.prefix_match(keys, self._predicted_mask) if keys else {}
-        scores = []
-        for worker_id in ids:
-            view = self._view(worker_id, now)  # a candidate not heard from yet starts empty
-            cached = matched.get(view.slot, 0)
+        weight, num_keys, need = self.weight, len(keys), req.num_blocks
+        rows = []
+        for view in views:
+            cached = matched.get(view.slot, 0) if matched else 0
             room = view.room_blocks
-            load = view.load_blocks
-            scores.append(WorkerScore(worker_id, cached, load, self.weight * (len(keys) - cached) + load,
-                                      room is None or room >= req.num_blocks - cached))
-        with_room = [s for s in scores if s.has_room]
-        admitted = bool(with_room)
-        ranked = sorted(with_room if admitted else scores,
-                        key=lambda s: (s.cost, s.load_blocks, self._queued(s.worker_id), s.worker_id))
-        first = ranked[0]
+            rows.append((room is not None and room < need - cached,  # no room: after every worker with room
+                         weight * (num_keys - cached) + view.load_blocks, view.load_blocks, view.queued,
+                         view.worker_id, cached))
+        best = heapq.nsmallest(self.max_ranked, rows)
+        admitted = not best[0][0]
+        if admitted:
+            best = [row for row in best if not row[0]]
+        scores = [WorkerScore(wid, cached, load, cost, not full) for full, cost, load, _, wid, cached in best]
+        first = scores[0]
         reason = "no_room" if not admitted else ("prefix" if first.cached_blocks else "load")
         self.counters.decisions += 1
         if not admitted:
             self.counters.decisions_without_room += 1
         if admitted or force:
-            self._predict(req, first, keys, now)
-        return RouteDecision([s.worker_id for s in ranked], admitted, reason, first.cached_blocks, ranked)
-
-    def _queued(self, worker_id: str) -> int:
-        view = self.workers[worker_id]
-        return view.num_running + view.num_waiting
+            view = self.workers[first.worker_id]
+            self._add_prediction(_Prediction(req.request_id, view.worker_id, view.slot, now + self.prediction_ttl_s,
+                                             keys[first.cached_blocks:], max(need - first.cached_blocks, 0)))
+        return RouteDecision([s.worker_id for s in scores], admitted, reason, first.cached_blocks, scores)
 
     # ---- predictions -------------------------------------------------------------------------
-
-    def _predict(self, req: RouteRequest, choice: WorkerScore, keys: list[int], now: float) -> None:
-        old = self._predictions.get(req.request_id)
-        if old is not None:
-            self._end_prediction(old)
-        view = self.workers[choice.worker_id]
-        self._add_prediction(_Prediction(req.request_id, view.worker_id, view.slot, now + self.prediction_ttl_s,
-                                         keys, max(req.num_blocks - choice.cached_blocks, 0)))
 
     def reassign(self, request_id: str, worker_id: str, now: float) -> None:
         """The request went to another worker than the first choice (say its queue was full):
@@ -292,32 +289,37 @@ class GlobalScheduler:
                                          pred.keys, blocks))
 
     def _add_prediction(self, pred: _Prediction) -> None:
+        old = self._predictions.pop(pred.request_id, None)
+        if old is not None:
+            self._end_prediction(old)
         self._predictions[pred.request_id] = pred
-        self.workers[pred.worker_id].predicted_blocks += pred.blocks
-        bit = 1 << pred.slot
-        refs, mask = self._predicted_refs, self._predicted_mask
-        for key in pred.keys:
-            n = refs.get((key, pred.slot), 0)
-            refs[(key, pred.slot)] = n + 1
-            if not n:
+        view = self.workers[pred.worker_id]
+        view.predicted_blocks += pred.blocks
+        view.refresh()
+        refs = self._predicted_refs.setdefault(pred.slot, Counter())
+        first_time = set(pred.keys).difference(refs)
+        refs.update(pred.keys)
+        if first_time:
+            mask, bit = self._predicted_mask, 1 << pred.slot
+            for key in first_time:
                 mask[key] = mask.get(key, 0) | bit
 
     def _release_blocks(self, pred: _Prediction) -> None:
         view = self.workers.get(pred.worker_id)
         if view is not None and view.slot == pred.slot:
             view.predicted_blocks -= pred.blocks
+            view.refresh()
         pred.blocks = 0
 
     def _end_prediction(self, pred: _Prediction) -> None:
         self._predictions.pop(pred.request_id, None)
         self._release_blocks(pred)
-        refs, mask = self._predicted_refs, self._predicted_mask
+        refs, mask = self._predicted_refs[pred.slot], self._predicted_mask
+        refs.subtract(pred.keys)
         bit = 1 << pred.slot
         for key in pred.keys:
-            n = refs.pop((key, pred.slot))
-            if n > 1:
-                refs[(key, pred.slot)] = n - 1
-            else:
+            if refs.get(key) == 0:  # the last prediction of this key on this slot
+                del refs[key]
                 rest = mask[key] & ~bit
                 if rest:
                     mask[key] = rest

@@ -16,6 +16,8 @@ worker can be dropped or resynchronised in time proportional to what it holds.
 from __future__ import annotations
 
 import sys
+from collections import deque
+from itertools import compress
 from typing import Iterable, Sequence
 
 from pagefleet.worker.block_hash import HASH_SIZE
@@ -106,48 +108,51 @@ class KVBlockIndex:
             self._keys.append(set())
         return self._keys[slot]
 
+    # add and remove do their per-key work in C (set algebra, dict.fromkeys, map over bound
+    # methods); only keys held by several workers take a Python-level step. That is what
+    # lets one core keep up with a fleet's event stream (benchmarks/scheduler_scale.py).
+
     def add(self, slot: int, keys: Iterable[int]) -> None:
         mine = self._slot_keys(slot)
+        new = set(keys)
+        new -= mine
+        if not new:
+            return
+        mine |= new
         holders = self._holders
-        get = holders.get
+        fresh = new.difference(holders)  # held by nobody yet: the common case
+        if fresh:
+            holders.update(dict.fromkeys(fresh, slot))
+            if len(fresh) == len(new):
+                return
+            new -= fresh
         bit = 1 << slot
-        for key in keys:
-            v = get(key)
-            if v is None:
-                holders[key] = slot
-                mine.add(key)
-            elif v >= 0:
-                if v != slot:
-                    holders[key] = ~(1 << v | bit)
-                    mine.add(key)
-            elif not ~v & bit:
-                holders[key] = v & ~bit  # ~(~v | bit)
-                mine.add(key)
+        for key in new:
+            v = holders[key]
+            holders[key] = ~(1 << v | bit) if v >= 0 else v & ~bit  # v & ~bit == ~(~v | bit)
 
     def remove(self, slot: int, keys: Iterable[int]) -> None:
         mine = self._slot_keys(slot)
+        gone = mine.intersection(keys)  # keys this slot does not hold are no-ops
+        if not gone:
+            return
+        mine -= gone
         holders = self._holders
-        get = holders.get
+        values = list(map(holders.__getitem__, gone))
+        alone = list(compress(gone, map(slot.__eq__, values)))
+        deque(map(holders.__delitem__, alone), maxlen=0)  # a C loop deleting every key
+        if len(alone) == len(values):
+            return
         bit = 1 << slot
-        for key in keys:
-            v = get(key)
-            if v is None:
-                continue
-            if v >= 0:
-                if v == slot:
-                    del holders[key]
-                    mine.discard(key)
-            elif ~v & bit:
+        for key, v in zip(gone, values):
+            if v < 0:
                 rest = ~v ^ bit
                 holders[key] = rest.bit_length() - 1 if rest & (rest - 1) == 0 else ~rest
-                mine.discard(key)
 
     def clear(self, slot: int) -> None:
         """Forget everything ``slot`` holds."""
         if slot < len(self._keys):
-            keys = self._keys[slot]
-            self._keys[slot] = set()
-            self.remove(slot, keys)
+            self.remove(slot, self._keys[slot].copy())
 
     def replace(self, slot: int, keys: Iterable[int]) -> None:
         """Make ``slot`` hold exactly ``keys`` (a snapshot), touching only the difference."""

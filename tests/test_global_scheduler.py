@@ -21,7 +21,7 @@ def hashes(tokens, salt=None):
 def batch(worker, seq, stored=(), removed=(), *, first_seq=None, cleared=False, free=100, total=100,
           running=0, waiting=0, reserved=0, added=()):
     return KVEventBatch(worker, seq if first_seq is None else first_seq, seq, cleared, pack_hashes(stored),
-                        pack_hashes([b"\0" * 16] * len(stored)), [0] * (BS * len(stored)), pack_hashes(removed),
+                        pack_hashes([b"\0" * 16] * len(stored)), bytes(4 * BS * len(stored)), pack_hashes(removed),
                         free, total, running, waiting, reserved, list(added))
 
 

@@ -8,7 +8,7 @@ from pagefleet.worker.block_hash import ROOT_HASH, block_hashes, hash_block
 from pagefleet.worker.block_pool import BlockPool
 from pagefleet.worker.kv_cache_manager import KVCacheManager
 from pagefleet.worker.kv_events import (KVEventBatch, KVEventLog, KVEventSource, KVLoad, merge_batches,
-                                        pack_hashes, unpack_hashes)
+                                        pack_hashes, unpack_hashes, unpack_token_ids)
 from pagefleet.worker.sampling_params import SamplingParams
 from pagefleet.worker.sequence import Sequence
 
@@ -46,7 +46,7 @@ def test_stored_blocks_carry_parent_and_tokens_in_order():
     assert (batch.worker_id, batch.first_seq, batch.seq, batch.cleared) == ("w0", 0, 0, True)
     assert unpack_hashes(batch.stored) == h
     assert unpack_hashes(batch.stored_parents) == [ROOT_HASH, h[0]]
-    assert batch.stored_token_ids == list(range(8))
+    assert unpack_token_ids(batch.stored_token_ids) == list(range(8))
     assert batch.removed == b""
     assert (batch.num_free_blocks, batch.num_total_blocks) == (5, 8)  # 3 blocks hold 10 tokens
     assert (batch.num_running, batch.num_waiting, batch.num_reserved_blocks) == (1, 2, 3)
@@ -169,7 +169,7 @@ def test_merge_equals_applying_each_batch():
     assert view_merged == view_each == set(pool.cached)
     # each stored hash still travels with its own parent and tokens
     for i, (h, parent) in enumerate(zip(unpack_hashes(merged.stored), unpack_hashes(merged.stored_parents))):
-        assert hash_block(parent, merged.stored_token_ids[i * BLOCK:(i + 1) * BLOCK]) == h
+        assert hash_block(parent, unpack_token_ids(merged.stored_token_ids)[i * BLOCK:(i + 1) * BLOCK]) == h
     with pytest.raises(ValueError, match="not consecutive"):
         merge_batches([batches[0], batches[2]])
 

@@ -15,6 +15,7 @@ batch instead of one per block, so a batch pickles and unpickles at C speed.
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
@@ -34,7 +35,7 @@ class KVEventBatch:
     cleared: bool  # the worker's cache was emptied before the changes below were made
     stored: bytes = b""  # hashes newly cached, HASH_SIZE bytes each, parents before children
     stored_parents: bytes = b""  # the parent hash of each stored block (ROOT_HASH for a first block)
-    stored_token_ids: list[int] = field(default_factory=list)  # block_size ids per stored block, flattened
+    stored_token_ids: bytes = b""  # block_size token ids per stored block, int32 little-endian, packed
     removed: bytes = b""  # hashes no longer cached (evicted, or withdrawn after a failed step)
     num_free_blocks: int = 0  # blocks no running sequence holds (cached-but-idle ones included)
     num_total_blocks: int = 0
@@ -74,6 +75,14 @@ class KVLoad:
     num_running: int = 0
     num_waiting: int = 0
     num_reserved_blocks: int = 0
+
+
+def pack_token_ids(token_ids: Sequence[int]) -> bytes:
+    return struct.pack(f"<{len(token_ids)}i", *token_ids)
+
+
+def unpack_token_ids(packed: bytes) -> list[int]:
+    return list(struct.unpack(f"<{len(packed) // 4}i", packed))
 
 
 def pack_hashes(hashes: Iterable[BlockHash]) -> bytes:
@@ -127,7 +136,7 @@ class KVEventLog:
             worker_id=worker_id, first_seq=seq, seq=seq, cleared=self._cleared,
             stored=pack_hashes(self._stored),
             stored_parents=pack_hashes(parent for parent, _ in self._stored.values()),
-            stored_token_ids=[t for _, ids in self._stored.values() for t in ids],
+            stored_token_ids=pack_token_ids([t for _, ids in self._stored.values() for t in ids]),
             removed=pack_hashes(self._removed),
             num_free_blocks=num_free_blocks, num_total_blocks=num_total_blocks, num_running=load.num_running,
             num_waiting=load.num_waiting, num_reserved_blocks=load.num_reserved_blocks)
@@ -151,17 +160,18 @@ def merge_batches(batches: Sequence[KVEventBatch]) -> KVEventBatch:
             raise ValueError(f"batches {prev.worker_id}#{prev.seq} and {nxt.worker_id}#{nxt.first_seq} "
                              "are not consecutive batches of one worker")
     log = KVEventLog(cleared=False)
-    block_size = 0
     for batch in batches:
         if batch.cleared:
             log.cleared()
         for h in unpack_hashes(batch.removed):
             log.removed(h)
         n = batch.num_stored
-        if n:
-            block_size = len(batch.stored_token_ids) // n
+        if not n:
+            continue
+        token_ids = unpack_token_ids(batch.stored_token_ids)
+        block_size = len(token_ids) // n
         for i, (h, parent) in enumerate(zip(unpack_hashes(batch.stored), unpack_hashes(batch.stored_parents))):
-            log.stored(h, parent, batch.stored_token_ids[i * block_size:(i + 1) * block_size])
+            log.stored(h, parent, token_ids[i * block_size:(i + 1) * block_size])
     last = batches[-1]
     merged = log.drain(first.worker_id, last.seq, last.num_free_blocks, last.num_total_blocks,
                        KVLoad(last.num_running, last.num_waiting, last.num_reserved_blocks))
