@@ -133,6 +133,7 @@ class GlobalScheduler:
         self.counters = SchedulerCounters()
         self._free_slots: list[int] = []
         self._next_slot = 0
+        self._next_liveness_check = float("-inf")
         self._predictions: dict[str, _Prediction] = {}  # in expiry order
         self._predicted_mask: dict[int, int] = {}  # routing key -> slots predicted to hold it
         self._predicted_refs: dict[int, Counter] = {}  # slot -> routing key -> predictions saying so
@@ -163,9 +164,11 @@ class GlobalScheduler:
         return True
 
     def expire(self, now: float) -> None:
-        """Drop silent workers and end predictions past their time."""
-        for view in [v for v in self.workers.values() if now - v.last_seen > self.liveness_timeout_s]:
-            self.drop_worker(view.worker_id)
+        """Drop silent workers (looked for at most once a second) and end predictions past their time."""
+        if now >= self._next_liveness_check:
+            self._next_liveness_check = now + 1.0
+            for view in [v for v in self.workers.values() if now - v.last_seen > self.liveness_timeout_s]:
+                self.drop_worker(view.worker_id)
         while self._predictions:
             pred = next(iter(self._predictions.values()))
             if pred.expires > now:
@@ -275,18 +278,6 @@ class GlobalScheduler:
         return RouteDecision([s.worker_id for s in scores], admitted, reason, first.cached_blocks, scores)
 
     # ---- predictions -------------------------------------------------------------------------
-
-    def reassign(self, request_id: str, worker_id: str, now: float) -> None:
-        """The request went to another worker than the first choice (say its queue was full):
-        move the prediction there."""
-        pred = self._predictions.get(request_id)
-        if pred is None or pred.worker_id == worker_id:
-            return
-        blocks = pred.blocks
-        self._end_prediction(pred)
-        view = self._view(worker_id, now)
-        self._add_prediction(_Prediction(request_id, worker_id, view.slot, now + self.prediction_ttl_s,
-                                         pred.keys, blocks))
 
     def _add_prediction(self, pred: _Prediction) -> None:
         old = self._predictions.pop(pred.request_id, None)

@@ -176,16 +176,6 @@ def test_candidates_limit_the_ranking_and_unknown_ones_start_empty():
     assert gs.route(RouteRequest("x", b"", 1), now=0.0, candidates=[]).reason == "no_workers"
 
 
-def test_reassign_moves_the_prediction():
-    gs = scheduler()
-    for w in ("a", "b"):
-        gs.apply_batch(batch(w, 0), now=0.0)
-    gs.route(request("r1"), now=0.0)
-    gs.reassign("r1", "b", now=0.1)
-    assert (gs.workers["a"].predicted_blocks, gs.workers["b"].predicted_blocks) == (0, 6)
-    assert gs.route(request("r2"), now=0.2).ranking[0] == "b"  # b is now predicted to hold the prefix
-
-
 def test_index_holder_encoding_round_trips():
     index = KVBlockIndex()
     index.add(3, [10, 11])

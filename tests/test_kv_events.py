@@ -181,8 +181,9 @@ def test_snapshot_lines_up_with_the_batch_numbers():
     source.drain(KVLoad())  # seq 0
     b = seq(1, list(range(30, 39)))
     run_prompt(kv, b)  # pending, not drained
-    snap = source.snapshot(KVLoad(num_running=2))
-    assert snap.seq == 1  # the pending changes went into batch 1, which the snapshot covers
+    batch, snap = source.snapshot(KVLoad(num_running=2))
+    assert snap.seq == batch.seq == 1  # the pending changes went into batch 1, which the snapshot covers
+    assert unpack_hashes(batch.stored) == block_hashes(b.token_ids, BLOCK)
     assert set(unpack_hashes(snap.block_hashes)) == set(pool.cached)
     assert (snap.num_free_blocks, snap.num_total_blocks, snap.num_running) == (2, 8, 2)
     after = source.drain(KVLoad())

@@ -204,10 +204,11 @@ class KVEventSource:
         batch.added, self._added = self._added, []
         return batch
 
-    def snapshot(self, load: KVLoad) -> KVSnapshot:
-        """The pool's whole state as of a new batch number. Pending changes are drained into
-        that batch first and the batch is dropped: the snapshot already contains it."""
+    def snapshot(self, load: KVLoad) -> tuple[KVEventBatch, KVSnapshot]:
+        """The pool's whole state, valid right after a new batch that drains what is pending.
+        That batch is returned too: it belongs in the stream like any other (a consumer holding
+        the snapshot finds it stale, one that did not ask for the snapshot applies it)."""
         batch = self.drain(load)
-        return KVSnapshot(self.worker_id, batch.seq, pack_hashes(self.pool.cached), self.pool.num_free,
-                          self.pool.num_blocks, load.num_running, load.num_waiting, load.num_reserved_blocks,
-                          batch.added)
+        return batch, KVSnapshot(self.worker_id, batch.seq, pack_hashes(self.pool.cached), self.pool.num_free,
+                                 self.pool.num_blocks, load.num_running, load.num_waiting,
+                                 load.num_reserved_blocks, batch.added)

@@ -4,7 +4,7 @@ from pagefleet.router.routing_policy import ReplicaLoad, rank_replicas, replica_
 from pagefleet.worker.stats import EngineStats, ReplicaStats
 
 
-def test_fewest_queued_requests_first():
+def test_fewest_queued_sequences_first():
     loads = [ReplicaLoad("a", num_running=3, num_waiting=1), ReplicaLoad("b", num_running=1),
              ReplicaLoad("c", num_running=2, num_waiting=0)]
     assert rank_replicas(loads) == ["b", "c", "a"]
@@ -17,8 +17,8 @@ def test_ties_broken_by_free_blocks_then_id():
 
 
 def test_in_flight_count_overrides_stale_stats():
-    # b published "idle" but this router has just sent it 4 requests
-    loads = [ReplicaLoad("a", num_running=2), ReplicaLoad("b", num_running=0, num_ongoing=4)]
+    # b published "idle" but this router has just sent it 4 sequences
+    loads = [ReplicaLoad("a", num_running=2), ReplicaLoad("b", num_running=0, num_in_flight=4)]
     assert rank_replicas(loads) == ["a", "b"]
     assert loads[1].num_queued == 4
 

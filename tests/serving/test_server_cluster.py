@@ -1,76 +1,22 @@
 """The whole server on a real local Ray cluster: deploy/serve.yaml brought up with `serve run`,
 two worker replicas, driven with the real `openai` client and raw HTTP.
 
-The app comes up once for this module (about a minute on two cores) and every test
-below runs against it.
+The app (the session's ``server`` fixture, see ``cluster_app``) comes up once for the
+session (about a minute on two cores) and every test below runs against it.
 """
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
 import pytest
-import yaml
 
-from pagefleet.worker.stats import ReplicaStats
+from cluster_app import MAX_MODEL_LEN, worker_stats
 
-SERVE_YAML = Path(__file__).resolve().parents[2] / "deploy" / "serve.yaml"
-APP = "pagefleet"
-MAX_MODEL_LEN = 256
 PROMPTS = ["Hello, my name is", "The capital of France is", "pagefleet serves models"]
-
-
-def worker_stats() -> dict[str, ReplicaStats]:
-    """Each worker replica's published routing stats, keyed by replica id.
-
-    Asks every replica actor directly (the call Serve's controller makes each stats
-    period), so no request is routed and every replica answers."""
-    import ray
-
-    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-             if a["namespace"] == "serve" and "PagefleetWorker" in a["name"]]
-    actors = [ray.get_actor(name, namespace="serve") for name in names]
-    stats = ray.get([a.record_routing_stats.remote() for a in actors], timeout=60)
-    published = [ReplicaStats.from_routing_stats(s) for s in stats]
-    return {s.replica_id: s for s in published}
-
-
-@pytest.fixture(scope="module")
-def server(ray_cluster, serve_http_port, tiny_checkpoint, tmp_path_factory):
-    from ray import serve
-
-    ckpt = tiny_checkpoint("llama")
-    config = yaml.safe_load(SERVE_YAML.read_text())
-    port = serve_http_port
-    config["http_options"]["port"] = port
-    # Only sizes change: the shipped file, with a tiny checkpoint and CI-sized resources.
-    config["applications"][0]["args"].update(model=str(ckpt), workers=2, kv_cache_bytes="16MiB",
-                                             max_model_len=MAX_MODEL_LEN, max_num_seqs=8,
-                                             worker_num_cpus=0.5, ingress_num_cpus=0.25)
-    path = tmp_path_factory.mktemp("serve") / "serve.yaml"
-    path.write_text(yaml.safe_dump(config))
-    serve_cli = str(Path(sys.executable).parent / "serve")
-    done = subprocess.run([serve_cli, "run", "--address", ray_cluster, "--non-blocking", str(path)],
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while True:
-        status = serve.status().applications.get(APP)
-        if status is not None and status.status == "RUNNING":
-            break
-        assert status is None or status.status in ("DEPLOYING", "NOT_STARTED"), status
-        assert time.monotonic() < deadline, f"app not RUNNING: {status}"
-        time.sleep(1)
-    assert httpx.get(f"{base}/health", timeout=30).status_code == 200
-    yield base, ckpt
-    serve.delete(APP)
 
 
 @pytest.fixture(scope="module")
