@@ -21,8 +21,9 @@ T = TypeVar("T")
 
 
 class AdmissionRejected(Exception):
-    def __init__(self, message: str, retry_after_s: int) -> None:
+    def __init__(self, message: str, reason: str, retry_after_s: int) -> None:
         super().__init__(message)
+        self.reason = reason  # "queue_full" or "waited_too_long"
         self.retry_after_s = retry_after_s
 
 
@@ -38,7 +39,11 @@ class AdmissionCounters:
 
 class AdmissionQueue:
     def __init__(self, max_size: int, max_wait_s: float, retry_s: float = 0.02,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 on_length: Callable[[int], None] | None = None,
+                 on_wait: Callable[[float], None] | None = None) -> None:
+        """``on_length`` hears the queue's length whenever it changes, ``on_wait`` each waiter's
+        time in the queue (for metrics)."""
         if max_size < 1 or max_wait_s <= 0 or retry_s <= 0:
             raise ValueError("an admission queue needs max_size >= 1, max_wait_s > 0 and retry_s > 0")
         self.max_size = max_size
@@ -46,6 +51,8 @@ class AdmissionQueue:
         self.retry_s = retry_s
         self.clock = clock
         self.counters = AdmissionCounters()
+        self.on_length = on_length or (lambda n: None)
+        self.on_wait = on_wait or (lambda s: None)
         self._waiting: deque[asyncio.Event] = deque()  # one per waiting request; set = its turn
 
     def __len__(self) -> int:
@@ -67,9 +74,10 @@ class AdmissionQueue:
         if len(self._waiting) >= self.max_size:
             self.counters.rejected_queue_full += 1
             raise AdmissionRejected(f"all workers are full and {len(self._waiting)} requests are already "
-                                    "waiting for one; retry later", self.retry_after_s)
+                                    "waiting for one; retry later", "queue_full", self.retry_after_s)
         turn = asyncio.Event()
         self._waiting.append(turn)
+        self.on_length(len(self._waiting))
         self.counters.longest_queue = max(self.counters.longest_queue, len(self._waiting))
         if self._waiting[0] is turn:
             turn.set()
@@ -94,10 +102,13 @@ class AdmissionQueue:
                 await asyncio.sleep(min(self.retry_s, left))
             self.counters.rejected_waited_too_long += 1
             raise AdmissionRejected(f"no worker had room for this request within {self.max_wait_s:g} s; "
-                                    "retry later", self.retry_after_s)
+                                    "retry later", "waited_too_long", self.retry_after_s)
         finally:
-            self.counters.wait_s_total += self.clock() - started
+            waited = self.clock() - started
+            self.counters.wait_s_total += waited
             head = self._waiting[0] is turn
             self._waiting.remove(turn)
             if head and self._waiting:
                 self._waiting[0].set()
+            self.on_length(len(self._waiting))
+            self.on_wait(waited)

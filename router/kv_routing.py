@@ -5,11 +5,15 @@ For each engine request the ingress asks the scheduler actor for a ranking
 ``timeout_s`` (the scheduler is slow, dead or restarting) means routing
 without it: the request router falls back to the power of two choices, and
 the fallback is counted; after a failed call the scheduler is not asked again
-for ``skip_after_failure_s``, so a dead scheduler costs no request a timeout.
+for ``skip_after_failure_s``, so a dead scheduler costs no request a timeout
+(a hung or restarting one costs each request at most ``timeout_s``).
 When the scheduler says no worker has room, the request waits in the
 ``AdmissionQueue``, or is refused (429) past its bound or wait.
 
-Counters stay here (``RoutingCounters``) for a metrics exporter to read.
+Everything is counted twice over: in ``RoutingCounters`` (what this replica
+saw, for benchmarks and tests) and in the router series of ``RouterMetrics``
+(decisions by reason, fallbacks, predicted and realised prefix hits, time to
+choose, admission queue length, wait and refusals) for Prometheus.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from typing import Any
 from pagefleet.router.admission import AdmissionQueue, AdmissionRejected
 from pagefleet.router.errors import too_many_requests
 from pagefleet.router.global_scheduler import RouteDecision, RouteRequest
+from pagefleet.router.metrics import RouterMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -54,11 +59,15 @@ def request_blocks(prompt_len: int, max_tokens: int, n: int, block_size: int) ->
 
 
 class KVRoutingClient:
-    def __init__(self, scheduler: Any, options: KVRoutingOptions, block_size: int) -> None:
+    def __init__(self, scheduler: Any, options: KVRoutingOptions, block_size: int,
+                 metrics: RouterMetrics | None = None) -> None:
         self.scheduler = scheduler
         self.options = options
         self.block_size = block_size
-        self.admission = (AdmissionQueue(options.admission_queue_size, options.admission_max_wait_s)
+        self.metrics = metrics or RouterMetrics()
+        self.admission = (AdmissionQueue(options.admission_queue_size, options.admission_max_wait_s,
+                                         on_length=lambda n: self.metrics.set("admission_queue_length", n),
+                                         on_wait=lambda s: self.metrics.observe("admission_wait_seconds", s))
                           if options.admission_queue_size > 0 else None)
         self.counters = RoutingCounters()
         self.skip_after_failure_s = 1.0
@@ -71,18 +80,24 @@ class KVRoutingClient:
         if self.admission is None:
             decision = await self._ask(req, force=True)
         else:
-            try:
-                decision = await self.admission.admit(lambda: self._ask(req, force=False),
-                                                      lambda d: d is None or d.admitted)
-            except AdmissionRejected as exc:
-                self.counters.rejected += 1
-                raise too_many_requests(str(exc), exc.retry_after_s) from exc
+            decision = await self._admit(req)
         if decision is None:
             self.counters.fallbacks += 1
+            self.metrics.inc("routing_decisions", policy="kv", reason="fallback_no_scheduler")
             return None
         self.counters.decisions[decision.reason] += 1
         self.counters.predicted_hit_blocks += decision.predicted_hit_blocks
+        self.metrics.inc("routing_decisions", policy="kv", reason=decision.reason)
+        self.metrics.inc("prefix_hit_blocks_predicted", decision.predicted_hit_blocks)
         return decision
+
+    async def _admit(self, req: RouteRequest) -> RouteDecision | None:
+        try:
+            return await self.admission.admit(lambda: self._ask(req, force=False), lambda d: d is None or d.admitted)
+        except AdmissionRejected as exc:
+            self.counters.rejected += 1
+            self.metrics.inc("admission_rejections", reason=exc.reason)
+            raise too_many_requests(str(exc), exc.retry_after_s) from exc
 
     async def _ask(self, req: RouteRequest, force: bool) -> RouteDecision | None:
         if time.monotonic() < self._skip_until:
@@ -92,13 +107,16 @@ class KVRoutingClient:
             decision = await asyncio.wait_for(self.scheduler.route.remote(req, force), self.options.timeout_s)
         except asyncio.TimeoutError:
             return None  # slow this time; ask again next time
-        except Exception as exc:  # dead or restarting: do not make every request wait to find out
+        except Exception as exc:  # dead: do not make every request wait to find out
             logger.warning("the global scheduler did not answer (%r); routing without it for %.1f s", exc,
                            self.skip_after_failure_s)
             self._skip_until = time.monotonic() + self.skip_after_failure_s
             return None
-        self.counters.choose_s.append(time.perf_counter() - started)
+        elapsed = time.perf_counter() - started
+        self.counters.choose_s.append(elapsed)
+        self.metrics.observe("routing_seconds", elapsed)
         return decision
 
     def record_realised(self, num_cached_tokens: int) -> None:
         self.counters.realised_hit_blocks += num_cached_tokens // self.block_size
+        self.metrics.inc("prefix_hit_blocks_realised", num_cached_tokens // self.block_size)

@@ -37,15 +37,18 @@ class PrefixTable:
             n += 1
         return owner, n
 
-    def rank(self, block_hashes: Sequence[bytes], loads: Sequence[ReplicaLoad]) -> list[str]:
+    def rank(self, block_hashes: Sequence[bytes], loads: Sequence[ReplicaLoad]) -> tuple[list[str], str]:
+        """Replica ids best first, and why: ``cached_prefix`` (the replica this router sent the
+        longest prefix to), ``balance`` (that replica is too busy: least loaded instead) or
+        ``no_match`` (nothing remembered: least loaded)."""
         ranked = rank_replicas(loads)
         owner, _ = self.longest_match(block_hashes)
         by_id = {r.replica_id: r for r in loads}
         if owner is None or owner not in by_id or not ranked:
-            return ranked
+            return ranked, "no_match"
         if by_id[owner].num_queued > by_id[ranked[0]].num_queued + self.balance_slack:
-            return ranked  # the cached replica is too busy: balance instead
-        return [owner] + [r for r in ranked if r != owner]
+            return ranked, "balance"
+        return [owner] + [r for r in ranked if r != owner], "cached_prefix"
 
     def record(self, block_hashes: Sequence[bytes], replica_id: str) -> None:
         owner = self._owner

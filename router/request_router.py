@@ -11,7 +11,9 @@ from Serve's routed/completed callbacks) when that is more.
 before sending (where admission control can still answer 429), and the
 ranking travels in the ``WorkerRequest``. Without one (the scheduler did not
 answer in time) it falls back to the power of two choices. Nothing here
-blocks: ``choose_replicas`` only computes.
+blocks: ``choose_replicas`` only computes. Each choice is counted in
+``pagefleet_router_decisions`` by policy and reason (kv's by the ingress,
+which knows the scheduler's reason).
 
 Every router is FIFO (``FIFOMixin``): Serve gives each choice to the oldest
 pending request. It has to be: the handle calls of one HTTP request (a
@@ -30,8 +32,10 @@ from typing import Any, List, Optional
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
+from pagefleet.router.metrics import RouterMetrics
 from pagefleet.router.prefix_table import PrefixTable
-from pagefleet.router.routing_policy import ReplicaLoad, pick_two, rank_replicas, replica_load, round_robin
+from pagefleet.router.routing_policy import (ReplicaLoad, pick_two, rank_replicas, replica_load, round_robin,
+                                             routing_reason)
 from pagefleet.worker.kv_events import unpack_hashes
 from pagefleet.worker.stats import ReplicaStats
 from pagefleet.worker.worker_request import WorkerRequest
@@ -55,7 +59,7 @@ class _PagefleetRouter(FIFOMixin, RequestRouter):
         # the prompts of one HTTP request share the internal id
         self._in_flight: dict[tuple[ReplicaID, str], list[int]] = {}
         self._in_flight_seqs: Counter = Counter()  # replica -> sequences in flight from this router
-        self.decisions: Counter = Counter()  # for a metrics exporter: how choices were made
+        self.metrics = RouterMetrics()
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
         request = _worker_request(pending_request)
@@ -87,8 +91,10 @@ class _PagefleetRouter(FIFOMixin, RequestRouter):
 class LeastLoadedRouter(_PagefleetRouter):
     async def choose_replicas(self, candidate_replicas: List[RunningReplica],
                               pending_request: Optional[PendingRequest] = None) -> List[List[RunningReplica]]:
-        self.decisions["least_loaded"] += 1
-        return self.tiers(candidate_replicas, rank_replicas(self.loads(candidate_replicas)))
+        loads = self.loads(candidate_replicas)
+        if loads:
+            self.metrics.inc("routing_decisions", policy="least_loaded", reason=routing_reason(loads))
+        return self.tiers(candidate_replicas, rank_replicas(loads))
 
 
 class PowerOfTwoRouter(_PagefleetRouter):
@@ -98,8 +104,12 @@ class PowerOfTwoRouter(_PagefleetRouter):
 
     async def choose_replicas(self, candidate_replicas: List[RunningReplica],
                               pending_request: Optional[PendingRequest] = None) -> List[List[RunningReplica]]:
-        self.decisions["pow2"] += 1
-        return self.tiers(candidate_replicas, pick_two(self.loads(candidate_replicas), self.rng))
+        loads = self.loads(candidate_replicas)
+        two = pick_two(loads, self.rng)
+        if two:
+            self.metrics.inc("routing_decisions", policy="pow2",
+                             reason=routing_reason([r for r in loads if r.replica_id in two]))
+        return self.tiers(candidate_replicas, two)
 
 
 class RoundRobinRouter(_PagefleetRouter):
@@ -109,7 +119,7 @@ class RoundRobinRouter(_PagefleetRouter):
 
     async def choose_replicas(self, candidate_replicas: List[RunningReplica],
                               pending_request: Optional[PendingRequest] = None) -> List[List[RunningReplica]]:
-        self.decisions["round_robin"] += 1
+        self.metrics.inc("routing_decisions", policy="round_robin", reason="turn")
         self.turn += 1
         return self.tiers(candidate_replicas,
                           round_robin([r.replica_id.unique_id for r in candidate_replicas], self.turn))
@@ -126,8 +136,9 @@ class PrefixRouter(_PagefleetRouter):
                               pending_request: Optional[PendingRequest] = None) -> List[List[RunningReplica]]:
         request = _worker_request(pending_request)
         hashes = unpack_hashes(request.block_hashes) if request is not None else []
-        self.decisions["prefix"] += 1
-        return self.tiers(candidate_replicas, self.table.rank(hashes, self.loads(candidate_replicas)))
+        ranking, reason = self.table.rank(hashes, self.loads(candidate_replicas))
+        self.metrics.inc("routing_decisions", policy="prefix", reason=reason)
+        return self.tiers(candidate_replicas, ranking)
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
         super().on_request_routed(pending_request, replica_id, result)
@@ -147,9 +158,7 @@ class KVRouter(_PagefleetRouter):
                               pending_request: Optional[PendingRequest] = None) -> List[List[RunningReplica]]:
         request = _worker_request(pending_request)
         if request is not None and request.ranking:
-            self.decisions["kv"] += 1
             return self.tiers(candidate_replicas, request.ranking)
-        self.decisions["kv_fallback_pow2"] += 1
         return self.tiers(candidate_replicas, pick_two(self.loads(candidate_replicas), self.rng))
 
 

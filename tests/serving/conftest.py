@@ -84,19 +84,3 @@ def serve_http_port(ray_cluster) -> int:
     module that deploys an app on the session cluster uses this one."""
     return free_port()
 
-
-@pytest.fixture(scope="session")
-def server(ray_cluster, serve_http_port, tiny_checkpoint, tmp_path_factory):
-    """The real app (deploy/serve.yaml, two workers, kv routing), up once for the session under
-    its own name and route: (base URL, checkpoint path). The global scheduler starts fresh with it."""
-    from ray import serve
-
-    from cluster_app import APP, start_app
-    from pagefleet.router.scheduler_actor import stop_scheduler
-
-    stop_scheduler()
-    ckpt = tiny_checkpoint("llama")
-    base = start_app(ray_cluster, serve_http_port, ckpt, tmp_path_factory.mktemp("serve"))
-    yield base, ckpt
-    serve.delete(APP)
-    stop_scheduler()

@@ -78,13 +78,12 @@ def test_a_full_queue_refuses_at_once():
 
 def test_waiting_past_the_limit_is_refused_and_the_next_one_moves_up():
     async def run():
-        q, room = AdmissionQueue(max_size=4, max_wait_s=0.05, retry_s=0.005), Room()
+        q, room = AdmissionQueue(max_size=4, max_wait_s=0.3, retry_s=0.005), Room()
         first = asyncio.create_task(q.admit(room.attempt("a"), bool))
-        await asyncio.sleep(0.01)
-        second = asyncio.create_task(q.admit(room.attempt("b"), bool))
-        with pytest.raises(AdmissionRejected, match="within 0.05 s"):
+        await asyncio.sleep(0.2)
+        second = asyncio.create_task(q.admit(room.attempt("b"), bool))  # its own wait ends 0.2 s after a's
+        with pytest.raises(AdmissionRejected, match="within 0.3 s"):
             await first
-        await asyncio.sleep(0.005)
         room.free = True  # b, now the head, gets in on its next try
         assert await second is True
         assert "b" in room.asked

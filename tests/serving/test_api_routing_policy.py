@@ -68,10 +68,10 @@ def test_prefix_table_follows_what_it_sent_until_the_owner_is_too_busy():
     table.record([b"h1", b"h2", b"h3"], "b")
     loads = [ReplicaLoad("a"), ReplicaLoad("b", num_running=2)]
     assert table.longest_match([b"h1", b"h2", b"x"]) == ("b", 2)
-    assert table.rank([b"h1", b"h2"], loads) == ["b", "a"]  # b is 2 busier: within the slack
+    assert table.rank([b"h1", b"h2"], loads) == (["b", "a"], "cached_prefix")  # b is 2 busier: within the slack
     busy = [ReplicaLoad("a"), ReplicaLoad("b", num_running=3)]
-    assert table.rank([b"h1"], busy) == ["a", "b"]  # 3 busier: balance instead
-    assert table.rank([b"zz"], loads) == ["a", "b"]  # nothing remembered: least loaded
+    assert table.rank([b"h1"], busy) == (["a", "b"], "balance")  # 3 busier: balance instead
+    assert table.rank([b"zz"], loads) == (["a", "b"], "no_match")  # nothing remembered: least loaded
     table.record([b"h4", b"h5"], "a")  # capacity 4: h1 is forgotten (least recently sent)
     assert table.longest_match([b"h1"]) == (None, 0) and len(table) == 4
     table.forget_replica("a")
