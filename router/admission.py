@@ -88,10 +88,11 @@ class AdmissionQueue:
                 left = deadline - self.clock()
                 if left <= 0:
                     break
-                try:
-                    await asyncio.wait_for(turn.wait(), left)
-                except asyncio.TimeoutError:
-                    break
+                if not turn.is_set():
+                    try:
+                        await asyncio.wait_for(turn.wait(), left)
+                    except asyncio.TimeoutError:
+                        continue  # the clock has the last word
                 result = await attempt()
                 if admitted(result):
                     self.counters.admitted_after_waiting += 1

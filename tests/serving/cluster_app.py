@@ -83,11 +83,12 @@ def worker_snapshots() -> dict:
 
     handle = serve.get_deployment_handle("PagefleetWorker", APP)
     snaps: dict = {}
-    for _ in range(60):
+    for _ in range(100):  # spread over seconds: stale load stats would keep choosing one replica
         snap = handle.kv_snapshot.remote().result(timeout_s=30)
         snaps[snap.worker_id] = snap
         if len(snaps) == 2:
             return snaps
+        time.sleep(0.1)
     raise AssertionError(f"only reached workers {sorted(snaps)}")
 
 

@@ -78,10 +78,14 @@ def test_a_full_queue_refuses_at_once():
 
 def test_waiting_past_the_limit_is_refused_and_the_next_one_moves_up():
     async def run():
-        q, room = AdmissionQueue(max_size=4, max_wait_s=0.3, retry_s=0.005), Room()
+        now = [0.0]  # the queue's clock, moved by hand: no timing in this test
+        q, room = AdmissionQueue(max_size=4, max_wait_s=0.3, retry_s=0.001, clock=lambda: now[0]), Room()
         first = asyncio.create_task(q.admit(room.attempt("a"), bool))
-        await asyncio.sleep(0.2)
-        second = asyncio.create_task(q.admit(room.attempt("b"), bool))  # its own wait ends 0.2 s after a's
+        await asyncio.sleep(0.01)
+        now[0] = 0.2
+        second = asyncio.create_task(q.admit(room.attempt("b"), bool))
+        await asyncio.sleep(0.01)
+        now[0] = 0.31  # a has waited 0.31 s, b 0.11 s
         with pytest.raises(AdmissionRejected, match="within 0.3 s"):
             await first
         room.free = True  # b, now the head, gets in on its next try
@@ -128,8 +132,9 @@ def decision(admitted=True, reason="prefix", hit=3):
 def test_routing_client_counts_decisions_fallbacks_and_refusals():
     async def run():
         sched = FakeScheduler()
+        # a timeout long enough that only the "hang" answer misses it, however busy the machine
         client = KVRoutingClient(sched, KVRoutingOptions(admission_queue_size=1, admission_max_wait_s=0.05,
-                                                         timeout_s=0.02), block_size=16)
+                                                         timeout_s=0.5), block_size=16)
         sched.answers = [decision()]
         got = await client.route("r1", b"", 40, 24, 1)
         assert got.ranking == ["w1", "w0"] and sched.calls == [("r1", False)]
