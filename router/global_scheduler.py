@@ -130,6 +130,7 @@ class GlobalScheduler:
         self.snapshot_retry_s = snapshot_retry_s
         self.index = KVBlockIndex()
         self.workers: dict[str, WorkerView] = {}
+        self._by_slot: dict[int, WorkerView] = {}
         self.counters = SchedulerCounters()
         self._free_slots: list[int] = []
         self._next_slot = 0
@@ -148,7 +149,7 @@ class GlobalScheduler:
                 self._free_slots.remove(slot)
             else:
                 slot, self._next_slot = self._next_slot, self._next_slot + 1
-            view = self.workers[worker_id] = WorkerView(worker_id, slot, last_seen=now)
+            view = self.workers[worker_id] = self._by_slot[slot] = WorkerView(worker_id, slot, last_seen=now)
         return view
 
     def drop_worker(self, worker_id: str) -> bool:
@@ -156,6 +157,7 @@ class GlobalScheduler:
         view = self.workers.pop(worker_id, None)
         if view is None:
             return False
+        del self._by_slot[view.slot]
         self.index.clear(view.slot)
         for pred in [p for p in self._predictions.values() if p.slot == view.slot]:
             self._end_prediction(pred)
@@ -254,13 +256,18 @@ class GlobalScheduler:
         keys = routing_keys(req.block_hashes)
         matched = self.index.prefix_match(keys, self._predicted_mask) if keys else {}
         weight, num_keys, need = self.weight, len(keys), req.num_blocks
-        rows = []
-        for view in views:
-            cached = matched.get(view.slot, 0) if matched else 0
-            room = view.room_blocks
-            rows.append((room is not None and room < need - cached,  # no room: after every worker with room
-                         weight * (num_keys - cached) + view.load_blocks, view.load_blocks, view.queued,
-                         view.worker_id, cached))
+        # One row per worker, compared as tuples: no room sorts after room, then cost, load, queue, id.
+        # Most workers hold none of the prompt: their rows need no lookup.
+        full_cost = weight * num_keys
+        rows = [((v.room_blocks is not None and v.room_blocks < need), full_cost + v.load_blocks, v.load_blocks,
+                 v.queued, v.worker_id, 0) for v in views if v.slot not in matched]
+        slots = self._by_slot if candidates is None else {v.slot: v for v in views}
+        for slot, cached in matched.items():
+            v = slots.get(slot)
+            if v is not None:
+                rows.append(((v.room_blocks is not None and v.room_blocks < need - cached),
+                             weight * (num_keys - cached) + v.load_blocks, v.load_blocks, v.queued, v.worker_id,
+                             cached))
         best = heapq.nsmallest(self.max_ranked, rows)
         admitted = not best[0][0]
         if admitted:
