@@ -24,9 +24,11 @@ One JSON line per policy: prefix hit rate from the workers' own counters
 tenant's prefix cached after its first request), TTFT p50/p99 and output
 tokens/s (normal phase), preemptions, 429s and their latency, timeouts (each
 phase), time to choose a replica p50/p99 and fallbacks (kv: the ingress's round
-trips to the global scheduler; the other policies choose inside Serve's router
-with no remote call), then a summary line with the ratios the issue asks for
-and the machine.
+trips to the global scheduler that were answered in time, and the requests
+routed without an answer; the other policies choose inside Serve's router with
+no remote call), then a summary line with the ratios the issue asks for and the
+machine (load average included: on a shared machine it says how much of the
+CPU the run had).
 
 The client is this file's own (async httpx, streaming completions with token-id
 prompts): `pagefleet bench` has not landed yet.
@@ -338,7 +340,7 @@ def main() -> None:
             admission = ingress.admission_counters.remote().result()
         line = summarize(policy, normal, overload, oracle, routing, admission)
         line.update(capacity_requests_per_s=round(capacity, 2), normal_rate=round(args.load * capacity, 2),
-                    overload_rate=round(3 * capacity, 2))
+                    overload_rate=round(3 * capacity, 2), loadavg_1m=round(os.getloadavg()[0], 2))
         print(json.dumps(line), flush=True)
         lines.append(line)
         serve.delete(app)
