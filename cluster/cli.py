@@ -1,4 +1,4 @@
-"""``pagefleet`` command line: ``serve`` (the OpenAI server on Ray Serve), ``demo-model``, ``plan``."""
+"""``pagefleet`` command line: ``serve`` (the OpenAI server on Ray Serve), ``demo-model``, ``plan``, ``bench``."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import logging
 import os
 import sys
 
-from pagefleet.cluster import plan_cli
+from pagefleet.cluster import bench, plan_cli
 from pagefleet.cluster.config import ServeArgs, ServeOptions
 from pagefleet.cluster.demo_model import ARCHITECTURES, DEMO_SIZES, write_demo_checkpoint
 from pagefleet.worker.config import DTYPES
@@ -56,6 +56,7 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--dtype", default="float32", choices=DTYPES)
     demo.add_argument("--seed", type=int, default=0)
     plan_cli.register(sub)
+    bench.register(sub)
     return parser
 
 
