@@ -7,7 +7,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
 import sys
 import time
@@ -18,11 +17,11 @@ from pathlib import Path
 import aiohttp
 
 from pagefleet.cluster import bench_datasets
+from pagefleet.cluster.bench_args import ENDPOINTS, BenchArgs
 from pagefleet.cluster.bench_client import BenchRequest, Endpoint, send
-from pagefleet.cluster.bench_metrics import RequestResult, compute_metrics, parse_goodput
+from pagefleet.cluster.bench_metrics import RequestResult, compute_metrics
 from pagefleet.cluster.bench_report import RunConfig, format_report, result_dict
-
-ENDPOINTS = {"/v1/completions": "openai", "/v1/chat/completions": "openai-chat"}
+from pagefleet.worker.options import add_cli_args, from_namespace
 
 
 def register(sub) -> None:
@@ -30,85 +29,19 @@ def register(sub) -> None:
                        description="Send streaming requests to a running server (pagefleet, vLLM, ...) and report "
                                    "request/token throughput and TTFT, TPOT, ITL and end-to-end latency.")
     p.set_defaults(command="bench", run=run)
-    p.add_argument("--base-url", default=None, help="server URL (default http://HOST:PORT)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--endpoint", default="/v1/completions", choices=list(ENDPOINTS))
-    p.add_argument("--model", default=None, help="model name to send (default: the server's first)")
-    p.add_argument("--tokenizer", default=None,
-                   help="local tokenizer directory for building prompts (default: the model's checkpoint "
-                        "directory, when the server reports one that exists here)")
-    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY") or os.environ.get("PAGEFLEET_API_KEY"),
-                   help="sent as 'Authorization: Bearer KEY' (default: $OPENAI_API_KEY or $PAGEFLEET_API_KEY)")
-    data = p.add_argument_group("dataset")
-    data.add_argument("--dataset", "--dataset-name", dest="dataset", default="random",
-                      choices=["random", "shared-prefix", "file"])
-    data.add_argument("--dataset-path", default=None, help="for --dataset file: JSONL prompts or ShareGPT JSON")
-    data.add_argument("--num-prompts", type=int, default=None,
-                      help="requests to send (default 1000; shared-prefix: tenants x questions per tenant)")
-    data.add_argument("--random-input-len", type=int, default=1024)
-    data.add_argument("--random-output-len", type=int, default=128)
-    data.add_argument("--random-range-ratio", type=float, default=0.0,
-                      help="lengths uniform on [L(1-r), L(1+r)], 0 <= r < 1")
-    data.add_argument("--shared-prefix-num-tenants", type=int, default=10)
-    data.add_argument("--shared-prefix-questions-per-tenant", type=int, default=None,
-                      help="default: --num-prompts / tenants")
-    data.add_argument("--shared-prefix-len", type=int, default=256, help="tokens each tenant's prompts share")
-    data.add_argument("--shared-prefix-question-len", type=int, default=256)
-    data.add_argument("--shared-prefix-output-len", type=int, default=128)
-    data.add_argument("--output-len", type=int, default=None, help="max_tokens for every request (file datasets)")
-    load = p.add_argument_group("load")
-    load.add_argument("--request-rate", type=float, default=float("inf"),
-                      help="requests/s, Poisson arrivals (gamma with --burstiness); inf: all at once")
-    load.add_argument("--burstiness", type=float, default=1.0, help="gamma shape: < 1 burstier, > 1 more even")
-    load.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most")
-    load.add_argument("--ignore-eos", action="store_true", help="generate max_tokens (implied by --dataset random)")
-    load.add_argument("--temperature", type=float, default=None, help="default: the server's")
-    load.add_argument("--seed", type=int, default=0)
-    load.add_argument("--timeout", type=float, default=6 * 3600, help="seconds per request")
-    res = p.add_argument_group("results")
-    res.add_argument("--percentiles", "--metric-percentiles", dest="percentiles", default="99",
-                     help="comma-separated, e.g. 50,90,99")
-    res.add_argument("--goodput", nargs="+", default=None, metavar="NAME:MS",
-                     help="SLOs for goodput, e.g. ttft:500 tpot:50 e2el:10000")
-    res.add_argument("--save-result", nargs="?", const="", default=None, metavar="FILE.json",
-                     help="write the result as JSON with vLLM's keys (no FILE: a name from label, rate, model, date)")
-    res.add_argument("--save-detailed", action="store_true", help="add per-request lists to the result file")
-    res.add_argument("--label", default=None)
-    res.add_argument("--plot", default=None, metavar="FILE.png", help="latency CDFs and throughput over time")
-    res.add_argument("--disable-tqdm", action="store_true")
+    add_cli_args(p, BenchArgs)
 
 
 def run(args: argparse.Namespace) -> int:
     try:
-        return asyncio.run(_main(args))
+        return asyncio.run(_main(from_namespace(BenchArgs, args)))
     except (ValueError, FileNotFoundError, RuntimeError) as exc:
         print(f"pagefleet bench: error: {exc}", file=sys.stderr)
         return 2
 
 
-def _check(args: argparse.Namespace) -> tuple[list[float], dict[str, float] | None]:
-    if args.request_rate <= 0 or args.burstiness <= 0:
-        raise ValueError("--request-rate and --burstiness must be > 0")
-    if args.max_concurrency is not None and args.max_concurrency < 1:
-        raise ValueError("--max-concurrency must be >= 1")
-    if args.num_prompts is not None and args.num_prompts < 1:
-        raise ValueError("--num-prompts must be >= 1")
-    try:
-        percentiles = [float(p) for p in args.percentiles.split(",") if p.strip()]
-    except ValueError:
-        raise ValueError(f"--percentiles must be numbers, got {args.percentiles!r}") from None
-    if not percentiles or not all(0 <= p <= 100 for p in percentiles):
-        raise ValueError(f"--percentiles must be in [0, 100], got {args.percentiles!r}")
-    if args.dataset == "file" and not args.dataset_path:
-        raise ValueError("--dataset file needs --dataset-path")
-    if args.plot:
-        import matplotlib  # noqa: F401  (fail now, not after the run)
-    return percentiles, parse_goodput(args.goodput) if args.goodput else None
-
-
-async def _main(args: argparse.Namespace) -> int:
-    percentiles, slos = _check(args)
+async def _main(args: BenchArgs) -> int:
+    percentiles, slos = args.percentile_list(), args.goodput_slos()
     base = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     timeout = aiohttp.ClientTimeout(total=args.timeout)
@@ -138,10 +71,9 @@ async def _main(args: argparse.Namespace) -> int:
                     args.request_rate, args.burstiness, args.max_concurrency,
                     datetime.now().strftime("%Y%m%d-%H%M%S"))
     print(format_report(metrics, cfg, results), flush=True)
-    if args.save_result is not None:
-        path = Path(args.save_result or _default_name(cfg))
-        path.write_text(json.dumps(result_dict(metrics, cfg, results, args.save_detailed)) + "\n")
-        print(f"wrote {path}")
+    if args.save_result:
+        Path(args.save_result).write_text(json.dumps(result_dict(metrics, cfg, results, args.save_detailed)) + "\n")
+        print(f"wrote {args.save_result}")
     if args.plot:
         from pagefleet.cluster.bench_plot import plot
 
@@ -195,7 +127,7 @@ async def run_requests(session: aiohttp.ClientSession, endpoint: Endpoint, reque
     return list(results), duration
 
 
-def _dataset(args: argparse.Namespace, tokenizer) -> list[BenchRequest]:
+def _dataset(args: BenchArgs, tokenizer) -> list[BenchRequest]:
     if args.dataset == "random":
         return bench_datasets.random_requests(tokenizer, args.num_prompts or 1000, args.random_input_len,
                                               args.output_len or args.random_output_len, args.random_range_ratio,
@@ -229,9 +161,3 @@ async def _first_model(session: aiohttp.ClientSession, base: str, headers: dict)
 
 def _local_dir(path: str | None) -> str | None:
     return path if path and Path(path).expanduser().is_dir() else None
-
-
-def _default_name(cfg: RunConfig) -> str:
-    concurrency = f"-concurrency{cfg.max_concurrency}" if cfg.max_concurrency is not None else ""
-    return f"{cfg.label or cfg.backend}-{cfg.request_rate}qps{concurrency}-{cfg.model_id.split('/')[-1]}-{cfg.date}.json"
-

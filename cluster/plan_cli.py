@@ -7,15 +7,78 @@ import argparse
 import json
 import re
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from pagefleet.cluster.config import parse_bytes
 from pagefleet.cluster.plan import CostInputs, Lengths, Plan, PlanInputs, make_plan
 from pagefleet.cluster.plan_presets import GPUS, MODELS, GPUSpec, ModelShape, find_gpu, find_model
-from pagefleet.worker.engine_args import EngineArgs
+from pagefleet.worker.engine_args import DEFAULT_GPU_MEMORY_UTILIZATION, EngineArgs
+from pagefleet.worker.options import add_cli_args, check_choices, from_namespace, option, parse_bytes
 
-_DEFAULTS = EngineArgs()
+# The engine's own options: the same flags, defaults and checks as `pagefleet serve`.
+ENGINE_OPTIONS = ("dtype", "tensor_parallel_size", "gpu_memory_utilization", "kv_cache_bytes", "max_model_len",
+                  "block_size", "max_num_seqs", "max_num_batched_tokens")
+
+
+def parse_rate(text: str) -> float:
+    """``3.35TB/s``, ``864GB/s``, or bytes/s."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([TGM]B/s)?\s*", str(text), flags=re.IGNORECASE)
+    if match is None:
+        raise ValueError(f"not a bandwidth: {text!r} (use e.g. 3.35TB/s or 864GB/s)")
+    scale = {None: 1, "tb/s": 1e12, "gb/s": 1e9, "mb/s": 1e6}[match.group(2) and match.group(2).lower()]
+    return float(match.group(1)) * scale
+
+
+@dataclass(slots=True)
+class PlanArgs:
+    """The options of `pagefleet plan` beside the engine's."""
+
+    model: str | None = option(None, help="checkpoint directory, or a known model: "
+                                          + ", ".join(m.name for m in MODELS.values()))
+    gpu: str | None = option(None, help=f"GPU preset: {', '.join(GPUS)} (without --gpu or --gpu-memory: a CPU "
+                                        "engine, whose budget is --kv-cache-bytes)")
+    gpu_memory: int | None = option(None, parse=parse_bytes, metavar="BYTES", help="GPU memory, e.g. 80GiB")
+    gpu_bandwidth: float | None = option(None, parse=parse_rate, metavar="RATE",
+                                         help="peak memory bandwidth, e.g. 3.35TB/s")
+    gpu_tflops: float | None = option(None, help="peak 16-bit dense tensor TFLOP/s")
+    num_gpus: int | None = option(None, help="GPUs in all (default: one replica's)")
+    kv_cache_dtype: str = option("auto", choices=("auto", "bfloat16", "float16", "float32", "fp8"),
+                                 help="auto: the model dtype, what pagefleet stores; fp8 to compare with engines "
+                                      "that have it")
+    input_len: int = option(1024, help="mean prompt tokens per request")
+    output_len: int = option(128, help="mean output tokens per request")
+    range_ratio: float = option(0.0, help="lengths uniform on [L(1-r), L(1+r)], as `bench --random-range-ratio`")
+    cost: bool = option(False, help="add GPUs needed, cost per million tokens and a monthly cost")
+    gpu_hour_price: float | None = option(None, help="price of one GPU-hour (--cost)")
+    requests_per_day: float | None = option(None, help="requests per day (--cost)")
+    mean_prompt_tokens: int | None = option(None, help="--cost's prompt tokens per request (default: --input-len)")
+    mean_output_tokens: int | None = option(None, help="--cost's visible output tokens (default: --output-len)")
+    reasoning_multiplier: float = option(1.0, help="tokens generated per visible output token (hidden "
+                                                   "reasoning), e.g. 4")
+    json: bool = option(False, help="print the plan as one JSON object")
+
+    def __post_init__(self) -> None:
+        check_choices(self)
+        if not self.model:
+            raise ValueError("--model is required: a checkpoint directory or a known model")
+        if self.gpu is not None:
+            find_gpu(self.gpu)  # raises for an unknown name
+        for name in ("num_gpus", "input_len", "output_len"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+        if not 0.0 <= self.range_ratio < 1.0:
+            raise ValueError(f"--range-ratio must be in [0, 1), got {self.range_ratio}")
+        if self.gpu is None and any(v is not None for v in (self.gpu_memory, self.gpu_bandwidth, self.gpu_tflops)) \
+                and (self.gpu_memory is None or self.gpu_bandwidth is None):
+            raise ValueError("a custom GPU needs --gpu-memory and --gpu-bandwidth (or give a --gpu preset)")
+        if self.cost:
+            if self.gpu is None and self.gpu_bandwidth is None:
+                raise ValueError("--cost needs a GPU (--gpu or --gpu-memory/--gpu-bandwidth)")
+            if self.gpu_hour_price is None or self.requests_per_day is None:
+                raise ValueError("--cost needs --gpu-hour-price and --requests-per-day")
+            if self.gpu_hour_price < 0 or self.requests_per_day <= 0 or self.reasoning_multiplier < 1:
+                raise ValueError("--gpu-hour-price must be >= 0, --requests-per-day > 0, --reasoning-multiplier >= 1")
 
 
 def register(sub) -> None:
@@ -23,69 +86,33 @@ def register(sub) -> None:
                        description="Size the KV cache pool as the engine does at start-up, and turn it into "
                                    "concurrency, a decode roofline and (with --cost) GPUs and money.")
     p.set_defaults(command="plan", run=run)
-    p.add_argument("--model", required=True,
-                   help=f"checkpoint directory, or a known model: {', '.join(m.name for m in MODELS.values())}")
-    p.add_argument("--gpu", help=f"GPU preset: {', '.join(GPUS)} (without --gpu or --gpu-memory: a CPU engine)")
-    p.add_argument("--gpu-memory", type=_bytes, help="GPU memory instead of a preset, e.g. 80GiB")
-    p.add_argument("--gpu-bandwidth", type=_rate, help="peak memory bandwidth, e.g. 3.35TB/s")
-    p.add_argument("--gpu-tflops", type=float, help="peak 16-bit dense tensor TFLOP/s")
-    p.add_argument("--num-gpus", type=int, default=None, help="GPUs in all (default: one replica's)")
-    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=_DEFAULTS.tensor_parallel_size)
-    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32", "fp8"],
-                   help="default: the model dtype (what pagefleet stores); fp8 only to compare with engines that have it")
-    p.add_argument("--gpu-memory-utilization", type=float, default=_DEFAULTS.gpu_memory_utilization)
-    p.add_argument("--kv-cache-bytes", type=_bytes, default=None,
-                   help="the KV budget per GPU (rank), as `serve --kv-cache-bytes`; CPU default 512MiB")
-    p.add_argument("--max-model-len", type=int, default=None, help="default: the model's limit")
-    p.add_argument("--block-size", type=int, default=_DEFAULTS.block_size, choices=[8, 16, 32, 64, 128])
-    p.add_argument("--max-num-seqs", type=int, default=_DEFAULTS.max_num_seqs)
-    p.add_argument("--max-num-batched-tokens", type=int, default=_DEFAULTS.max_num_batched_tokens)
-    p.add_argument("--input-len", type=int, default=1024, help="mean prompt tokens per request")
-    p.add_argument("--output-len", type=int, default=128, help="mean output tokens per request")
-    p.add_argument("--range-ratio", type=float, default=0.0,
-                   help="lengths uniform on [L(1-r), L(1+r)], as `bench --random-range-ratio`")
-    cost = p.add_argument_group("cost (with --cost)")
-    cost.add_argument("--cost", action="store_true", help="add GPUs needed, cost per million tokens, monthly cost")
-    cost.add_argument("--gpu-hour-price", type=float, help="price of one GPU-hour")
-    cost.add_argument("--requests-per-day", type=float)
-    cost.add_argument("--mean-prompt-tokens", type=int, help="default: --input-len")
-    cost.add_argument("--mean-output-tokens", type=int, help="visible output tokens; default: --output-len")
-    cost.add_argument("--reasoning-multiplier", type=float, default=1.0,
-                      help="tokens generated per visible output token (hidden reasoning), e.g. 4")
-    p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
+    add_cli_args(p, PlanArgs)
+    add_cli_args(p.add_argument_group("engine options (as `pagefleet serve`)"), EngineArgs, only=ENGINE_OPTIONS)
 
 
 def run(args: argparse.Namespace) -> int:
     try:
-        plan = make_plan(inputs_from_args(args))
+        plan_args = from_namespace(PlanArgs, args)
+        engine = EngineArgs(**{name: getattr(args, name) for name in ENGINE_OPTIONS})
+        plan = make_plan(plan_inputs(plan_args, engine))
     except (ValueError, FileNotFoundError) as exc:
         print(f"pagefleet plan: error: {exc}", file=sys.stderr)
         return 2
-    print(json.dumps(asdict(plan)) if args.json else render(plan))
+    print(json.dumps(asdict(plan)) if plan_args.json else render(plan))
     return 0
 
 
-def inputs_from_args(args: argparse.Namespace) -> PlanInputs:
-    model, config_dtype, limit = _model(args.model, args.max_model_len)
-    dtype = config_dtype if args.dtype == "auto" else args.dtype
-    tp = args.tensor_parallel_size
-    num_gpus = tp if args.num_gpus is None else args.num_gpus
-    for name in ("num_gpus", "tensor_parallel_size", "max_num_seqs", "max_num_batched_tokens", "input_len",
-                 "output_len"):
-        value = num_gpus if name == "num_gpus" else getattr(args, name)
-        if value < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-    if not 0.0 < args.gpu_memory_utilization <= 1.0:
-        raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization}")
-    if not 0.0 <= args.range_ratio < 1.0:
-        raise ValueError(f"--range-ratio must be in [0, 1), got {args.range_ratio}")
-    return PlanInputs(model=model, gpu=_gpu(args), num_gpus=num_gpus, tensor_parallel_size=tp, dtype=dtype,
-                      kv_cache_dtype=dtype if args.kv_cache_dtype == "auto" else args.kv_cache_dtype,
-                      gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_bytes=args.kv_cache_bytes,
-                      max_model_len=limit, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-                      max_num_batched_tokens=args.max_num_batched_tokens,
-                      lengths=Lengths(args.input_len, args.output_len, args.range_ratio), cost=_cost(args))
+def plan_inputs(a: PlanArgs, engine: EngineArgs) -> PlanInputs:
+    model, config_dtype, limit = _model(a.model, engine.max_model_len)
+    dtype = config_dtype if engine.dtype == "auto" else engine.dtype
+    tp = engine.tensor_parallel_size
+    utilization = engine.gpu_memory_utilization
+    return PlanInputs(model=model, gpu=_gpu(a), num_gpus=a.num_gpus or tp, tensor_parallel_size=tp, dtype=dtype,
+                      kv_cache_dtype=dtype if a.kv_cache_dtype == "auto" else a.kv_cache_dtype,
+                      gpu_memory_utilization=DEFAULT_GPU_MEMORY_UTILIZATION if utilization is None else utilization,
+                      kv_cache_bytes=engine.kv_cache_bytes, max_model_len=limit, block_size=engine.block_size,
+                      max_num_seqs=engine.max_num_seqs, max_num_batched_tokens=engine.max_num_batched_tokens,
+                      lengths=Lengths(a.input_len, a.output_len, a.range_ratio), cost=_cost(a))
 
 
 def _model(name: str, max_model_len: int | None) -> tuple[ModelShape, str, int]:
@@ -109,45 +136,20 @@ def _model(name: str, max_model_len: int | None) -> tuple[ModelShape, str, int]:
     return shape, shape.dtype, cfg.max_model_len
 
 
-def _gpu(args: argparse.Namespace) -> GPUSpec | None:
-    custom = (args.gpu_memory, args.gpu_bandwidth, args.gpu_tflops)
-    if args.gpu is None and all(v is None for v in custom):
+def _gpu(a: PlanArgs) -> GPUSpec | None:
+    if a.gpu is None and a.gpu_memory is None:
         return None
-    base = find_gpu(args.gpu) if args.gpu else None
-    if base is None and (args.gpu_memory is None or args.gpu_bandwidth is None):
-        raise ValueError("a custom GPU needs --gpu-memory and --gpu-bandwidth (or give a --gpu preset)")
-    return GPUSpec(base.name if base else "custom GPU",
-                   args.gpu_memory or base.memory_bytes, args.gpu_bandwidth or base.bandwidth,
-                   args.gpu_tflops * 1e12 if args.gpu_tflops else (base.flops if base else float("inf")))
+    base = find_gpu(a.gpu) if a.gpu else None
+    return GPUSpec(base.name if base else "custom GPU", a.gpu_memory or base.memory_bytes,
+                   a.gpu_bandwidth or base.bandwidth,
+                   a.gpu_tflops * 1e12 if a.gpu_tflops else (base.flops if base else float("inf")))
 
 
-def _cost(args: argparse.Namespace) -> CostInputs | None:
-    if not args.cost:
+def _cost(a: PlanArgs) -> CostInputs | None:
+    if not a.cost:
         return None
-    if args.gpu is None and args.gpu_bandwidth is None:
-        raise ValueError("--cost needs a GPU (--gpu or --gpu-memory/--gpu-bandwidth)")
-    if args.gpu_hour_price is None or args.requests_per_day is None:
-        raise ValueError("--cost needs --gpu-hour-price and --requests-per-day")
-    if args.gpu_hour_price < 0 or args.requests_per_day <= 0 or args.reasoning_multiplier < 1:
-        raise ValueError("--gpu-hour-price must be >= 0, --requests-per-day > 0, --reasoning-multiplier >= 1")
-    return CostInputs(args.gpu_hour_price, args.requests_per_day, args.mean_prompt_tokens or args.input_len,
-                      args.mean_output_tokens or args.output_len, args.reasoning_multiplier)
-
-
-def _bytes(text: str) -> int:
-    try:
-        return parse_bytes(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from exc
-
-
-def _rate(text: str) -> float:
-    """``3.35TB/s``, ``864GB/s``, or bytes/s."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([TGM]B/s)?\s*", text, flags=re.IGNORECASE)
-    if match is None:
-        raise argparse.ArgumentTypeError(f"not a bandwidth: {text!r} (use e.g. 3.35TB/s or 864GB/s)")
-    scale = {None: 1, "tb/s": 1e12, "gb/s": 1e9, "mb/s": 1e6}[match.group(2) and match.group(2).lower()]
-    return float(match.group(1)) * scale
+    return CostInputs(a.gpu_hour_price, a.requests_per_day, a.mean_prompt_tokens or a.input_len,
+                      a.mean_output_tokens or a.output_len, a.reasoning_multiplier)
 
 
 def _gib(n: float) -> str:
@@ -172,7 +174,7 @@ def render(plan: Plan) -> str:
     rows += [("budget", f"{_gib(plan.kv_budget_bytes_per_gpu)} ({plan.kv_budget_source})"),
              (f"blocks of {p.block_size} tokens", f"{plan.num_blocks:,} ({_gib(plan.kv_pool_bytes_per_gpu)})"),
              ("tokens", f"{plan.num_tokens:,}"),
-             (f"max concurrency at max_model_len", f"{plan.max_concurrency_at_max_model_len:.2f}x")]
+             ("max concurrency at max_model_len", f"{plan.max_concurrency_at_max_model_len:.2f}x")]
     lens = p.lengths
     rows.append(f"concurrent requests per replica ({lens.input_len} + {lens.output_len} tokens"
                 + (f", range ratio {lens.range_ratio:g})" if lens.range_ratio else ")"))
@@ -199,8 +201,10 @@ def _format_rows(rows) -> str:
 def _render_decode(plan: Plan) -> str:
     p = plan.inputs
     lines = [f"decode roofline ({p.gpu.bandwidth / 1e12:g} TB/s, {p.gpu.flops / 1e12:g} TFLOP/s per GPU; mean "
-             f"context {p.lengths.mean_context:g} tokens; reads {_gib(plan.decode_weight_bytes_per_gpu)} of "
-             "weights per step: all but the embedding table; all-reduce time not modelled)",
+             f"context {p.lengths.mean_context:g} tokens; all-reduce time not modelled)",
+             f"  a step reads {_gib(plan.decode_weight_bytes_per_gpu)} of weights per GPU: all but the "
+             f"{_gib(plan.weight_bytes_per_gpu - plan.decode_weight_bytes_per_gpu)} embedding table, of which it "
+             "gathers one row per sequence",
              f"  {'batch':>6} {'ms/step':>9} {'tok/s/seq':>10} {'tok/s/replica':>14} {'tok/s all':>11}  bound"]
     for s in plan.decode:
         lines.append(f"  {s.batch:>6} {s.ms:>9.3f} {s.tokens_per_s_per_seq:>10.1f} {s.tokens_per_s_per_replica:>14.1f}"

@@ -65,7 +65,6 @@ GPUS: dict[str, GPUSpec] = {
     "l40s": GPUSpec("L40S 48GB", 46068 * MiB, 0.864e12, 362e12),
     "l4": GPUSpec("L4 24GB", 23034 * MiB, 0.3e12, 121e12),
 }
-GPU_ALIASES = {"h100-80gb": "h100", "h200-141gb": "h200", "a100": "a100-80gb", "l40s-48gb": "l40s", "l4-24gb": "l4"}
 
 
 def find_model(name: str) -> ModelShape | None:
@@ -77,8 +76,7 @@ def find_model(name: str) -> ModelShape | None:
 
 
 def find_gpu(name: str) -> GPUSpec:
-    key = name.lower().replace(" ", "-")
-    key = GPU_ALIASES.get(key, key)
+    key = name.lower()
     if key not in GPUS:
         raise ValueError(f"unknown GPU {name!r}; known: {', '.join(GPUS)} (or give --gpu-memory and --gpu-bandwidth)")
     return GPUS[key]
