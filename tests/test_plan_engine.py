@@ -13,6 +13,7 @@ import torch
 from pagefleet.cluster.cli import main
 from pagefleet.cluster.plan import weight_elements_per_rank
 from pagefleet.cluster.plan_presets import find_model
+from pagefleet.kernels.ops import select_kernels
 from pagefleet.worker import LLM
 from pagefleet.worker.config import ModelConfig
 from pagefleet.worker.model import LlamaForCausalLM
@@ -35,8 +36,7 @@ def test_plan_pool_equals_a_real_engine_start(tiny_checkpoint, capsys, caplog, a
     assert plan["num_blocks"] == stats.num_total_blocks
     assert plan["num_tokens"] == stats.num_total_blocks * 16
     assert plan["kv_bytes_per_token_per_gpu"] * 16 == llm.engine.executor.kv_bytes_per_block(16)
-    weights = sum(p.numel() * p.element_size() for p in llm.engine.executor.model.parameters())
-    assert plan["weight_bytes_per_gpu"] == weights
+    assert plan["weight_bytes_per_gpu"] == llm.engine.executor.runner.weight_bytes()
     started = [r.getMessage() for r in caplog.records if "KV cache (per rank)" in r.getMessage()]
     assert len(started) == 1
     assert f"of {plan['num_blocks']} blocks = {plan['num_tokens']} tokens" in started[0]
@@ -48,6 +48,7 @@ def test_plan_refuses_what_the_engine_refuses(tiny_checkpoint, capsys):
     # tiny llama, fp32: 1 KiB of KV per token, so 1 MiB holds 1024 tokens < its 2048-token limit
     with pytest.raises(ValueError) as engine_error:
         LLM(model=path, kv_cache_bytes=1 << 20)
+    capsys.readouterr()  # the loader's progress bar
     assert main(["plan", "--model", path, "--kv-cache-bytes", "1MiB", "--input-len", "100"]) == 2
     assert capsys.readouterr().err.strip() == f"pagefleet plan: error: {engine_error.value}"
 
@@ -62,8 +63,8 @@ def _engine_weight_bytes_per_rank(name: str, tp: int) -> int:
                       head_dim=m.head_dim, rms_norm_eps=1e-5, rope_theta=1e4, rope_scaling=None,
                       max_position_embeddings=16, max_model_len=16, tie_word_embeddings=m.tie_word_embeddings,
                       attention_bias=m.attention_bias, mlp_bias=m.mlp_bias, qk_norm=m.qk_norm,
-                      dtype=torch.bfloat16, eos_token_ids=(0,), bos_token_id=None)
-    model = LlamaForCausalLM(cfg, TPGroup(rank=0, size=tp), device="meta")
+                      dtype=torch.bfloat16, eos_token_ids=(0,))
+    model = LlamaForCausalLM(cfg, TPGroup(rank=0, size=tp), select_kernels(torch.device("cpu")), device="meta")
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
