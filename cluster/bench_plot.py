@@ -54,7 +54,7 @@ def plot(results: list[RequestResult], metrics: BenchMetrics, path: str, title: 
     cdf.set_ylabel("fraction of samples at or below")
     cdf.set_ylim(0, 1.02)
     cdf.grid(True, which="both", alpha=0.3)
-    cdf.legend(loc="lower right")
+    cdf.legend(loc="upper left")
     cdf.set_title("Latency CDFs")
 
     width = bin_width(metrics.duration)

@@ -220,7 +220,7 @@ def _render_cost(plan: Plan) -> str:
     rows = [f"cost ({ci.requests_per_day:,.0f} requests/day of {ci.mean_prompt_tokens} prompt + "
             f"{ci.mean_output_tokens}{gen} output tokens; at the roofline: a lower bound)",
             ("operating batch per replica", f"{c.operating_batch}"),
-            ("GPU seconds per request (prefill + decode)", f"{c.prefill_s_per_request:.4f} + {c.decode_s_per_request:.4f}"),
+            ("replica seconds per request (prefill + decode)", f"{c.prefill_s_per_request:.4f} + {c.decode_s_per_request:.4f}"),
             ("requests/s per replica", f"{c.requests_per_s_per_replica:,.2f}"),
             ("GPUs needed", f"{c.gpus_needed} ({c.replicas_needed} replica(s))"),
             ("monthly cost", f"{c.monthly_cost:,.0f} ({c.gpus_needed} GPUs x {ci.gpu_hour_price:g}/h x 730 h)"),
