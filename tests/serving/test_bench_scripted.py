@@ -4,6 +4,7 @@ scripted failures (tests/serving/scripted_openai_server.py, a subprocess on 127.
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -76,8 +77,15 @@ def test_reported_latencies_are_within_5ms_of_what_the_server_did(scripted_serve
     # The server never ran ahead of its script (first token 200 ms after the request arrived,
     # the tenth 9 x 20 ms later); on a busy machine it can only be late, and the truth is
     # what it actually did, not the script.
-    for row in map(json.loads, log.read_text().splitlines()):
+    rows = [json.loads(line) for line in log.read_text().splitlines()]
+    for row in rows:
         assert row["sent"][0] - row["arrived"] >= 0.200 and row["sent"][-1] - row["arrived"] >= 0.380
+    # A machine that cannot keep a trivial event loop's timers within 5 ms cannot time anything
+    # to 5 ms: the client shares it. Then the check is not made, and the skip says why.
+    late_ms = statistics.median((row["sent"][0] - row["arrived"] - 0.200) * 1e3 for row in rows)
+    if late_ms > 5:
+        pytest.skip(f"machine too loaded for a 5 ms check: the scripted server's own first tokens were a "
+                    f"median {late_ms:.1f} ms late (load average {os.getloadavg()[0]:.0f})")
     # The client's figures match what the server did, within 5 ms: the medians of TTFT, TPOT and
     # ITL, and the means of TPOT and ITL (averages over 144 gaps). Not the TTFT mean: one stall
     # of this process on an overloaded machine lands whole in one request's TTFT, and only 16
