@@ -1,4 +1,4 @@
-"""``pagefleet`` command line: ``serve`` (the OpenAI server on Ray Serve) and ``demo-model``."""
+"""``pagefleet`` command line: ``serve`` (the OpenAI server on Ray Serve), ``demo-model``, ``plan``, ``bench``."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import logging
 import os
 import sys
 
+from pagefleet.cluster import bench, plan_cli
 from pagefleet.cluster.config import ServeArgs, ServeOptions
 from pagefleet.cluster.demo_model import ARCHITECTURES, DEMO_SIZES, write_demo_checkpoint
 from pagefleet.worker.config import DTYPES
@@ -54,6 +55,8 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--arch", default="llama", choices=ARCHITECTURES)
     demo.add_argument("--dtype", default="float32", choices=DTYPES)
     demo.add_argument("--seed", type=int, default=0)
+    plan_cli.register(sub)
+    bench.register(sub)
     return parser
 
 

@@ -10,7 +10,7 @@ from safetensors import safe_open
 from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from pagefleet.cluster import demo_model, demo_tokenizer
+from pagefleet.cluster import demo_tokenizer
 from pagefleet.cluster.demo_model import default_demo_model_dir, write_demo_checkpoint
 
 ARCHS = ["llama", "qwen2", "qwen3", "mistral"]

@@ -8,13 +8,14 @@ from itertools import count
 import torch
 from transformers import AutoTokenizer
 
+from pagefleet.worker.block_hash import BlockHash
 from pagefleet.worker.block_pool import BlockPool
 from pagefleet.worker.config import model_config_of
 from pagefleet.worker.detokenizer import IncrementalDetokenizer
 from pagefleet.worker.engine_args import EngineArgs
 from pagefleet.worker.executor import make_executor
-from pagefleet.worker.block_hash import BlockHash
 from pagefleet.worker.kv_cache_manager import KVCacheManager
+from pagefleet.worker.kv_cache_sizing import size_kv_pool
 from pagefleet.worker.kv_events import KVEventBatch, KVEventLog, KVEventSource, KVLoad, KVSnapshot
 from pagefleet.worker.model_runner import build_step_input
 from pagefleet.worker.outputs import CompletionOutput, RequestOutputDelta
@@ -74,19 +75,9 @@ class LLMEngine:
         per_block = self.executor.kv_bytes_per_block(args.block_size)
         budget = self.executor.available_kv_bytes(args.kv_cache_bytes, args.gpu_memory_utilization,
                                                   args.max_num_batched_tokens)
-        num_blocks = budget // per_block
-        if num_blocks < 1:
-            raise ValueError(f"the KV cache budget of {budget} bytes holds no block of {per_block} bytes; "
-                             "raise kv_cache_bytes / gpu_memory_utilization")
-        max_len = self.model_config.max_model_len
-        if num_blocks * args.block_size < max_len:
-            # As vLLM: one request of max_model_len must fit, or every long request fails later.
-            raise ValueError(
-                f"max_model_len {max_len} is larger than the {num_blocks * args.block_size} tokens the KV cache "
-                f"holds ({num_blocks} blocks of {args.block_size}); lower max_model_len or raise "
-                "kv_cache_bytes / gpu_memory_utilization")
-        self.executor.allocate_kv_cache(num_blocks, args.block_size)
-        return num_blocks, per_block
+        pool = size_kv_pool(budget, per_block, args.block_size, self.model_config.max_model_len)
+        self.executor.allocate_kv_cache(pool.num_blocks, args.block_size)
+        return pool.num_blocks, per_block
 
     # ---- requests -------------------------------------------------------------------------
 

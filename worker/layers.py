@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagefleet.worker.kv_cache_sizing import kv_heads_per_rank
 from pagefleet.worker.tp_group import TPGroup
 
 
@@ -56,15 +57,9 @@ class QKVParallelLinear(ColumnParallelLinear):
 
     def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool,
                  tp: TPGroup, dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
-        if num_heads % tp.size:
-            raise ValueError(f"{num_heads} attention heads do not split over tensor_parallel_size {tp.size}")
-        if num_kv_heads >= tp.size and num_kv_heads % tp.size:
-            raise ValueError(f"{num_kv_heads} KV heads do not split over tensor_parallel_size {tp.size}")
-        if num_kv_heads < tp.size and tp.size % num_kv_heads:
-            raise ValueError(f"{num_kv_heads} KV heads cannot be replicated over tensor_parallel_size {tp.size}")
         self.head_dim = head_dim
         self.num_heads = num_heads // tp.size
-        self.num_kv_heads = max(1, num_kv_heads // tp.size)
+        self.num_kv_heads = kv_heads_per_rank(num_heads, num_kv_heads, tp.size)  # raises for bad splits
         self.total_kv_heads = num_kv_heads
         super().__init__(hidden, [self.num_heads * head_dim, self.num_kv_heads * head_dim,
                                   self.num_kv_heads * head_dim], bias, tp, dtype, device)

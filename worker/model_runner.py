@@ -12,6 +12,7 @@ from pagefleet.kernels.ops import select_kernels
 from pagefleet.worker.config import ModelConfig
 from pagefleet.worker.cpu_malloc import keep_freed_memory
 from pagefleet.worker.engine_args import DEFAULT_GPU_MEMORY_UTILIZATION
+from pagefleet.worker.kv_cache_sizing import DEFAULT_CPU_KV_CACHE_BYTES, gpu_kv_budget, kv_bytes_per_block
 from pagefleet.worker.loader import load_model
 from pagefleet.worker.model import AttentionMetadata
 from pagefleet.worker.tp_group import TPGroup
@@ -20,8 +21,6 @@ if TYPE_CHECKING:
     from pagefleet.worker.scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_CPU_KV_CACHE_BYTES = 512 * 1024 * 1024
 
 
 @dataclass(slots=True)
@@ -56,7 +55,7 @@ class ModelRunner:
 
     def kv_bytes_per_block(self, block_size: int) -> int:
         elem = torch.empty((), dtype=self.cfg.dtype).element_size()
-        return 2 * self.cfg.num_layers * block_size * self.num_kv_heads * self.cfg.head_dim * elem
+        return kv_bytes_per_block(self.cfg.num_layers, self.num_kv_heads, self.cfg.head_dim, elem, block_size)
 
     def weight_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.model.parameters())
@@ -76,7 +75,7 @@ class ModelRunner:
         _, total = torch.cuda.mem_get_info(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
         fraction = DEFAULT_GPU_MEMORY_UTILIZATION if gpu_memory_utilization is None else gpu_memory_utilization
-        return max(int(total * fraction) - peak, 0)
+        return gpu_kv_budget(total, fraction, peak)
 
     def _profile_run(self, num_tokens: int) -> None:
         # One sequence of num_tokens over a scratch cache big enough to hold it.

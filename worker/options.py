@@ -30,13 +30,14 @@ _BYTE_UNITS = {
 def option(default: Any = dataclasses.MISSING, *, help: str, choices: tuple | None = None,
            aliases: tuple[str, ...] = (), parse: Callable[[str], Any] | None = None,
            default_factory: Callable[[], Any] | None = None, metavar: str | None = None,
-           secret: bool = False) -> Any:
+           secret: bool = False, nargs: str | None = None) -> Any:
     """A dataclass field that is also a command-line flag and a config key.
 
     ``parse`` turns the flag's string into the value (default: the field's type);
-    ``aliases`` are extra flag spellings (``-tp``); a ``secret``'s value is never shown in help."""
+    ``aliases`` are extra flag spellings (``-tp``); a ``secret``'s value is never shown in help;
+    ``nargs="+"`` makes a list flag (``parse`` then turns each item)."""
     metadata = {"help": help, "choices": choices, "aliases": aliases, "parse": parse, "metavar": metavar,
-                "secret": secret}
+                "secret": secret, "nargs": nargs}
     if default_factory is not None:
         return dataclasses.field(default_factory=default_factory, metadata=metadata, repr=not secret)
     return dataclasses.field(default=default, metadata=metadata, repr=not secret)
@@ -57,10 +58,14 @@ def default_of(field: dataclasses.Field) -> Any:
     return field.default
 
 
-def add_cli_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: type) -> None:
-    """One flag per option of ``cls``; each flag's dest is the field name and its default the field's."""
+def add_cli_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: type,
+                 only: tuple[str, ...] | None = None) -> None:
+    """One flag per option of ``cls`` (or of those named in ``only``); each flag's dest is the
+    field name and its default the field's."""
     hints = typing.get_type_hints(cls)
     for f in option_fields(cls):
+        if only is not None and f.name not in only:
+            continue
         kind = _base_type(hints[f.name])
         default = default_of(f)
         meta = f.metadata
@@ -72,7 +77,7 @@ def add_cli_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls:
                                 help=meta["help"])
             continue
         parse = _argparse_type(meta["parse"], f.name) if meta["parse"] else kind
-        parser.add_argument(*names, dest=f.name, type=parse,
+        parser.add_argument(*names, dest=f.name, type=parse, nargs=meta["nargs"],
                             default=default, choices=meta["choices"], metavar=meta["metavar"], help=help_text)
 
 

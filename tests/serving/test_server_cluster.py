@@ -2,16 +2,21 @@
 two worker replicas, driven with the real `openai` client and raw HTTP.
 
 The app comes up once for this module (about a minute on two cores) and every test below runs
-against it. The last two check KV-aware routing on it: 0 drift of the global scheduler's view
-after 1,000 requests with client aborts, and serving on while the scheduler is killed.
+against it; then the `pagefleet bench` runs, and last the two that check KV-aware routing on it:
+0 drift of the global scheduler's view after 1,000 requests with client aborts, and serving on
+while the scheduler is killed.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import struct
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import pytest
@@ -19,6 +24,7 @@ import pytest
 from cluster_app import (MAX_MODEL_LEN, assert_views_equal_pools, ingress, start_app, traffic, wait_idle,
                          worker_stats)
 
+PAGEFLEET = str(Path(sys.executable).parent / "pagefleet")
 PROMPTS = ["Hello, my name is", "The capital of France is", "pagefleet serves models"]
 NUM_REQUESTS = 1000
 
@@ -220,6 +226,68 @@ def test_client_disconnect_aborts_and_frees_blocks_within_a_second(server):
     # It was aborted, not run to the end: the engine generated fewer tokens than were asked for.
     generated = sum(s.engine.generation_tokens_total for s in worker_stats().values()) - generated_before
     assert 2 <= generated < max_tokens
+
+
+def run_bench(base: str, *flags: str) -> subprocess.CompletedProcess:
+    done = subprocess.run([PAGEFLEET, "bench", "--base-url", base, "--disable-tqdm", *flags],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    return struct.unpack(">II", data[16:24])
+
+
+# ---- pagefleet bench, the installed command, against this app -------------------------------
+
+
+def test_bench_random_completions_writes_report_json_and_png(server, tmp_path):
+    base, ckpt = server
+    result, png = tmp_path / "result.json", tmp_path / "plot.png"
+    done = run_bench(base, "--num-prompts", "6", "--random-input-len", "24", "--random-output-len", "6",
+                     "--max-concurrency", "3", "--save-result", str(result), "--save-detailed", "--plot", str(png))
+    out = done.stdout
+    assert "Successful requests:                     6" in out
+    assert "Failed requests:                         0" in out
+    assert "Maximum request concurrency:             3" in out
+    for header in ("Time to First Token", "Time per Output Token (excl. 1st token)", "Inter-token Latency",
+                   "End-to-end Latency"):
+        assert header in out
+    saved = json.loads(result.read_text())
+    assert (saved["model_id"], saved["tokenizer_id"]) == (ckpt.name, str(ckpt))  # from /v1/models
+    assert (saved["completed"], saved["failed"], saved["max_concurrency"]) == (6, 0, 3)
+    # the random dataset ignores EOS: every request generates its 6 tokens; the server counts
+    # each prompt as the 24 tokens the dataset built
+    assert saved["output_lens"] == [6] * 6 and saved["total_output_tokens"] == 36
+    assert saved["input_lens"] == [24] * 6 and saved["total_input_tokens"] == 144
+    assert all(len(itl) == 5 for itl in saved["itls"])  # one chunk per token after the first
+    assert 0 < saved["median_ttft_ms"] < saved["median_e2el_ms"]
+    assert saved["max_concurrent_requests"] == 3  # the first three start together and overlap
+    assert png_size(png) == (1430, 550)  # 13 x 5 inches at 110 dpi
+
+
+def test_bench_shared_prefix_chat_sees_prefix_cache_hits(server, tmp_path):
+    base, _ = server
+    result = tmp_path / "result.json"
+    done = run_bench(base, "--endpoint", "/v1/chat/completions", "--dataset", "shared-prefix",
+                     "--shared-prefix-num-tenants", "2", "--shared-prefix-questions-per-tenant", "3",
+                     "--shared-prefix-len", "64", "--shared-prefix-question-len", "8",
+                     "--shared-prefix-output-len", "4", "--max-concurrency", "1", "--ignore-eos",
+                     "--save-result", str(result))
+    saved = json.loads(result.read_text())
+    assert (saved["completed"], saved["failed"], saved["total_output_tokens"]) == (6, 0, 24)
+    # One request at a time over two replicas: of each tenant's three requests, two met on one
+    # replica, and the later found at least the prefix's first 48 tokens (3 full blocks of the
+    # 64, less a token that may merge with the question) in its prefix cache.
+    assert saved["total_cached_tokens"] >= 2 * 48
+    assert saved["cached_token_share"] == saved["total_cached_tokens"] / saved["total_input_tokens"]
+    assert f"Cached prompt tokens (share):            {saved['total_cached_tokens']} (" in done.stdout
+
+
+# ---- KV-aware routing on this app (last: the second one restarts the global scheduler) ----------
 
 
 def test_zero_drift_after_a_thousand_requests_with_aborts(server):
