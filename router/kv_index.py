@@ -60,9 +60,6 @@ class KVBlockIndex:
     def keys_of(self, slot: int) -> set[int]:
         return set(self._keys[slot]) if slot < len(self._keys) else set()
 
-    def num_keys(self, slot: int) -> int:
-        return len(self._keys[slot]) if slot < len(self._keys) else 0
-
     def holders(self, key: int) -> int:
         """Bit mask of the slots holding ``key`` (0: nobody)."""
         v = self._holders.get(key)

@@ -66,9 +66,6 @@ class GlobalSchedulerActor:
         return WorkerKVView(worker_id, view.seq, view.synced, self.core.keys_of(worker_id) or set(),
                             view.num_free_blocks, view.num_total_blocks)
 
-    def worker_ids(self) -> list[str]:
-        return sorted(self.core.workers)
-
     def counters(self) -> SchedulerCounters:
         return self.core.counters
 
