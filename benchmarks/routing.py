@@ -31,7 +31,8 @@ machine (load average included: on a shared machine it says how much of the
 CPU the run had).
 
 The client is this file's own (async httpx, streaming completions with token-id
-prompts): `pagefleet bench` has not landed yet.
+prompts), written before `pagefleet bench` landed; it also reads the workers'
+and the ingress's own counters between phases, which `pagefleet bench` does not.
 
     python benchmarks/routing.py                      # all policies (about 15 minutes on 2 cores)
     python benchmarks/routing.py --policies kv round_robin --normal-s 20 --overload-s 10
