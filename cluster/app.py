@@ -2,7 +2,9 @@
 
 ``build_app`` is the app builder that ``serve run``, ``serve deploy`` and
 KubeRay's RayService use (``import_path: pagefleet.cluster.app:build_app``,
-options under ``args:``); ``pagefleet serve`` calls it too.
+options under ``args:``); ``pagefleet serve`` calls it too. With ``kv`` routing
+(the default) it also starts the global scheduler actor (one per cluster,
+detached: see ``router.scheduler_actor``), which both deployments talk to.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ from ray.serve.config import RequestRouterConfig
 from pagefleet.cluster.config import ServeOptions
 from pagefleet.cluster.demo_model import or_demo_model
 from pagefleet.router.ingress import INGRESS_DEPLOYMENT_NAME, OpenAIIngress
-from pagefleet.router.request_router import REQUEST_ROUTER_CLASS
+from pagefleet.router.request_router import ROUTER_CLASSES
+from pagefleet.router.scheduler_actor import start_scheduler
 from pagefleet.worker.deployment import worker_deployment
 
 APP_NAME = "pagefleet"
@@ -33,13 +36,15 @@ def build_app(args: Mapping[str, Any] | ServeOptions | None = None) -> Applicati
     gpus = serve_args.worker_num_gpus
     if gpus is None:
         gpus = 1.0 if _cluster_has_gpus() and engine_args.device != "cpu" else 0.0
+    kv_scheduler = start_scheduler(serve_args.routing_cost_weight) if serve_args.routing == "kv" else None
     worker = worker_deployment(
         engine_args,
+        kv_scheduler=kv_scheduler,
         num_replicas=serve_args.workers,
         num_cpus=serve_args.worker_num_cpus,
         num_gpus_per_rank=gpus,
         request_router_config=RequestRouterConfig(
-            request_router_class=REQUEST_ROUTER_CLASS,
+            request_router_class=ROUTER_CLASSES[serve_args.routing],
             request_routing_stats_period_s=ROUTING_STATS_PERIOD_S,
             request_routing_stats_timeout_s=5.0,
         ),
@@ -52,7 +57,7 @@ def build_app(args: Mapping[str, Any] | ServeOptions | None = None) -> Applicati
         max_ongoing_requests=4096,
         ray_actor_options={"num_cpus": serve_args.ingress_num_cpus},
     )
-    return ingress.bind(worker, engine_args, serve_args.api_key)
+    return ingress.bind(worker, engine_args, serve_args.api_key, kv_scheduler, opts.kv_routing())
 
 
 def _cluster_has_gpus() -> bool:

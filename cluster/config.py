@@ -14,8 +14,10 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from pagefleet.router.kv_routing import KVRoutingOptions
+from pagefleet.router.routing_policy import POLICIES
 from pagefleet.worker.engine_args import EngineArgs
-from pagefleet.worker.options import from_namespace, option, split_mapping
+from pagefleet.worker.options import check_choices, from_namespace, option, split_mapping
 
 API_KEY_ENV = "PAGEFLEET_API_KEY"
 
@@ -33,8 +35,27 @@ class ServeArgs:
                                                       "GPUs, else 0)")
     ingress_num_cpus: float = option(0.5, help="Ray CPUs reserved per ingress replica")
     ingress_replicas: int = option(1, help="replicas of the OpenAI ingress")
+    routing: str = option("kv", choices=POLICIES,
+                          help="how requests pick a worker: kv (the global scheduler's view of every worker's KV "
+                               "blocks: cached prefix, load and room, with admission control), least_loaded, pow2 "
+                               "(power of two choices), round_robin, prefix (a router-local guess of the caches)")
+    routing_cost_weight: float = option(4.0, help="kv: cost of one prompt block a worker must compute, against one "
+                                                  "block of load it already holds (higher: follow cached prefixes "
+                                                  "harder)")
+    admission_queue_size: int = option(64, help="kv: requests each ingress holds while no worker has room for them "
+                                                "(FIFO); beyond it, 429 at once. 0: no admission control")
+    admission_max_wait_s: float = option(2.0, help="kv: longest wait in the admission queue before a 429")
+    routing_timeout_ms: float = option(10.0, help="kv: how long a request waits for the scheduler's answer before "
+                                                 "routing without it (power of two choices, counted)")
 
     def __post_init__(self) -> None:
+        check_choices(self)
+        if self.routing_cost_weight < 0:
+            raise ValueError(f"routing_cost_weight must be >= 0, got {self.routing_cost_weight}")
+        if self.admission_queue_size < 0 or isinstance(self.admission_queue_size, bool):
+            raise ValueError(f"admission_queue_size must be an integer >= 0, got {self.admission_queue_size!r}")
+        if self.admission_max_wait_s <= 0 or self.routing_timeout_ms <= 0:
+            raise ValueError("admission_max_wait_s and routing_timeout_ms must be > 0")
         for name in ("workers", "ingress_replicas"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -61,6 +82,12 @@ class ServeOptions:
     @classmethod
     def from_namespace(cls, namespace: argparse.Namespace) -> "ServeOptions":
         return cls(from_namespace(EngineArgs, namespace), from_namespace(ServeArgs, namespace))
+
+    def kv_routing(self) -> KVRoutingOptions:
+        serve = self.serve
+        return KVRoutingOptions(cost_weight=serve.routing_cost_weight, admission_queue_size=serve.admission_queue_size,
+                                admission_max_wait_s=serve.admission_max_wait_s,
+                                timeout_s=serve.routing_timeout_ms / 1000)
 
     def logical_cpus_needed(self) -> float:
         """CPUs the app reserves on a Ray cluster (Serve's controller and proxy take none)."""

@@ -47,6 +47,7 @@ def run_server(opts: ServeOptions, *, address: str | None = None, metrics_export
     from ray import serve
 
     from pagefleet.cluster.app import APP_NAME, build_app
+    from pagefleet.router.scheduler_actor import stop_scheduler
 
     if local:
         # Logical CPUs: replicas reserve Ray CPUs, not cores, so a small machine still fits
@@ -89,6 +90,7 @@ def run_server(opts: ServeOptions, *, address: str | None = None, metrics_export
             serve.shutdown()
         else:
             serve.delete(APP_NAME)
+        stop_scheduler()  # detached: it would outlive the app on a joined cluster
         ray.shutdown()
     return 0
 

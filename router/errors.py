@@ -3,7 +3,8 @@
 Status codes: 400 for bad values, bad types and prompts that do not fit
 ``max_model_len``; 404 for an unknown model or route; 422 for well-formed
 requests that use a feature pagefleet does not implement (``echo``,
-``suffix``, tools, images); 503 when no worker is healthy.
+``suffix``, tools, images); 429 (with ``Retry-After``) when admission control
+turns a request away; 503 when no worker is healthy.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ _TYPES = {
     404: "not_found_error",
     405: "invalid_request_error",
     422: "unsupported_feature_error",
+    429: "requests",  # OpenAI's type for a request-rate limit
     503: "service_unavailable_error",
 }
 
@@ -30,12 +32,13 @@ class OpenAIError(Exception):
     """A request failure that the client should see as ``{"error": {...}}``."""
 
     def __init__(self, message: str, *, status_code: int = 400, param: str | None = None,
-                 code: str | None = None, type: str | None = None) -> None:
+                 code: str | None = None, type: str | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.status_code = status_code
         self.param = param
         self.code = code
+        self.headers = headers
         self.type = type or _TYPES.get(status_code, "internal_server_error" if status_code >= 500
                                        else "invalid_request_error")
 
@@ -80,8 +83,13 @@ def _param_name(loc: list) -> str | None:
     return ".".join(parts)
 
 
+def too_many_requests(message: str, retry_after_s: int) -> OpenAIError:
+    return OpenAIError(message, status_code=429, code="rate_limit_exceeded",
+                       headers={"Retry-After": str(retry_after_s)})
+
+
 def error_response(exc: OpenAIError) -> JSONResponse:
-    return JSONResponse(exc.body(), status_code=exc.status_code)
+    return JSONResponse(exc.body(), status_code=exc.status_code, headers=exc.headers)
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -24,6 +24,30 @@ ROUTER_METRICS: dict[str, MetricSpec] = {
         "pagefleet_router_decisions", "counter",
         "Replica choices of the request router, by policy and reason (fallback_* reasons: the policy could "
         "not rank on fresh load and fell back).", tag_keys=("policy", "reason")),
+    # kv routing (the global scheduler), recorded by the ingress
+    "routing_seconds": MetricSpec(
+        "pagefleet_router_choose_seconds", "histogram",
+        "kv routing: time to get the global scheduler's ranking for a request (one actor round trip).",
+        buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1), tag_keys=("model_name",)),
+    "prefix_hit_blocks_predicted": MetricSpec(
+        "pagefleet_router_prefix_hit_blocks_predicted", "counter",
+        "kv routing: prompt blocks the global scheduler expected the chosen worker to hold.",
+        tag_keys=("model_name",)),
+    "prefix_hit_blocks_realised": MetricSpec(
+        "pagefleet_router_prefix_hit_blocks_realised", "counter",
+        "kv routing: prompt blocks the worker the request ran on found in its prefix cache.",
+        tag_keys=("model_name",)),
+    "admission_queue_length": MetricSpec(
+        "pagefleet_router_admission_queue_length", "gauge",
+        "kv routing: requests waiting at this ingress for a worker with room.", tag_keys=("model_name",)),
+    "admission_wait_seconds": MetricSpec(
+        "pagefleet_router_admission_wait_seconds", "histogram",
+        "kv routing: time a request waited in the admission queue (admitted or refused).",
+        buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0), tag_keys=("model_name",)),
+    "admission_rejections": MetricSpec(
+        "pagefleet_router_admission_rejections", "counter",
+        "kv routing: requests answered 429 by admission control, by reason (queue_full, waited_too_long).",
+        tag_keys=("model_name", "reason")),
 }
 
 

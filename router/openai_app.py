@@ -69,6 +69,7 @@ def build_openai_app(service: OpenAIService, *, api_key: str | None = None, metr
         return service.models()
 
     async def respond(prepared: PreparedRequest) -> Response:
+        await service.admit(prepared)
         if prepared.stream:
             return _event_stream(service.stream_chunks(prepared))
         return JSONResponse(await service.run_to_completion(prepared))

@@ -26,6 +26,7 @@ class ModelInfo:
     served_model_name: str
     root: str
     limits: RequestLimits
+    block_size: int = 16  # the engines' KV block size: the ingress hashes prompts in these blocks
 
 
 @dataclass(slots=True)

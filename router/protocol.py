@@ -46,6 +46,9 @@ class _SamplingFields(_Body):
     user: str | None = None
     logit_bias: dict[str, float] | None = None
     request_id: str | None = None
+    # vLLM's: goes into the prefix-cache hashes, so requests with different salts never share
+    # (nor can time) each other's cached blocks. One salt per tenant.
+    cache_salt: str | None = None
 
 
 class CompletionRequest(_SamplingFields):

@@ -1,9 +1,12 @@
 """The OpenAI endpoints' logic between HTTP and the workers, with no Ray in it.
 
-``OpenAIService`` validates and tokenizes (``preprocess``), sends each prompt
-to a worker through a ``WorkerClient`` (a Serve handle in production, a fake
-in tests), and shapes the deltas into responses (``responses``). Closing a
-stream closes every worker stream under it, which aborts those requests.
+``OpenAIService`` validates and tokenizes (``preprocess``), hashes each
+prompt's full blocks once (the shared block hash, salted with the request's
+``cache_salt``), asks the ``WorkerClient`` where each prompt should go (that is
+where admission control may refuse it: a 429 before any response starts),
+sends it to a worker (a Serve handle in production, a fake in tests), and
+shapes the deltas into responses (``responses``). Closing a stream closes
+every worker stream under it, which aborts those requests.
 """
 
 from __future__ import annotations
@@ -18,13 +21,18 @@ from pagefleet.router.errors import OpenAIError, bad_request
 from pagefleet.router.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from pagefleet.router.responses import ChatResponseBuilder, CompletionResponseBuilder, ResponseBuilder
 from pagefleet.router.sse import internal_error
+from pagefleet.worker.block_hash import block_hashes
+from pagefleet.worker.kv_events import pack_hashes
 from pagefleet.worker.outputs import RequestOutputDelta
 from pagefleet.worker.sampling_params import SamplingParams
 
 
 class WorkerClient(Protocol):
-    def generate(self, request_id: str, prompt_token_ids: list[int],
-                 params: SamplingParams) -> AsyncIterator[RequestOutputDelta]:
+    async def route(self, job: Job) -> list[str] | None:
+        """Where the job should run, best first (None: the request router decides alone).
+        Raises OpenAIError (429) when admission control turns it away."""
+
+    def generate(self, job: Job) -> AsyncIterator[RequestOutputDelta]:
         """Deltas of one request, one per engine step; closing the iterator aborts the request."""
 
     async def check_health(self) -> None:
@@ -62,13 +70,23 @@ class OpenAIService:
 
     def _prepared(self, req: CompletionRequest | ChatCompletionRequest, builder: ResponseBuilder,
                   prompts: list[list[int]], params: SamplingParams) -> PreparedRequest:
+        if req.cache_salt is not None and not req.cache_salt:
+            raise bad_request("cache_salt must be a non-empty string", "cache_salt")
+        extra_keys = (req.cache_salt,) if req.cache_salt else ()
         jobs = []
-        for token_ids in prompts:
+        for i, token_ids in enumerate(prompts):
             pre.check_job(token_ids, params, self.info, req)
-            jobs.append(Job(token_ids, pre.with_max_tokens(params, len(token_ids), self.info)))
+            hashes = pack_hashes(block_hashes(token_ids, self.info.block_size, extra_keys))
+            jobs.append(Job(f"{builder.id}-{i}", token_ids, pre.with_max_tokens(params, len(token_ids), self.info),
+                            hashes, extra_keys))
         return PreparedRequest(builder, jobs, req.stream)
 
     # ---- running jobs ------------------------------------------------------------------
+
+    async def admit(self, prepared: PreparedRequest) -> None:
+        """Ask where each job goes, before any response starts (a 429 must be a whole response)."""
+        for job in prepared.jobs:
+            job.ranking = await self.client.route(job)
 
     async def run_to_completion(self, prepared: PreparedRequest) -> dict:
         """All prompts run concurrently; the response is built once every one has finished."""
@@ -93,8 +111,7 @@ class OpenAIService:
 
     async def _merged(self, builder: ResponseBuilder, jobs: list[Job]) -> AsyncIterator[tuple[int, RequestOutputDelta]]:
         """Deltas of every job as they come; leaving early closes every worker stream."""
-        streams = [_counting(builder, i, self.client.generate(f"{builder.id}-{i}", job.token_ids, job.params))
-                   for i, job in enumerate(jobs)]
+        streams = [_counting(builder, i, self.client.generate(job)) for i, job in enumerate(jobs)]
         if len(streams) == 1:  # the common case needs no tasks
             try:
                 async for item in streams[0]:
@@ -155,8 +172,12 @@ class OpenAIService:
 class Job:
     """One engine request of an HTTP request (a completions request has one per prompt)."""
 
+    request_id: str
     token_ids: list[int]
     params: SamplingParams
+    block_hashes: bytes = b""  # the prompt's full-block hashes, packed
+    extra_keys: tuple = ()  # the cache salt, when the request has one
+    ranking: list[str] | None = None  # where the global scheduler would run it, best first
 
 
 @dataclass(slots=True)

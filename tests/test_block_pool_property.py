@@ -9,6 +9,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, precondi
 
 from pagefleet.worker.block_pool import BlockPool
 from pagefleet.worker.kv_cache_manager import KVCacheManager
+from pagefleet.worker.kv_events import KVEventLog, KVEventSource, KVLoad, unpack_hashes
 from pagefleet.worker.sampling_params import SamplingParams
 from pagefleet.worker.scheduler import Scheduler
 from pagefleet.worker.sequence import Sequence, SequenceStatus
@@ -51,11 +52,15 @@ def test_prefix_hit_never_covers_last_token():
 class PoolMachine(RuleBasedStateMachine):
     """Random add / schedule-and-compute / abort / finish / prefix-hit traffic through the real
     scheduler and KV manager; after every step each block is either free or referenced, every
-    ref count equals the number of block tables holding it, and nothing leaks."""
+    ref count equals the number of block tables holding it, and nothing leaks. A consumer of
+    the pool's KV events, draining at random points, always ends up with the pool's exact
+    set of cached hashes, and the undrained log never exceeds two entries per block."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.pool = BlockPool(10, enable_caching=True)  # small enough to force preemption
+        self.pool = BlockPool(10, enable_caching=True, events=KVEventLog())  # small enough to force preemption
+        self.source = KVEventSource("w", self.pool)
+        self.view: set = set()
         self.kv = KVCacheManager(self.pool, BLOCK)
         self.sched = Scheduler(self.kv, max_num_seqs=5, max_num_batched_tokens=12)
         self.seqs: list[Sequence] = []
@@ -94,6 +99,22 @@ class PoolMachine(RuleBasedStateMachine):
     @rule()
     def reset_cache(self):
         self.pool.reset_prefix_cache()
+
+    @rule()
+    def drain_events(self):
+        batch = self.source.drain(KVLoad())
+        if batch.cleared:
+            self.view.clear()
+        removed, stored = set(unpack_hashes(batch.removed)), unpack_hashes(batch.stored)
+        assert removed <= self.view and not removed & set(stored) and not self.view & set(stored)
+        self.view -= removed
+        self.view.update(stored)
+        assert self.view == set(self.pool.cached)
+        assert batch.num_free_blocks == self.pool.num_free
+
+    @invariant()
+    def event_log_bounded(self):
+        assert len(self.pool.events) <= 2 * self.pool.num_blocks
 
     @invariant()
     def blocks_accounted(self):

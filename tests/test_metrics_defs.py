@@ -115,7 +115,7 @@ def test_routing_reasons():
     assert routing_reason([a, ReplicaLoad("b", num_running=1, num_free_blocks=10)]) == "tie"
     assert routing_reason([a, ReplicaLoad("b", healthy=False)]) == "least_queued"
     assert routing_reason([ReplicaLoad("a", healthy=False)]) == "fallback_unhealthy"
-    fresh = replica_load("c", None, num_ongoing=0)
+    fresh = replica_load("c", None, num_in_flight=0)
     assert routing_reason([fresh, a]) == "fallback_no_stats"
     with pytest.raises(ValueError):
         routing_reason([])

@@ -42,6 +42,11 @@ OTHER_VALUES = {
     "worker_num_gpus": ("1", 1.0),
     "ingress_num_cpus": ("0.25", 0.25),
     "ingress_replicas": ("2", 2),
+    "routing": ("round_robin", "round_robin"),
+    "routing_cost_weight": ("1.5", 1.5),
+    "admission_queue_size": ("0", 0),
+    "admission_max_wait_s": ("0.5", 0.5),
+    "routing_timeout_ms": ("3", 3.0),
 }
 ENGINE_FIELDS = [f.name for f in option_fields(EngineArgs)]
 SERVE_FIELDS = [f.name for f in option_fields(ServeArgs)]

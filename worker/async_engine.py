@@ -12,10 +12,12 @@ import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
+from pagefleet.worker.block_hash import BlockHash
 from pagefleet.worker.config import ModelConfig
 from pagefleet.worker.engine import LLMEngine
 from pagefleet.worker.engine_args import EngineArgs
 from pagefleet.worker.engine_metrics import EngineMetrics, MetricsRecorder
+from pagefleet.worker.kv_events import KVEventBatch, KVSnapshot
 from pagefleet.worker.outputs import RequestOutputDelta
 from pagefleet.worker.sampling_params import SamplingParams
 from pagefleet.worker.stats import EngineStats
@@ -35,6 +37,7 @@ class AddRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     extra_keys: tuple
+    block_hashes: list[BlockHash] | None = None
 
 
 @dataclass(slots=True)
@@ -42,6 +45,23 @@ class AbortRequest:
     """Engine-thread command: finish a request now and free its blocks."""
 
     request_id: str
+
+
+@dataclass(slots=True)
+class EnableKVEvents:
+    """Engine-thread command: from now on, hand each step's KV event batch to ``sink``
+    (called on the engine thread: it must not block)."""
+
+    worker_id: str
+    sink: Callable[[KVEventBatch], None]
+
+
+@dataclass(slots=True)
+class TakeKVSnapshot:
+    """Engine-thread command: resolve ``future`` (of ``loop``) with the KV cache's snapshot."""
+
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future
 
 
 class AsyncLLMEngine:
@@ -61,6 +81,7 @@ class AsyncLLMEngine:
                                       log_interval_s=args.log_stats_interval)
         self._last_progress = time.monotonic()
         self._error: BaseException | None = None
+        self._kv_sink: Callable[[KVEventBatch], None] | None = None
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name="pagefleet-engine", daemon=True)
         self._thread.start()
@@ -68,7 +89,8 @@ class AsyncLLMEngine:
     # ---- caller side (any event loop) -------------------------------------------------------
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       extra_keys: tuple = ()) -> AsyncIterator[RequestOutputDelta]:
+                       extra_keys: tuple = (),
+                       block_hashes: list[BlockHash] | None = None) -> AsyncIterator[RequestOutputDelta]:
         """Stream a request's deltas. Bad input raises ValueError before anything is queued;
         if the consumer stops early the request is aborted and its blocks freed."""
         self._raise_if_dead()
@@ -82,7 +104,7 @@ class AsyncLLMEngine:
         except EngineDeadError:
             self._streams.pop(request_id, None)
             raise
-        self._send(AddRequest(request_id, list(prompt_token_ids), params, extra_keys))
+        self._send(AddRequest(request_id, list(prompt_token_ids), params, extra_keys, block_hashes))
         finished = False
         try:
             while not finished:
@@ -105,6 +127,19 @@ class AsyncLLMEngine:
     def stats(self) -> EngineStats:
         return self._stats
 
+    def enable_kv_events(self, worker_id: str, sink: Callable[[KVEventBatch], None]) -> None:
+        """Publish the KV cache's changes: one batch per step (and one at least every second
+        while idle) goes to ``sink``, on the engine thread. Call before the first request."""
+        self._send(EnableKVEvents(worker_id, sink))
+
+    async def kv_snapshot(self) -> KVSnapshot:
+        """The KV cache's whole state, taken on the engine thread between two steps."""
+        self._raise_if_dead()
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._send(TakeKVSnapshot(loop, future))
+        return await future
+
     def check_health(self) -> None:
         """Raise when the step loop died, or has work but made no step for stall_timeout_s."""
         self._raise_if_dead()
@@ -124,7 +159,7 @@ class AsyncLLMEngine:
         for rid in list(self._streams):
             self._deliver(rid, error)
 
-    def _send(self, command: AddRequest | AbortRequest) -> None:
+    def _send(self, command: AddRequest | AbortRequest | EnableKVEvents | TakeKVSnapshot) -> None:
         self._commands.put(command)
         self._wakeup.set()
 
@@ -151,16 +186,31 @@ class AsyncLLMEngine:
             if isinstance(command, AddRequest):
                 try:
                     self.engine.add_request(command.request_id, command.prompt_token_ids, command.params,
-                                            command.extra_keys)
+                                            command.extra_keys, command.block_hashes)
                 except Exception as e:  # a bad request fails alone, never the loop
                     self._deliver(command.request_id, e)
                 else:
                     self._metrics.request_added(command.request_id, time.monotonic())
-            else:
+            elif isinstance(command, AbortRequest):
                 delta = self.engine.abort_request(command.request_id)
                 if delta is not None:
                     self._metrics.after_abort(time.monotonic(), self.engine.stats(), delta)
                     self._deliver(command.request_id, delta)
+            elif isinstance(command, EnableKVEvents):
+                self.engine.enable_kv_events(command.worker_id)
+                self._kv_sink = command.sink
+            else:
+                _resolve(command.loop, command.future, self._kv_snapshot)
+
+    def _kv_snapshot(self) -> KVSnapshot:
+        batch, snapshot = self.engine.kv_snapshot()
+        if self._kv_sink is not None:
+            self._kv_sink(batch)  # no gap in the stream, whoever asked for the snapshot
+        return snapshot
+
+    def _publish_kv_events(self) -> None:
+        if self._kv_sink is not None:
+            self._kv_sink(self.engine.drain_kv_events())
 
     def _run(self) -> None:
         try:
@@ -168,6 +218,7 @@ class AsyncLLMEngine:
                 self._apply_commands()
                 if not self.engine.has_unfinished():
                     self._stats = self.engine.stats()
+                    self._publish_kv_events()  # what aborts changed, or a heartbeat when nothing did
                     self._last_progress = time.monotonic()
                     self._metrics.idle(self._last_progress, self._stats)
                     self._wakeup.wait(timeout=1.0)
@@ -177,6 +228,7 @@ class AsyncLLMEngine:
                 deltas = self.engine.step()
                 self._stats = self.engine.stats()  # before delivery: a reader of a delta sees its step's stats
                 self._metrics.after_step(started, time.monotonic(), self._stats, deltas)
+                self._publish_kv_events()
                 if deltas:  # a step that schedules nothing while work waits is no progress
                     self._last_progress = time.monotonic()
                 for delta in deltas:
@@ -185,3 +237,21 @@ class AsyncLLMEngine:
             logger.exception("engine loop died")
             self._error = e
             self._fail_open_streams(EngineDeadError(f"the engine loop died: {e!r}"))
+
+
+def _resolve(loop: asyncio.AbstractEventLoop, future: asyncio.Future, compute: Callable) -> None:
+    """Run ``compute`` here (the engine thread) and hand its result or error to ``future`` on ``loop``."""
+    try:
+        result, error = compute(), None
+    except Exception as e:
+        result, error = None, e
+
+    def settle() -> None:
+        if future.done():  # the caller gave up waiting
+            return
+        if error is None:
+            future.set_result(result)
+        else:
+            future.set_exception(error)
+
+    loop.call_soon_threadsafe(settle)

@@ -14,13 +14,14 @@ from typing import Iterable, NewType, Sequence
 
 BlockHash = NewType("BlockHash", bytes)
 
-_DIGEST_SIZE = 16
-_ROOT = BlockHash(b"\x00" * _DIGEST_SIZE)
+HASH_SIZE = 16  # bytes
+# The parent of a sequence's first block: the chain starts here.
+ROOT_HASH = BlockHash(b"\x00" * HASH_SIZE)
 
 
 def hash_block(parent: BlockHash | None, token_ids: Sequence[int], extra_keys: tuple = ()) -> BlockHash:
-    h = blake2b(digest_size=_DIGEST_SIZE, person=b"pagefleet-kv")
-    h.update(parent if parent is not None else _ROOT)
+    h = blake2b(digest_size=HASH_SIZE, person=b"pagefleet-kv")
+    h.update(parent if parent is not None else ROOT_HASH)
     h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
     for key in extra_keys:
         data = key if isinstance(key, bytes) else str(key).encode()

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from typing import Sequence
+
 from pagefleet.worker.block_hash import BlockHash
+from pagefleet.worker.kv_events import KVEventLog
 
 
 class KVBlock:
@@ -60,9 +63,12 @@ class FreeBlockQueue:
 
 class BlockPool:
     """All blocks of the KV pool. A block with ref_cnt 0 is free; if it still has a
-    hash it is also a cached prefix until the queue hands it out again (evicted)."""
+    hash it is also a cached prefix until the queue hands it out again (evicted).
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    With an ``events`` log, every change to the set of cached hashes is recorded
+    there (for the global scheduler); without one, nothing is recorded."""
+
+    def __init__(self, num_blocks: int, enable_caching: bool = True, events: KVEventLog | None = None) -> None:
         if num_blocks < 1:
             raise ValueError(f"the KV pool needs at least one block, got {num_blocks}")
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
@@ -70,6 +76,7 @@ class BlockPool:
         self.enable_caching = enable_caching
         self.cached: dict[BlockHash, KVBlock] = {}
         self.num_evicted = 0
+        self.events = events
 
     @property
     def num_blocks(self) -> int:
@@ -93,10 +100,15 @@ class BlockPool:
     def _evict(self, block: KVBlock) -> None:
         if block.block_hash is None:
             return
-        if self.cached.get(block.block_hash) is block:
-            del self.cached[block.block_hash]
-        block.block_hash = None
+        self._forget(block)
         self.num_evicted += 1
+
+    def _forget(self, block: KVBlock) -> None:
+        # A block's hash, when set, is always its own entry in ``cached`` (``cache`` refuses duplicates).
+        del self.cached[block.block_hash]
+        if self.events is not None:
+            self.events.removed(block.block_hash)
+        block.block_hash = None
 
     def lookup(self, block_hash: BlockHash) -> KVBlock | None:
         return self.cached.get(block_hash)
@@ -118,24 +130,31 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self.free_queue.append(block)
 
-    def cache(self, block: KVBlock, block_hash: BlockHash) -> bool:
-        """Publish a full block under its hash (first writer wins for duplicates); True if published."""
+    def cache(self, block: KVBlock, block_hash: BlockHash, parent_hash: BlockHash | None = None,
+              token_ids: Sequence[int] = ()) -> bool:
+        """Publish a full block under its hash (first writer wins for duplicates); True if published.
+        ``parent_hash`` and ``token_ids`` only go into the event log."""
         if not self.enable_caching or block.block_hash is not None or block_hash in self.cached:
             return False
         block.block_hash = block_hash
         self.cached[block_hash] = block
+        if self.events is not None:
+            self.events.stored(block_hash, parent_hash, token_ids)
         return True
 
     def uncache(self, block: KVBlock) -> None:
         """Withdraw a block's hash (its KV turned out invalid); the block itself stays as it is."""
-        if block.block_hash is not None and self.cached.get(block.block_hash) is block:
-            del self.cached[block.block_hash]
-        block.block_hash = None
+        if block.block_hash is not None:
+            self._forget(block)
 
     def num_evictable(self, blocks: list[KVBlock]) -> int:
         """How many of these blocks sit in the free queue (touching them uses free capacity)."""
         return sum(1 for b in blocks if b.ref_cnt == 0)
 
     def reset_prefix_cache(self) -> None:
+        """Forget the hashes of every idle block (blocks in use keep theirs)."""
+        everything = all(b.ref_cnt == 0 for b in self.cached.values())
         for block in self.free_queue:
             self._evict(block)
+        if everything and self.events is not None:
+            self.events.cleared()  # one "cleared" replaces the removal of each hash

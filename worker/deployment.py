@@ -15,9 +15,11 @@ from ray import serve
 from ray.serve import Application
 
 from pagefleet.worker.engine_args import EngineArgs
+from pagefleet.worker.kv_events import KVEventBatch, KVSnapshot, unpack_hashes
+from pagefleet.worker.kv_publisher import KVEventPublisher
 from pagefleet.worker.outputs import RequestOutputDelta
-from pagefleet.worker.sampling_params import SamplingParams
 from pagefleet.worker.stats import ReplicaStats
+from pagefleet.worker.worker_request import WorkerRequest
 
 logger = logging.getLogger(__name__)
 
@@ -34,24 +36,57 @@ def _default_engine(args: EngineArgs):
     return AsyncLLMEngine(args, metrics=recorder)
 
 
-class WorkerReplica:
-    """One engine (one TP group) per replica; every method is cheap except ``generate``."""
+class _SchedulerLink:
+    """The publisher's calls to the global scheduler actor (``router.scheduler_actor``)."""
 
-    def __init__(self, engine_args: EngineArgs, engine_factory: Callable[[EngineArgs], Any] = _default_engine) -> None:
+    def __init__(self, scheduler: Any) -> None:
+        self._scheduler = scheduler
+
+    async def publish(self, batch: KVEventBatch) -> bool:
+        return await self._scheduler.publish.remote(batch)
+
+    async def publish_snapshot(self, snapshot: KVSnapshot) -> None:
+        await self._scheduler.publish_snapshot.remote(snapshot)
+
+
+class WorkerReplica:
+    """One engine (one TP group) per replica; every method is cheap except ``generate``.
+
+    With a ``kv_scheduler`` (the global scheduler actor's handle), the engine's KV events
+    are published to it from this replica's event loop (``KVEventPublisher``)."""
+
+    def __init__(self, engine_args: EngineArgs, engine_factory: Callable[[EngineArgs], Any] = _default_engine,
+                 kv_scheduler: Any = None) -> None:
         self.engine = engine_factory(engine_args)
         self.replica_id = _replica_id()
         self.num_requests_total = 0
+        self._publisher: KVEventPublisher | None = None
+        if kv_scheduler is not None:
+            self._publisher = KVEventPublisher(_SchedulerLink(kv_scheduler), self.engine.kv_snapshot)
+            self.engine.enable_kv_events(self.replica_id, self._publisher.put)
         cfg = self.engine.model_config
         logger.info("worker replica %s serves %s (max_model_len %d)", self.replica_id, cfg.served_model_name,
                     cfg.max_model_len)
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams) -> AsyncIterator[RequestOutputDelta]:
+    def _start_publishing(self) -> None:
+        # The publisher's task belongs on the replica's event loop, which only async methods see;
+        # Serve calls record_routing_stats every stats period, so it starts within one.
+        if self._publisher is not None:
+            self._publisher.start()
+
+    async def generate(self, request: WorkerRequest) -> AsyncIterator[RequestOutputDelta]:
         """Streams one delta per engine step. When the caller cancels (a client hung up),
         Serve cancels this generator and the engine aborts the request and frees its blocks."""
+        self._start_publishing()
         self.num_requests_total += 1
-        async for delta in self.engine.generate(request_id, prompt_token_ids, params):
+        hashes = unpack_hashes(request.block_hashes) if request.block_hashes else None
+        async for delta in self.engine.generate(request.request_id, request.prompt_token_ids, request.params,
+                                                request.extra_keys, hashes):
             yield delta
+
+    async def kv_snapshot(self) -> KVSnapshot:
+        """Everything this replica's prefix cache holds, with the KV event number it is valid at."""
+        return await self.engine.kv_snapshot()
 
     async def abort(self, request_id: str) -> bool:
         return self.engine.abort(request_id)
@@ -60,10 +95,12 @@ class WorkerReplica:
         """Serve's health probe (raising marks this replica unhealthy and Serve replaces it), also
         routed like a request by the ingress's /health. The engine raises when its loop died or it
         has work but stopped stepping."""
+        self._start_publishing()
         self.engine.check_health()
 
     async def record_routing_stats(self) -> dict[str, Any]:
         """Published to the request router every stats period (see ``request_router_config``)."""
+        self._start_publishing()
         return self.stats().to_routing_stats()
 
     def stats(self) -> ReplicaStats:
@@ -123,9 +160,8 @@ def worker_deployment_options(engine_args: EngineArgs, *, num_replicas: int = 1,
 
 
 def worker_deployment(engine_args: EngineArgs, *, engine_factory: Callable[[EngineArgs], Any] | None = None,
-                      **options: Any) -> Application:
-    """Bind ``WorkerReplica`` into a Serve deployment (options: ``worker_deployment_options``)."""
+                      kv_scheduler: Any = None, **options: Any) -> Application:
+    """Bind ``WorkerReplica`` into a Serve deployment (options: ``worker_deployment_options``);
+    ``kv_scheduler``: the global scheduler actor the replicas publish KV events to."""
     deployment = serve.deployment(WorkerReplica, **worker_deployment_options(engine_args, **options))
-    if engine_factory is None:
-        return deployment.bind(engine_args)
-    return deployment.bind(engine_args, engine_factory)
+    return deployment.bind(engine_args, engine_factory or _default_engine, kv_scheduler)

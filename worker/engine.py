@@ -8,6 +8,7 @@ from itertools import count
 import torch
 from transformers import AutoTokenizer
 
+from pagefleet.worker.block_hash import BlockHash
 from pagefleet.worker.block_pool import BlockPool
 from pagefleet.worker.config import model_config_of
 from pagefleet.worker.detokenizer import IncrementalDetokenizer
@@ -15,6 +16,7 @@ from pagefleet.worker.engine_args import EngineArgs
 from pagefleet.worker.executor import make_executor
 from pagefleet.worker.kv_cache_manager import KVCacheManager
 from pagefleet.worker.kv_cache_sizing import size_kv_pool
+from pagefleet.worker.kv_events import KVEventBatch, KVEventLog, KVEventSource, KVLoad, KVSnapshot
 from pagefleet.worker.model_runner import build_step_input
 from pagefleet.worker.outputs import CompletionOutput, RequestOutputDelta
 from pagefleet.worker.request_check import InvalidRequest, RequestLimits, check_request
@@ -63,6 +65,7 @@ class LLMEngine:
         # Output tokens of each sequence already handed out; None once its finish was reported.
         self._sent: dict[int, int | None] = {}
         self._seq_ids = count()
+        self.kv_events: KVEventSource | None = None  # set by enable_kv_events
         self.num_steps = 0
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
@@ -89,20 +92,28 @@ class LLMEngine:
                                  f"({self.pool.num_blocks} blocks of {self.args.block_size})", "max_tokens")
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    extra_keys: tuple = ()) -> None:
+                    extra_keys: tuple = (), block_hashes: list[BlockHash] | None = None) -> None:
+        """``block_hashes``: the prompt's full-block hashes under ``extra_keys``, when the caller
+        (the ingress) has computed them already; the engine then does not hash them again."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already running")
         self.check(prompt_token_ids, params)
+        if block_hashes and len(block_hashes) > len(prompt_token_ids) // self.args.block_size:
+            raise ValueError(f"{len(block_hashes)} block hashes for a prompt of {len(prompt_token_ids)} tokens")
         seqs: list[Sequence] = []
         for i in range(params.n):
             seq = Sequence(next(self._seq_ids), request_id, i, prompt_token_ids, params,
                            parent=seqs[0] if seqs else None, extra_keys=extra_keys)
+            if block_hashes:
+                seq.block_hashes = list(block_hashes)  # each sequence extends its own list
             self.detok[seq.seq_id] = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop,
                                                             params.include_stop_str_in_output)
             self.scheduler.add(seq)
             seqs.append(seq)
         self.requests[request_id] = seqs
         self.prompt_tokens_total += len(prompt_token_ids)
+        if self.kv_events is not None:
+            self.kv_events.request_added(request_id)
 
     def abort_request(self, request_id: str) -> RequestOutputDelta | None:
         """Finish every sequence of the request with reason "abort" and free its blocks."""
@@ -173,6 +184,37 @@ class LLMEngine:
         self._sent[seq.seq_id] = None if seq.is_finished else sent + len(new_ids)
         lps = seq.logprobs[sent:] if seq.logprobs is not None else None
         return CompletionOutput(seq.index, text, new_ids, lps, seq.finish_reason, seq.stop_reason)
+
+    # ---- KV events (for a global scheduler) -------------------------------------------------
+
+    def enable_kv_events(self, worker_id: str) -> None:
+        """Record every change to the prefix cache from now on, as ``worker_id``'s batches.
+        Only before the first request: the first batch says the cache starts empty."""
+        if self.requests or self.pool.cached:
+            raise RuntimeError("KV events must be enabled before the engine takes requests")
+        self.pool.events = KVEventLog()
+        self.kv_events = KVEventSource(worker_id, self.pool)
+
+    def drain_kv_events(self) -> KVEventBatch | None:
+        """The changes since the last drain as the next numbered batch (None: events are off)."""
+        return None if self.kv_events is None else self.kv_events.drain(self.kv_load())
+
+    def kv_snapshot(self) -> tuple[KVEventBatch, KVSnapshot]:
+        """The prefix cache's whole state, and the batch it is valid after (see KVEventSource)."""
+        if self.kv_events is None:
+            raise RuntimeError("KV events are not enabled")
+        return self.kv_events.snapshot(self.kv_load())
+
+    def kv_load(self) -> KVLoad:
+        """Sequences running and waiting, and the blocks they will still take: each grows to its
+        prompt plus max_tokens (within max_model_len), less the blocks it holds now."""
+        sched, bs, max_len = self.scheduler, self.args.block_size, self.model_config.max_model_len
+        tables = self.kv.block_tables
+        reserved = 0
+        for seq in (*sched.running, *sched.waiting):
+            final = min(max_len, seq.num_prompt_tokens + (seq.params.max_tokens or max_len))
+            reserved += max(-(-final // bs) - len(tables.get(seq.seq_id, ())), 0)
+        return KVLoad(len(sched.running), len(sched.waiting), reserved)
 
     def stats(self) -> EngineStats:
         return EngineStats(

@@ -78,8 +78,12 @@ class KVCacheManager:
         hashes = self._hashes(seq)
         start = self._num_published.get(seq.seq_id, 0)
         end = min(num_tokens // self.block_size, len(hashes))
+        events = self.pool.events is not None
+        bs = self.block_size
         for i in range(start, end):
-            if self.pool.cache(table[i], hashes[i]):
+            # Parent and tokens only feed the event log; skip the slicing without one.
+            parent, tokens = (hashes[i - 1] if i else None, seq.token_ids[i * bs:(i + 1) * bs]) if events else (None, ())
+            if self.pool.cache(table[i], hashes[i], parent, tokens):
                 self._step_published.append((seq.seq_id, table[i]))
         self._num_published[seq.seq_id] = max(start, end)
 

@@ -83,3 +83,4 @@ def serve_http_port(ray_cluster) -> int:
     """Serve's HTTP port for the session: Serve keeps the port it first started with, so every
     module that deploys an app on the session cluster uses this one."""
     return free_port()
+

@@ -48,6 +48,8 @@ class FakeWorkerClient:
         self.vocab_size = vocab_size
         self.num_cached_tokens = num_cached_tokens
         self.requests: list[tuple[str, list[int], SamplingParams]] = []
+        self.routed: list = []  # every Job asked about, before it runs
+        self.refuse: Exception | None = None  # raised by route (admission control saying no)
         self.aborted: list[str] = []
         self.healthy = True
         self.fail_after_steps: int | None = None
@@ -59,7 +61,14 @@ class FakeWorkerClient:
     def expected_tokens(self, prompt_ids: list[int], params: SamplingParams, index: int) -> list[int]:
         return [fake_token(prompt_ids, s, index, self.vocab_size) for s in range(params.max_tokens)]
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams):
+    async def route(self, job) -> list[str] | None:
+        self.routed.append(job)
+        if self.refuse is not None:
+            raise self.refuse
+        return None
+
+    async def generate(self, job):
+        request_id, prompt_token_ids, params = job.request_id, job.token_ids, job.params
         self.requests.append((request_id, list(prompt_token_ids), params))
         finished = False
         try:

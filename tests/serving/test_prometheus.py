@@ -107,10 +107,11 @@ def app(ray_cluster, serve_http_port, tiny_checkpoint, tmp_path_factory):
     config = yaml.safe_load((ROOT / "deploy" / "serve.yaml").read_text())
     config["http_options"]["port"] = serve_http_port
     # A KV pool of 24 blocks (16 KiB each for this model) per replica: 8 long requests on a replica
-    # need more, so the traffic below preempts.
+    # need more, so the traffic below preempts (and recomputed prompts hit the prefix cache). That
+    # needs a policy without admission control: kv routing would hold the excess back instead.
     config["applications"][0]["args"].update(model=str(ckpt), workers=2, kv_cache_bytes=24 * 16 * 2**10,
                                              max_model_len=MAX_MODEL_LEN, max_num_seqs=8, worker_num_cpus=0.5,
-                                             ingress_num_cpus=0.25)
+                                             ingress_num_cpus=0.25, routing="least_loaded")
     path = tmp_path_factory.mktemp("serve-metrics") / "serve.yaml"
     path.write_text(yaml.safe_dump(config))
     serve_cli = str(Path(sys.executable).parent / "serve")

@@ -1,12 +1,15 @@
 """The whole server on a real local Ray cluster: deploy/serve.yaml brought up with `serve run`,
 two worker replicas, driven with the real `openai` client and raw HTTP.
 
-The app comes up once for this module (about a minute on two cores) and every test
-below runs against it, the `pagefleet bench` runs at the end too.
+The app comes up once for this module (about a minute on two cores) and every test below runs
+against it; then the `pagefleet bench` runs, and last the two that check KV-aware routing on it:
+0 drift of the global scheduler's view after 1,000 requests with client aborts, and serving on
+while the scheduler is killed.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import struct
 import subprocess
@@ -17,62 +20,28 @@ from pathlib import Path
 
 import httpx
 import pytest
-import yaml
 
-from pagefleet.worker.stats import ReplicaStats
+from cluster_app import (MAX_MODEL_LEN, assert_views_equal_pools, ingress, start_app, traffic, wait_idle,
+                         worker_stats)
 
-SERVE_YAML = Path(__file__).resolve().parents[2] / "deploy" / "serve.yaml"
-APP = "pagefleet"
-MAX_MODEL_LEN = 256
 PAGEFLEET = str(Path(sys.executable).parent / "pagefleet")
 PROMPTS = ["Hello, my name is", "The capital of France is", "pagefleet serves models"]
-
-
-def worker_stats() -> dict[str, ReplicaStats]:
-    """Each worker replica's published routing stats, keyed by replica id.
-
-    Asks every replica actor directly (the call Serve's controller makes each stats
-    period), so no request is routed and every replica answers."""
-    import ray
-
-    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-             if a["namespace"] == "serve" and "PagefleetWorker" in a["name"]]
-    actors = [ray.get_actor(name, namespace="serve") for name in names]
-    stats = ray.get([a.record_routing_stats.remote() for a in actors], timeout=60)
-    published = [ReplicaStats.from_routing_stats(s) for s in stats]
-    return {s.replica_id: s for s in published}
+NUM_REQUESTS = 1000
 
 
 @pytest.fixture(scope="module")
 def server(ray_cluster, serve_http_port, tiny_checkpoint, tmp_path_factory):
+    """(base URL, checkpoint path); the global scheduler starts fresh with the app."""
     from ray import serve
 
+    from cluster_app import APP
+    from pagefleet.router.scheduler_actor import stop_scheduler
+
+    stop_scheduler()
     ckpt = tiny_checkpoint("llama")
-    config = yaml.safe_load(SERVE_YAML.read_text())
-    port = serve_http_port
-    config["http_options"]["port"] = port
-    # Only sizes change: the shipped file, with a tiny checkpoint and CI-sized resources.
-    config["applications"][0]["args"].update(model=str(ckpt), workers=2, kv_cache_bytes="16MiB",
-                                             max_model_len=MAX_MODEL_LEN, max_num_seqs=8,
-                                             worker_num_cpus=0.5, ingress_num_cpus=0.25)
-    path = tmp_path_factory.mktemp("serve") / "serve.yaml"
-    path.write_text(yaml.safe_dump(config))
-    serve_cli = str(Path(sys.executable).parent / "serve")
-    done = subprocess.run([serve_cli, "run", "--address", ray_cluster, "--non-blocking", str(path)],
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while True:
-        status = serve.status().applications.get(APP)
-        if status is not None and status.status == "RUNNING":
-            break
-        assert status is None or status.status in ("DEPLOYING", "NOT_STARTED"), status
-        assert time.monotonic() < deadline, f"app not RUNNING: {status}"
-        time.sleep(1)
-    assert httpx.get(f"{base}/health", timeout=30).status_code == 200
-    yield base, ckpt
+    yield start_app(ray_cluster, serve_http_port, ckpt, tmp_path_factory.mktemp("serve")), ckpt
     serve.delete(APP)
+    stop_scheduler()
 
 
 @pytest.fixture(scope="module")
@@ -316,3 +285,60 @@ def test_bench_shared_prefix_chat_sees_prefix_cache_hits(server, tmp_path):
     assert saved["total_cached_tokens"] >= 2 * 48
     assert saved["cached_token_share"] == saved["total_cached_tokens"] / saved["total_input_tokens"]
     assert f"Cached prompt tokens (share):            {saved['total_cached_tokens']} (" in done.stdout
+
+
+# ---- KV-aware routing on this app (last: the second one restarts the global scheduler) ----------
+
+
+def test_zero_drift_after_a_thousand_requests_with_aborts(server):
+    import ray
+
+    from pagefleet.router.scheduler_actor import get_scheduler
+
+    base, model, scheduler = server[0], server[1].name, get_scheduler()
+    before = ingress().routing_counters.remote().result()
+    decided_before, fallbacks_before = sum(before.decisions.values()), before.fallbacks
+    statuses = asyncio.run(traffic(base, model, NUM_REQUESTS, seed=0))
+    assert statuses == [200] * NUM_REQUESTS
+    wait_idle()
+    views = assert_views_equal_pools(scheduler)
+    counters = ray.get(scheduler.counters.remote())
+    # the stream alone was exact: no batch lost, no snapshot needed to repair a view
+    assert (counters.gaps, counters.snapshots_applied) == (0, 0)
+    total_blocks = sum(v.num_total_blocks for v in views.values())
+    assert counters.block_events > 2 * total_blocks  # the pools were churned through, evictions included
+    assert all(v.routing_keys for v in views.values())  # and both workers hold cached prefixes now
+    routing = ingress().routing_counters.remote().result()
+    assert sum(routing.decisions.values()) - decided_before + routing.fallbacks - fallbacks_before == NUM_REQUESTS
+    # some went where their prefix was cached, and the workers did find it there
+    assert routing.decisions["prefix"] > 0 and routing.realised_hit_blocks > 0
+
+
+def test_killing_the_scheduler_mid_traffic_keeps_serving_and_the_restart_rebuilds_from_snapshots(server):
+    import ray
+
+    from pagefleet.router.scheduler_actor import get_scheduler
+
+    base, model, scheduler = server[0], server[1].name, get_scheduler()
+    before = ingress().routing_counters.remote().result().fallbacks
+    first_start = ray.get(scheduler.start_time.remote())
+
+    async def run():
+        done: list[int] = []
+        task = asyncio.create_task(traffic(base, model, 300, seed=1, concurrency=6, statuses=done))
+        while len(done) < 50:
+            await asyncio.sleep(0.01)
+        ray.kill(scheduler, no_restart=False)  # Ray restarts it (max_restarts=-1), empty
+        killed_at = len(done)
+        statuses = await task
+        return killed_at, statuses
+
+    killed_at, statuses = asyncio.run(run())
+    assert killed_at < 100  # mid-traffic: most requests came after the kill
+    assert statuses == [200] * 300  # nothing failed while the scheduler was gone
+    assert ingress().routing_counters.remote().result().fallbacks > before
+    wait_idle()
+    assert ray.get(scheduler.start_time.remote()) > first_start  # the same handle reaches the new incarnation
+    views = assert_views_equal_pools(scheduler)
+    counters = ray.get(scheduler.counters.remote())
+    assert counters.snapshots_applied >= len(views) == 2  # every worker's view came back from a snapshot

@@ -14,6 +14,9 @@ from pagefleet.worker.outputs import CompletionOutput, RequestOutputDelta
 from pagefleet.worker.sampling_params import SamplingParams
 from pagefleet.worker.options import parse_bytes
 from pagefleet.worker.stats import EngineStats, ReplicaStats
+from pagefleet.worker.block_hash import block_hashes
+from pagefleet.worker.kv_events import pack_hashes
+from pagefleet.worker.worker_request import WorkerRequest
 
 SERVE_YAML = Path(__file__).resolve().parents[2] / "deploy" / "serve.yaml"
 
@@ -29,8 +32,10 @@ class FakeEngine:
         self.model_config = _ModelConfig()
         self.dead = False
         self.closed = []
+        self.received = []
 
-    async def generate(self, request_id, prompt_token_ids, params):
+    async def generate(self, request_id, prompt_token_ids, params, extra_keys=(), block_hashes=None):
+        self.received.append((request_id, extra_keys, block_hashes))
         try:
             for step in range(params.max_tokens):
                 last = step == params.max_tokens - 1
@@ -56,12 +61,16 @@ class FakeEngine:
 def test_worker_replica_streams_and_publishes_its_load():
     replica = WorkerReplica(EngineArgs(), engine_factory=FakeEngine)
 
+    hashes = block_hashes(list(range(40)), 16, ("salt",))
+
     async def run():
-        return [d async for d in replica.generate("r1", [1, 2, 3], SamplingParams(max_tokens=3))]
+        request = WorkerRequest("r1", [1, 2, 3], SamplingParams(max_tokens=3), pack_hashes(hashes), ("salt",))
+        return [d async for d in replica.generate(request)]
 
     deltas = asyncio.run(run())
     assert [d.sequences[0].token_ids for d in deltas] == [[0], [1], [2]]
     assert deltas[-1].finished
+    assert replica.engine.received == [("r1", ("salt",), hashes)]  # the ingress's hashes, unpacked
     published = asyncio.run(replica.record_routing_stats())
     assert ReplicaStats.from_routing_stats(published) == ReplicaStats(
         replica_id="local", healthy=True, num_requests_total=1, engine=EngineStats(100, 90, 1, 2, 0, 0, 0, 5, 10, 20))
@@ -80,7 +89,7 @@ def test_closing_the_worker_stream_closes_the_engine_stream():
     replica = WorkerReplica(EngineArgs(), engine_factory=FakeEngine)
 
     async def run():
-        gen = replica.generate("r2", [1], SamplingParams(max_tokens=10))
+        gen = replica.generate(WorkerRequest("r2", [1], SamplingParams(max_tokens=10)))
         await gen.__anext__()
         await gen.aclose()
 
@@ -136,16 +145,24 @@ def test_build_app_accepts_the_yaml_args_and_refuses_unknown_ones(tiny_checkpoin
     config = yaml.safe_load(SERVE_YAML.read_text())
     (app,) = config["applications"]
     assert app["import_path"] == "pagefleet.cluster.app:build_app"
+    assert app["args"]["routing"] == "kv"
     model = str(tiny_checkpoint("llama"))
-    built = build_app({**app["args"], "model": model, "workers": 2, "worker_num_cpus": 0.5, "api_key": "k"})
+    # round_robin: no global scheduler to start, so no cluster needed here
+    built = build_app({**app["args"], "model": model, "workers": 2, "worker_num_cpus": 0.5, "api_key": "k",
+                       "routing": "round_robin"})
     ingress = built._bound_deployment  # Serve has no public accessor for an Application's deployment
-    worker_app, engine_args, api_key = ingress.init_args
+    worker_app, engine_args, api_key, kv_scheduler, kv_routing = ingress.init_args
     worker = worker_app._bound_deployment
-    assert (ingress.name, ingress.num_replicas, api_key) == ("OpenAIIngress", 1, "k")
+    assert (ingress.name, ingress.num_replicas, api_key, kv_scheduler) == ("OpenAIIngress", 1, "k", None)
     assert (worker.name, worker.num_replicas, worker.ray_actor_options["num_cpus"]) == ("PagefleetWorker", 2, 0.5)
-    assert worker.init_args == (engine_args,) and engine_args.model == model
+    assert worker.init_args[0] == engine_args and worker.init_args[2] is None and engine_args.model == model
+    router = worker._deployment_config.request_router_config  # no public accessor either
+    assert router.request_router_class == "pagefleet.router.request_router:RoundRobinRouter"
+    assert (kv_routing.cost_weight, kv_routing.admission_queue_size, kv_routing.admission_max_wait_s) == (4.0, 64, 2.0)
     with pytest.raises(ValueError, match="unknown option"):
         build_app({"replicas": 3})
+    with pytest.raises(ValueError, match="routing must be one of kv, least_loaded, pow2, round_robin, prefix"):
+        build_app({"routing": "random"})
 
 
 def test_serve_yaml_is_a_valid_serve_config():

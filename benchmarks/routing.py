@@ -1,0 +1,375 @@
+"""Routing policies side by side: one cluster of 4 worker replicas per policy, the same workload.
+
+The workload (seeded): 16 tenants, each with its own 512-token system prompt
+(and its own cache_salt), asking 32-token questions with 64 tokens of answer,
+Poisson arrivals over the tenants. The KV pool of each worker (192 blocks of
+16 tokens) holds about a third of the tenants' prefixes (32 blocks each)
+beside its running requests, so where a request lands decides whether its
+512-token prefix is computed again, and eight requests of eight different
+tenants do not fit on one worker at once.
+
+Per policy, on a fresh app (fresh caches) on one local Ray cluster:
+  normal    Poisson arrivals at ``--load`` x capacity for ``--normal-s``
+  overload  Poisson arrivals at 3 x capacity for ``--overload-s``
+Capacity (requests/s) is measured once, first, with round_robin and a
+closed loop of 64 clients. kv runs with admission control (a queue of
+``--admission-queue`` per ingress, ``--admission-wait-s``); the others have none.
+kv's scheduler timeout is ``--routing-timeout-ms`` (50 here, 10 by default in
+pagefleet): on a 2-core machine that also runs the four workers, one actor round
+trip often takes longer than 10 ms, and the run would then mostly measure the
+fallback; choose_ms reports the round trips, and how many took over 10 ms.
+
+One JSON line per policy: prefix hit rate from the workers' own counters
+(normal phase) and the hit rate an oracle would get on the same requests (every
+tenant's prefix cached after its first request), TTFT p50/p99 and output
+tokens/s (normal phase), preemptions, 429s and their latency, timeouts (each
+phase), time to choose a replica p50/p99 and fallbacks (kv: the ingress's round
+trips to the global scheduler that were answered in time, and the requests
+routed without an answer; the other policies choose inside Serve's router with
+no remote call), then a summary line with the ratios the issue asks for and the
+machine (load average included: on a shared machine it says how much of the
+CPU the run had).
+
+The client is this file's own (async httpx, streaming completions with token-id
+prompts), written before `pagefleet bench` landed; it also reads the workers'
+and the ingress's own counters between phases, which `pagefleet bench` does not.
+
+    python benchmarks/routing.py                      # all policies (about 15 minutes on 2 cores)
+    python benchmarks/routing.py --policies kv round_robin --normal-s 20 --overload-s 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import random
+import socket
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads, here and in the replicas
+
+import httpx  # noqa: E402
+
+POLICIES = ("round_robin", "kv", "least_loaded", "pow2", "prefix")
+TENANTS = 16
+SYSTEM_TOKENS = 512
+QUESTION_TOKENS = 32
+ANSWER_TOKENS = 64
+BLOCK = 16
+WORKERS = 4
+KV_BLOCKS = 192  # per worker (16 KiB each for the demo model): about a third of the tenants' prefixes
+VOCAB = (5, 999)  # the demo tokenizer's ids, special ones excluded
+
+
+@dataclass
+class Result:
+    tenant: int
+    kind: str = "ok"  # ok | 429 | timeout | error
+    status: int = 0
+    ttft_s: float | None = None
+    latency_s: float = 0.0
+    output_tokens: int = 0
+
+
+@dataclass
+class Phase:
+    results: list[Result] = field(default_factory=list)
+    wall_s: float = 0.0
+    counters_before: dict = field(default_factory=dict)
+    counters_after: dict = field(default_factory=dict)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def ms(v: float | None) -> float | None:
+    return None if v is None else round(v * 1e3, 1)
+
+
+class Workload:
+    def __init__(self, seed: int) -> None:
+        self.rng = random.Random(seed)
+        self.prefixes = [[self.rng.randint(*VOCAB) for _ in range(SYSTEM_TOKENS)] for _ in range(TENANTS)]
+
+    def request(self) -> tuple[int, list[int]]:
+        tenant = self.rng.randrange(TENANTS)
+        return tenant, self.prefixes[tenant] + [self.rng.randint(*VOCAB) for _ in range(QUESTION_TOKENS)]
+
+    def arrivals(self, rate: float, duration_s: float) -> list[float]:
+        t, out = 0.0, []
+        while True:
+            t += self.rng.expovariate(rate)
+            if t >= duration_s:
+                return out
+            out.append(t)
+
+
+async def one_request(http: httpx.AsyncClient, base: str, model: str, tenant: int, prompt: list[int],
+                      timeout_s: float) -> Result:
+    body = {"model": model, "prompt": prompt, "max_tokens": ANSWER_TOKENS, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}, "cache_salt": f"tenant-{tenant}"}
+    result = Result(tenant)
+    started = time.perf_counter()
+    try:
+        async with asyncio.timeout(timeout_s):
+            async with http.stream("POST", f"{base}/v1/completions", json=body) as r:
+                result.status = r.status_code
+                if r.status_code != 200:
+                    await r.aread()
+                    result.kind = "429" if r.status_code == 429 else "error"
+                else:
+                    async for line in r.aiter_lines():
+                        if not line.startswith("data: ") or line == "data: [DONE]":
+                            continue
+                        chunk = json.loads(line[6:])
+                        if chunk.get("choices") and result.ttft_s is None:
+                            result.ttft_s = time.perf_counter() - started
+                        if chunk.get("usage"):
+                            result.output_tokens = chunk["usage"]["completion_tokens"]
+    except TimeoutError:
+        result.kind = "timeout"
+    except httpx.HTTPError:
+        result.kind = "error"
+    result.latency_s = time.perf_counter() - started
+    return result
+
+
+async def open_loop(base: str, model: str, work: Workload, rate: float, duration_s: float,
+                    timeout_s: float) -> tuple[list[Result], float]:
+    """Poisson arrivals: each request starts at its time whatever the others are doing."""
+    limits = httpx.Limits(max_connections=2000, max_keepalive_connections=200)
+    async with httpx.AsyncClient(timeout=None, limits=limits) as http:
+        start = time.perf_counter()
+        tasks = []
+        for at in work.arrivals(rate, duration_s):
+            await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
+            tenant, prompt = work.request()
+            tasks.append(asyncio.create_task(one_request(http, base, model, tenant, prompt, timeout_s)))
+        results = await asyncio.gather(*tasks)
+        return list(results), time.perf_counter() - start
+
+
+async def closed_loop(base: str, model: str, work: Workload, clients: int, duration_s: float) -> float:
+    """Requests completed per second with ``clients`` always busy (the capacity)."""
+    done = 0
+    async with httpx.AsyncClient(timeout=None) as http:
+        start = time.perf_counter()
+
+        async def client() -> None:
+            nonlocal done
+            while time.perf_counter() - start < duration_s:
+                tenant, prompt = work.request()
+                r = await one_request(http, base, model, tenant, prompt, 120)
+                done += r.kind == "ok"
+
+        await asyncio.gather(*(client() for _ in range(clients)))
+        return done / (time.perf_counter() - start)
+
+
+def worker_counters(app: str) -> dict:
+    """The workers' own engine counters, summed (asked of every replica actor)."""
+    import ray
+
+    from pagefleet.worker.stats import ReplicaStats
+
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+             if a["namespace"] == "serve" and f"::{app}#PagefleetWorker#" in a["name"]]
+    stats = ray.get([ray.get_actor(n, namespace="serve").record_routing_stats.remote() for n in names], timeout=60)
+    engines = [ReplicaStats.from_routing_stats(s).engine for s in stats]
+    return {"replicas": len(engines), "queries": sum(e.prefix_cache_queries for e in engines),
+            "hits": sum(e.prefix_cache_hits for e in engines),
+            "preemptions": sum(e.num_preemptions for e in engines),
+            "busy": sum(e.num_running + e.num_waiting for e in engines)}
+
+
+def wait_idle(app: str, timeout_s: float = 300) -> None:
+    deadline = time.monotonic() + timeout_s
+    while worker_counters(app)["busy"] and time.monotonic() < deadline:
+        time.sleep(0.5)
+
+
+def oracle_hit_rate(results: list[Result], seen: set[int]) -> float:
+    """An oracle sends every tenant to one worker that keeps its prefix: everything after a
+    tenant's first request hits its whole system prompt (the engine never counts more)."""
+    hits = queries = 0
+    for r in results:
+        queries += SYSTEM_TOKENS + QUESTION_TOKENS
+        if r.tenant in seen:
+            hits += SYSTEM_TOKENS
+        seen.add(r.tenant)
+    return hits / queries if queries else 0.0
+
+
+def run_phase(app: str, base: str, model: str, work: Workload, rate: float, duration_s: float,
+              timeout_s: float) -> Phase:
+    phase = Phase(counters_before=worker_counters(app))
+    phase.results, phase.wall_s = asyncio.run(open_loop(base, model, work, rate, duration_s, timeout_s))
+    wait_idle(app)
+    phase.counters_after = worker_counters(app)
+    return phase
+
+
+def deploy(policy: str, ckpt: Path, args: argparse.Namespace) -> str:
+    from ray import serve
+
+    from pagefleet.cluster.app import build_app
+
+    app = f"bench-{policy}"
+    serve.run(build_app({
+        "model": str(ckpt), "workers": WORKERS, "worker_num_cpus": 0.5, "ingress_num_cpus": 0.5,
+        "kv_cache_bytes": KV_BLOCKS * 16 * 2**10, "max_model_len": 1024, "max_num_seqs": 8, "routing": policy,
+        "admission_queue_size": args.admission_queue, "admission_max_wait_s": args.admission_wait_s,
+        "routing_timeout_ms": args.routing_timeout_ms}),
+        name=app, route_prefix=f"/{policy}")
+    return app
+
+
+def summarize(policy: str, normal: Phase, overload: Phase, oracle: float, routing, admission) -> dict:
+    def delta(phase: Phase, key: str) -> int:
+        return phase.counters_after[key] - phase.counters_before[key]
+
+    ok = [r for r in normal.results if r.kind == "ok"]
+    over_429 = [r.latency_s for r in overload.results if r.kind == "429"]
+    line = {
+        "policy": policy,
+        "requests": {"normal": len(normal.results), "overload": len(overload.results)},
+        "prefix_hit_rate": round(delta(normal, "hits") / max(1, delta(normal, "queries")), 3),
+        "oracle_hit_rate": round(oracle, 3),
+        "ttft_p50_ms": ms(pct([r.ttft_s for r in ok if r.ttft_s is not None], 0.5)),
+        "ttft_p99_ms": ms(pct([r.ttft_s for r in ok if r.ttft_s is not None], 0.99)),
+        "output_tok_per_s": round(sum(r.output_tokens for r in ok) / normal.wall_s, 1),
+        "normal_not_ok": {k: sum(r.kind == k for r in normal.results) for k in ("429", "timeout", "error")},
+        "preemptions": {"normal": delta(normal, "preemptions"), "overload": delta(overload, "preemptions")},
+        "overload_ok": sum(r.kind == "ok" for r in overload.results),
+        "overload_429s": len(over_429),
+        "overload_429_ms": {"p50": ms(pct(over_429, 0.5)), "p99": ms(pct(over_429, 0.99)),
+                            "max": ms(max(over_429)) if over_429 else None},
+        "overload_timeouts": sum(r.kind == "timeout" for r in overload.results),
+        "overload_errors": sum(r.kind == "error" for r in overload.results),
+        "choose_ms": None, "fallbacks": None,
+    }
+    if routing is not None:
+        choose = list(routing.choose_s)
+        line["choose_ms"] = {"p50": ms(pct(choose, 0.5)), "p99": ms(pct(choose, 0.99)), "samples": len(choose),
+                             "over_10ms": sum(c > 0.010 for c in choose)}
+        line["fallbacks"] = routing.fallbacks
+        line["decisions"] = dict(routing.decisions)
+        line["predicted_vs_realised_hit_blocks"] = [routing.predicted_hit_blocks, routing.realised_hit_blocks]
+    if admission is not None:
+        line["admission"] = {"admitted_at_once": admission.admitted_at_once,
+                             "admitted_after_waiting": admission.admitted_after_waiting,
+                             "refused_queue_full": admission.rejected_queue_full,
+                             "refused_after_waiting": admission.rejected_waited_too_long}
+    return line
+
+
+def machine() -> dict:
+    cpu = platform.processor() or "unknown"
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                   if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return {"cpu": cpu, "cores": len(os.sched_getaffinity(0)), "python": platform.python_version(),
+            "loadavg_1m": round(os.getloadavg()[0], 2)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
+    ap.add_argument("--load", type=float, default=0.6, help="normal phase arrival rate, as a fraction of capacity")
+    ap.add_argument("--normal-s", type=float, default=60.0)
+    ap.add_argument("--overload-s", type=float, default=20.0)
+    ap.add_argument("--capacity", type=float, default=None, help="requests/s (default: measure it first)")
+    ap.add_argument("--admission-queue", type=int, default=4)
+    ap.add_argument("--admission-wait-s", type=float, default=2.0)
+    ap.add_argument("--routing-timeout-ms", type=float, default=50.0)
+    ap.add_argument("--timeout-s", type=float, default=60.0, help="a client gives up after this long")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=None, help="also append the JSON lines to this file")
+    args = ap.parse_args()
+
+    import ray
+    from ray import serve
+
+    from pagefleet.cluster.demo_model import write_demo_checkpoint
+    from pagefleet.router.scheduler_actor import stop_scheduler
+
+    ckpt = write_demo_checkpoint(Path(tempfile.mkdtemp(prefix="pf-routing-")) / "demo-tiny-llama", size="tiny")
+    port = free_port()
+    ray.init(num_cpus=16, include_dashboard=False, log_to_driver=False)
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    capacity = args.capacity
+    lines = []
+    for policy in args.policies:
+        stop_scheduler()  # each kv run starts with an empty view
+        app = deploy(policy, ckpt, args)
+        base = f"http://127.0.0.1:{port}/{policy}"
+        model = ckpt.name
+        if capacity is None:
+            capacity = asyncio.run(closed_loop(base, model, Workload(args.seed + 99), clients=64, duration_s=20))
+            wait_idle(app)
+            print(json.dumps({"calibration": "capacity", "policy": policy, "requests_per_s": round(capacity, 2)}),
+                  flush=True)
+            serve.delete(app)  # the measured run starts on fresh caches too
+            app = deploy(policy, ckpt, args)
+        work = Workload(args.seed)
+        normal = run_phase(app, base, model, work, args.load * capacity, args.normal_s, args.timeout_s)
+        overload = run_phase(app, base, model, work, 3 * capacity, args.overload_s, args.timeout_s)
+        oracle = oracle_hit_rate(normal.results, set())
+        routing = admission = None
+        if policy == "kv":
+            ingress = serve.get_deployment_handle("OpenAIIngress", app)
+            routing = ingress.routing_counters.remote().result()
+            admission = ingress.admission_counters.remote().result()
+        line = summarize(policy, normal, overload, oracle, routing, admission)
+        line.update(capacity_requests_per_s=round(capacity, 2), normal_rate=round(args.load * capacity, 2),
+                    overload_rate=round(3 * capacity, 2), loadavg_1m=round(os.getloadavg()[0], 2))
+        print(json.dumps(line), flush=True)
+        lines.append(line)
+        serve.delete(app)
+    stop_scheduler()
+    by = {line["policy"]: line for line in lines}
+    summary = {"summary": "routing", "workload": {"tenants": TENANTS, "system_tokens": SYSTEM_TOKENS,
+                                                  "question_tokens": QUESTION_TOKENS, "answer_tokens": ANSWER_TOKENS,
+                                                  "workers": WORKERS, "kv_blocks_per_worker": KV_BLOCKS,
+                                                  "normal_s": args.normal_s, "overload_s": args.overload_s,
+                                                  "load": args.load, "seed": args.seed},
+               "admission": {"queue": args.admission_queue, "max_wait_s": args.admission_wait_s},
+               "routing_timeout_ms": args.routing_timeout_ms,
+               "machine": machine()}
+    kv, rr = by.get("kv"), by.get("round_robin")
+    if kv and rr:
+        summary["kv_hit_rate_vs_oracle"] = round(kv["prefix_hit_rate"] / kv["oracle_hit_rate"], 3)
+        summary["kv_hit_rate_vs_round_robin"] = round(kv["prefix_hit_rate"] / max(rr["prefix_hit_rate"], 1e-9), 2)
+        summary["ttft_p50_round_robin_over_kv"] = round(rr["ttft_p50_ms"] / kv["ttft_p50_ms"], 2)
+        summary["overload_preemptions_kv_over_round_robin"] = round(
+            kv["preemptions"]["overload"] / max(rr["preemptions"]["overload"], 1), 3)
+    print(json.dumps(summary), flush=True)
+    if args.out:
+        with open(args.out, "a") as f:
+            for line in lines + [summary]:
+                f.write(json.dumps(line) + "\n")
+    serve.shutdown()
+    ray.shutdown()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,325 @@
+"""The global scheduler's core: every worker's KV blocks and load, and where a request should go.
+
+Pure Python (no Ray, no torch, no clock of its own: callers pass ``now``), so
+every choice is tested on constructed states. ``scheduler_actor.py`` wraps it
+in a named Ray actor.
+
+The view of a worker is exact, not guessed: it is the worker's own KV event
+batches applied in sequence order. A batch whose first number is not the next
+one expected (a dropped or lost batch) makes the view unreliable: the core
+asks that worker for a snapshot and ignores its batches until one arrives. A
+worker silent for longer than ``liveness_timeout_s`` (workers publish at
+least every second), or reported dead, is dropped with everything it held.
+
+Routing: a worker's cost for a request is
+``weight * (prompt blocks it would compute after its cached prefix) + load``,
+where load is the blocks it has committed (held by running sequences, still
+to be taken by its unfinished ones up to their ``max_tokens``) plus blocks
+predicted for requests just routed to it. A worker has room when its free
+blocks, less what is committed or predicted, cover the request's new blocks.
+Workers without room rank only when no worker has room, and then the
+request is not admitted (admission control holds it at the router).
+Predicted blocks end when the worker reports the request taken in; predicted
+prefix entries (so a burst with one prefix keeps to one worker) end after
+``prediction_ttl_s``.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import Counter
+from collections.abc import Collection
+from dataclasses import dataclass, field
+
+from pagefleet.router.kv_index import KVBlockIndex, routing_keys
+from pagefleet.worker.kv_events import KVEventBatch, KVSnapshot
+
+
+@dataclass(slots=True)
+class RouteRequest:
+    request_id: str
+    block_hashes: bytes  # the prompt's full blocks, packed, as the ingress hashed them
+    num_blocks: int  # blocks the request takes over its life on a worker that has none of it cached
+    num_seqs: int = 1  # sequences (n)
+
+
+@dataclass(slots=True)
+class WorkerScore:
+    worker_id: str
+    cached_blocks: int  # leading prompt blocks it holds (or is predicted to)
+    load_blocks: int
+    cost: float
+    has_room: bool
+
+
+@dataclass(slots=True)
+class RouteDecision:
+    ranking: list[str]  # worker ids, best first: those with room; every candidate when none has
+    admitted: bool  # some worker has room for the request now
+    reason: str  # "prefix" (the first choice holds part of the prompt), "load", "no_room" or "no_workers"
+    predicted_hit_blocks: int  # prompt blocks the first choice holds
+    scores: list[WorkerScore] = field(default_factory=list)  # in ranking order
+
+
+@dataclass(slots=True)
+class WorkerView:
+    """What the scheduler knows of one worker (its blocks live in the index under ``slot``)."""
+
+    worker_id: str
+    slot: int
+    last_seen: float
+    seq: int = -1  # of the last batch applied; a new view expects batch 0 (a fresh worker)
+    synced: bool = True  # False from a sequence gap until a snapshot arrives
+    snapshot_asked_at: float | None = None
+    reported: bool = False  # has sent its counters at least once
+    num_free_blocks: int = 0
+    num_total_blocks: int = 0
+    num_running: int = 0
+    num_waiting: int = 0
+    num_reserved_blocks: int = 0
+    predicted_blocks: int = 0
+    # Derived from the numbers above by ``refresh`` whenever they change (read once per decision):
+    load_blocks: int = 0  # committed: in use + reserved by unfinished sequences + predicted
+    room_blocks: int | None = None  # free - reserved - predicted; None until the worker reports
+    queued: int = 0  # sequences running or waiting
+
+    def refresh(self) -> None:
+        used = self.num_total_blocks - self.num_free_blocks
+        self.load_blocks = used + self.num_reserved_blocks + self.predicted_blocks
+        if self.reported:
+            self.room_blocks = self.num_free_blocks - self.num_reserved_blocks - self.predicted_blocks
+        self.queued = self.num_running + self.num_waiting
+
+
+@dataclass(slots=True)
+class SchedulerCounters:
+    batches: int = 0
+    block_events: int = 0  # stored + removed hashes applied
+    stale_batches: int = 0  # duplicates or batches from before a snapshot
+    gaps: int = 0
+    snapshots_asked: int = 0
+    snapshots_applied: int = 0
+    workers_dropped: int = 0
+    decisions: int = 0
+    decisions_without_room: int = 0
+    predictions_confirmed: int = 0
+    predictions_expired: int = 0
+
+
+@dataclass(slots=True)
+class _Prediction:
+    request_id: str
+    worker_id: str
+    slot: int
+    expires: float
+    keys: list[int]
+    blocks: int  # 0 once the worker confirmed it took the request
+
+
+class GlobalScheduler:
+    def __init__(self, *, weight: float = 4.0, prediction_ttl_s: float = 2.0, liveness_timeout_s: float = 10.0,
+                 snapshot_retry_s: float = 2.0, max_ranked: int = 8) -> None:
+        if weight < 0:
+            raise ValueError(f"the cost weight must be >= 0, got {weight}")
+        if max_ranked < 1:
+            raise ValueError(f"max_ranked must be >= 1, got {max_ranked}")
+        self.weight = weight
+        self.max_ranked = max_ranked
+        self.prediction_ttl_s = prediction_ttl_s
+        self.liveness_timeout_s = liveness_timeout_s
+        self.snapshot_retry_s = snapshot_retry_s
+        self.index = KVBlockIndex()
+        self.workers: dict[str, WorkerView] = {}
+        self._by_slot: dict[int, WorkerView] = {}
+        self.counters = SchedulerCounters()
+        self._free_slots: list[int] = []
+        self._next_slot = 0
+        self._next_liveness_check = float("-inf")
+        self._predictions: dict[str, _Prediction] = {}  # in expiry order
+        self._predicted_mask: dict[int, int] = {}  # routing key -> slots predicted to hold it
+        self._predicted_refs: dict[int, Counter] = {}  # slot -> routing key -> predictions saying so
+
+    # ---- workers -----------------------------------------------------------------------------
+
+    def _view(self, worker_id: str, now: float) -> WorkerView:
+        view = self.workers.get(worker_id)
+        if view is None:
+            if self._free_slots:
+                slot = min(self._free_slots)  # low slots keep bit masks short
+                self._free_slots.remove(slot)
+            else:
+                slot, self._next_slot = self._next_slot, self._next_slot + 1
+            view = self.workers[worker_id] = self._by_slot[slot] = WorkerView(worker_id, slot, last_seen=now)
+        return view
+
+    def drop_worker(self, worker_id: str) -> bool:
+        """Forget a worker that died or left, with all it held; False if it was unknown."""
+        view = self.workers.pop(worker_id, None)
+        if view is None:
+            return False
+        del self._by_slot[view.slot]
+        self.index.clear(view.slot)
+        for pred in [p for p in self._predictions.values() if p.slot == view.slot]:
+            self._end_prediction(pred)
+        self._free_slots.append(view.slot)
+        self.counters.workers_dropped += 1
+        return True
+
+    def expire(self, now: float) -> None:
+        """Drop silent workers (looked for at most once a second) and end predictions past their time."""
+        if now >= self._next_liveness_check:
+            self._next_liveness_check = now + 1.0
+            for view in [v for v in self.workers.values() if now - v.last_seen > self.liveness_timeout_s]:
+                self.drop_worker(view.worker_id)
+        while self._predictions:
+            pred = next(iter(self._predictions.values()))
+            if pred.expires > now:
+                break
+            self._end_prediction(pred)
+            self.counters.predictions_expired += 1
+
+    def _report(self, view: WorkerView, b: KVEventBatch | KVSnapshot, now: float) -> None:
+        view.last_seen = now
+        view.reported = True
+        view.num_free_blocks = b.num_free_blocks
+        view.num_total_blocks = b.num_total_blocks
+        view.num_running = b.num_running
+        view.num_waiting = b.num_waiting
+        view.num_reserved_blocks = b.num_reserved_blocks
+        for request_id in b.added:
+            pred = self._predictions.get(request_id)
+            if pred is not None and pred.slot == view.slot and pred.blocks:
+                self._release_blocks(pred)
+                self.counters.predictions_confirmed += 1
+        view.refresh()
+
+    def apply_batch(self, batch: KVEventBatch, now: float) -> bool:
+        """Apply one worker's batch; True when the scheduler needs a snapshot from that worker."""
+        view = self._view(batch.worker_id, now)
+        if batch.seq <= view.seq and view.synced:
+            self.counters.stale_batches += 1  # a duplicate, or from before the snapshot we hold
+            view.last_seen = now
+            return False
+        self._report(view, batch, now)
+        if view.synced and batch.first_seq != view.seq + 1:
+            view.synced = False
+            self.counters.gaps += 1
+        if not view.synced:
+            return self._ask_snapshot(view, now)
+        if batch.cleared:
+            self.index.clear(view.slot)
+        if batch.removed:
+            self.index.remove(view.slot, routing_keys(batch.removed))
+        if batch.stored:
+            self.index.add(view.slot, routing_keys(batch.stored))
+        view.seq = batch.seq
+        self.counters.batches += 1
+        self.counters.block_events += batch.num_removed + batch.num_stored
+        return False
+
+    def _ask_snapshot(self, view: WorkerView, now: float) -> bool:
+        if view.snapshot_asked_at is not None and now - view.snapshot_asked_at < self.snapshot_retry_s:
+            return False  # asked already; the snapshot is on its way
+        view.snapshot_asked_at = now
+        self.counters.snapshots_asked += 1
+        return True
+
+    def apply_snapshot(self, snap: KVSnapshot, now: float) -> None:
+        view = self._view(snap.worker_id, now)
+        if view.synced and snap.seq <= view.seq:
+            return  # older than what we hold
+        self.index.replace(view.slot, routing_keys(snap.block_hashes))
+        self._report(view, snap, now)
+        view.seq = snap.seq
+        view.synced = True
+        view.snapshot_asked_at = None
+        self.counters.snapshots_applied += 1
+
+    def keys_of(self, worker_id: str) -> set[int] | None:
+        """The routing keys the scheduler believes the worker holds (None: unknown worker)."""
+        view = self.workers.get(worker_id)
+        return None if view is None else self.index.keys_of(view.slot)
+
+    # ---- routing -----------------------------------------------------------------------------
+
+    def route(self, req: RouteRequest, now: float, candidates: Collection[str] | None = None,
+              force: bool = False) -> RouteDecision:
+        """Rank ``candidates`` (default: every known worker) for ``req``; the ranking holds
+        the best ``max_ranked``.
+
+        The first choice is recorded as a prediction when the request is admitted, or
+        always with ``force`` (the caller routes it whether or not a worker has room)."""
+        self.expire(now)
+        views = self.workers.values() if candidates is None else [self._view(c, now) for c in candidates]
+        if not views:
+            return RouteDecision([], False, "no_workers", 0)
+        keys = routing_keys(req.block_hashes)
+        matched = self.index.prefix_match(keys, self._predicted_mask) if keys else {}
+        weight, num_keys, need = self.weight, len(keys), req.num_blocks
+        # One row per worker, compared as tuples: no room sorts after room, then cost, load, queue, id.
+        # Most workers hold none of the prompt: their rows need no lookup.
+        full_cost = weight * num_keys
+        rows = [((v.room_blocks is not None and v.room_blocks < need), full_cost + v.load_blocks, v.load_blocks,
+                 v.queued, v.worker_id, 0) for v in views if v.slot not in matched]
+        slots = self._by_slot if candidates is None else {v.slot: v for v in views}
+        for slot, cached in matched.items():
+            v = slots.get(slot)
+            if v is not None:
+                rows.append(((v.room_blocks is not None and v.room_blocks < need - cached),
+                             weight * (num_keys - cached) + v.load_blocks, v.load_blocks, v.queued, v.worker_id,
+                             cached))
+        best = heapq.nsmallest(self.max_ranked, rows)
+        admitted = not best[0][0]
+        if admitted:
+            best = [row for row in best if not row[0]]
+        scores = [WorkerScore(wid, cached, load, cost, not full) for full, cost, load, _, wid, cached in best]
+        first = scores[0]
+        reason = "no_room" if not admitted else ("prefix" if first.cached_blocks else "load")
+        self.counters.decisions += 1
+        if not admitted:
+            self.counters.decisions_without_room += 1
+        if admitted or force:
+            view = self.workers[first.worker_id]
+            self._add_prediction(_Prediction(req.request_id, view.worker_id, view.slot, now + self.prediction_ttl_s,
+                                             keys[first.cached_blocks:], max(need - first.cached_blocks, 0)))
+        return RouteDecision([s.worker_id for s in scores], admitted, reason, first.cached_blocks, scores)
+
+    # ---- predictions -------------------------------------------------------------------------
+
+    def _add_prediction(self, pred: _Prediction) -> None:
+        old = self._predictions.pop(pred.request_id, None)
+        if old is not None:
+            self._end_prediction(old)
+        self._predictions[pred.request_id] = pred
+        view = self.workers[pred.worker_id]
+        view.predicted_blocks += pred.blocks
+        view.refresh()
+        refs = self._predicted_refs.setdefault(pred.slot, Counter())
+        first_time = set(pred.keys).difference(refs)
+        refs.update(pred.keys)
+        if first_time:
+            mask, bit = self._predicted_mask, 1 << pred.slot
+            for key in first_time:
+                mask[key] = mask.get(key, 0) | bit
+
+    def _release_blocks(self, pred: _Prediction) -> None:
+        view = self.workers.get(pred.worker_id)
+        if view is not None and view.slot == pred.slot:
+            view.predicted_blocks -= pred.blocks
+            view.refresh()
+        pred.blocks = 0
+
+    def _end_prediction(self, pred: _Prediction) -> None:
+        self._predictions.pop(pred.request_id, None)
+        self._release_blocks(pred)
+        refs, mask = self._predicted_refs[pred.slot], self._predicted_mask
+        refs.subtract(pred.keys)
+        bit = 1 << pred.slot
+        for key in pred.keys:
+            if refs.get(key) == 0:  # the last prediction of this key on this slot
+                del refs[key]
+                rest = mask[key] & ~bit
+                if rest:
+                    mask[key] = rest
+                else:
+                    del mask[key]

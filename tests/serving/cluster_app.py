@@ -1,0 +1,165 @@
+"""The real app of test_server_cluster: deploy/serve.yaml brought up with `serve run` on the
+session's Ray cluster (two worker replicas of the tiny checkpoint, kv routing), and helpers that
+look at its workers and its global scheduler. Only tests import this.
+
+(`serve run` with a config file replaces every app on the cluster, so each module that deploys
+one brings up its own.)"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import yaml
+
+from pagefleet.router.kv_index import routing_keys
+from pagefleet.worker.stats import ReplicaStats
+
+SERVE_YAML = Path(__file__).resolve().parents[2] / "deploy" / "serve.yaml"
+APP = "pagefleet"
+MAX_MODEL_LEN = 256
+
+
+def worker_stats() -> dict[str, ReplicaStats]:
+    """Each worker replica's published routing stats, keyed by replica id.
+
+    Asks every replica actor directly (the call Serve's controller makes each stats
+    period), so no request is routed and every replica answers."""
+    import ray
+
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+             if a["namespace"] == "serve" and f"::{APP}#PagefleetWorker#" in a["name"]]
+    actors = [ray.get_actor(name, namespace="serve") for name in names]
+    stats = ray.get([a.record_routing_stats.remote() for a in actors], timeout=60)
+    published = [ReplicaStats.from_routing_stats(s) for s in stats]
+    return {s.replica_id: s for s in published}
+
+
+def start_app(ray_address: str, port: int, ckpt: Path, workdir: Path) -> str:
+    """`serve run` the shipped serve.yaml with only sizes changed; returns the base URL."""
+    from ray import serve
+
+    config = yaml.safe_load(SERVE_YAML.read_text())
+    config["http_options"]["port"] = port
+    # A tiny checkpoint and CI-sized resources. 4 MiB of KV per worker is 256 blocks, small
+    # enough that the kv routing tests churn through it (evictions included).
+    config["applications"][0]["args"].update(model=str(ckpt), workers=2, kv_cache_bytes="4MiB",
+                                             max_model_len=MAX_MODEL_LEN, max_num_seqs=8,
+                                             worker_num_cpus=0.5, ingress_num_cpus=0.25)
+    path = workdir / "serve.yaml"
+    path.write_text(yaml.safe_dump(config))
+    serve_cli = str(Path(sys.executable).parent / "serve")
+    done = subprocess.run([serve_cli, "run", "--address", ray_address, "--non-blocking", str(path)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while True:
+        status = serve.status().applications.get(APP)
+        if status is not None and status.status == "RUNNING":
+            break
+        assert status is None or status.status in ("DEPLOYING", "NOT_STARTED"), status
+        assert time.monotonic() < deadline, f"app not RUNNING: {status}"
+        time.sleep(1)
+    assert httpx.get(f"{base}/health", timeout=30).status_code == 200
+    return base
+
+
+def ingress():
+    from ray import serve
+
+    return serve.get_deployment_handle("OpenAIIngress", APP)
+
+
+def worker_snapshots() -> dict:
+    """Every worker's own KV snapshot, by worker id (the handle routes each call to some replica:
+    call until both answered)."""
+    from ray import serve
+
+    handle = serve.get_deployment_handle("PagefleetWorker", APP)
+    snaps: dict = {}
+    for _ in range(100):  # spread over seconds: stale load stats would keep choosing one replica
+        snap = handle.kv_snapshot.remote().result(timeout_s=30)
+        snaps[snap.worker_id] = snap
+        if len(snaps) == 2:
+            return snaps
+        time.sleep(0.1)
+    raise AssertionError(f"only reached workers {sorted(snaps)}")
+
+
+def wait_idle(timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        engines = [s.engine for s in worker_stats().values()]
+        if all(e.num_running == 0 and e.num_waiting == 0 for e in engines):
+            return
+        assert time.monotonic() < deadline, f"workers did not go idle: {engines}"
+        time.sleep(0.05)
+
+
+def assert_views_equal_pools(scheduler) -> dict:
+    import ray
+
+    snaps = worker_snapshots()
+    views = {}
+    for worker_id, snap in snaps.items():
+        deadline = time.monotonic() + 10
+        while True:  # the batch the snapshot was taken at has to reach the scheduler first
+            view = ray.get(scheduler.worker_view.remote(worker_id))
+            if view is not None and view.seq >= snap.seq:
+                break
+            assert time.monotonic() < deadline, (worker_id, view, snap.seq)
+            time.sleep(0.05)
+        assert view.synced
+        assert view.routing_keys == set(routing_keys(snap.block_hashes)), worker_id
+        assert (view.num_free_blocks, view.num_total_blocks) == (snap.num_free_blocks, snap.num_total_blocks)
+        assert snap.num_free_blocks == snap.num_total_blocks  # idle: every block is free (cached or not)
+        views[worker_id] = view
+    return views
+
+
+async def traffic(base: str, model: str, n: int, seed: int, concurrency: int = 12,
+                   statuses: list[int] | None = None) -> list[int]:
+    """n completions: shared prefixes with random tails (two tenants by cache_salt), some
+    streamed to the end, some aborted by the client after the first chunk. Returns the
+    status of each (an aborted stream counts as its 200), appended to ``statuses`` as they come."""
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(5, 300) for _ in range(32)] for _ in range(6)]
+    statuses = [] if statuses is None else statuses
+    queue: asyncio.Queue = asyncio.Queue()
+    for i in range(n):
+        queue.put_nowait(i)
+
+    async def client(http: httpx.AsyncClient) -> None:
+        while not queue.empty():
+            queue.get_nowait()
+            prompt = rng.choice(prefixes) + [rng.randrange(5, 300) for _ in range(rng.randrange(0, 40))]
+            body = {"model": model, "prompt": prompt, "max_tokens": rng.randint(1, 8), "temperature": 0,
+                    "ignore_eos": True}
+            if rng.random() < 0.5:
+                body["cache_salt"] = "tenant-b"
+            mode = rng.random()
+            if mode < 0.3:  # the client hangs up after the first chunk
+                body["max_tokens"] = 64
+                async with http.stream("POST", f"{base}/v1/completions", json={**body, "stream": True}) as r:
+                    statuses.append(r.status_code)
+                    async for line in r.aiter_lines():
+                        if line.startswith("data: "):
+                            break
+            elif mode < 0.6:
+                async with http.stream("POST", f"{base}/v1/completions", json={**body, "stream": True}) as r:
+                    statuses.append(r.status_code)
+                    lines = [line async for line in r.aiter_lines() if line]
+                    assert lines[-1] == "data: [DONE]"
+            else:
+                r = await http.post(f"{base}/v1/completions", json=body)
+                statuses.append(r.status_code)
+
+    async with httpx.AsyncClient(timeout=120) as http:
+        await asyncio.gather(*(client(http) for _ in range(concurrency)))
+    return statuses

@@ -1,0 +1,230 @@
+"""The global scheduler's core on constructed states: exact choices, no Ray, no torch."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from pagefleet.router.global_scheduler import GlobalScheduler, RouteRequest
+from pagefleet.router.kv_index import KVBlockIndex, routing_keys
+from pagefleet.worker.block_hash import block_hashes
+from pagefleet.worker.kv_events import KVEventBatch, KVSnapshot, pack_hashes
+
+BS = 4
+PROMPT = list(range(100, 117))  # 4 full blocks + 1 token
+
+
+def hashes(tokens, salt=None):
+    return block_hashes(tokens, BS, () if salt is None else (salt,))
+
+
+def batch(worker, seq, stored=(), removed=(), *, first_seq=None, cleared=False, free=100, total=100,
+          running=0, waiting=0, reserved=0, added=()):
+    return KVEventBatch(worker, seq if first_seq is None else first_seq, seq, cleared, pack_hashes(stored),
+                        pack_hashes([b"\0" * 16] * len(stored)), bytes(4 * BS * len(stored)), pack_hashes(removed),
+                        free, total, running, waiting, reserved, list(added))
+
+
+def request(rid="r", tokens=PROMPT, num_blocks=6, salt=None):
+    return RouteRequest(rid, pack_hashes(hashes(tokens, salt)), num_blocks)
+
+
+def scheduler(**kw):
+    kw.setdefault("weight", 4.0)
+    return GlobalScheduler(**kw)
+
+
+def test_equal_workers_tie_break_by_id_and_the_prediction_spreads_a_burst():
+    gs = scheduler()
+    for w in ("b", "a", "c"):
+        gs.apply_batch(batch(w, 0), now=0.0)
+    d = gs.route(request("r1"), now=0.0)
+    assert d.ranking == ["a", "b", "c"] and d.admitted and d.reason == "load" and d.predicted_hit_blocks == 0
+    assert [s.cost for s in d.scores] == [16.0, 16.0, 16.0]  # weight 4 x 4 prompt blocks, no load
+    # r1's 6 blocks now count on a, and a is predicted to hold r1's prompt: a different
+    # prompt goes elsewhere, the same prompt stays with a (4 x 0 + 6 < 4 x 4 + 0)
+    other = gs.route(request("r2", tokens=list(range(500, 517))), now=0.1)
+    assert other.ranking[0] == "b" and other.scores[-1].load_blocks == 6
+    same = gs.route(request("r3"), now=0.2)
+    assert same.ranking[0] == "a" and same.reason == "prefix" and same.predicted_hit_blocks == 4
+    assert gs.workers["a"].predicted_blocks == 6 + 2  # r3 needs only 6 - 4 cached new blocks
+
+
+def test_cached_prefix_wins_until_load_outweighs_it():
+    gs = scheduler()
+    h = hashes(PROMPT)
+    gs.apply_batch(batch("a", 0), now=0.0)
+    gs.apply_batch(batch("b", 0, stored=h[:3], free=80), now=0.0)  # b holds 3 of the 4 prompt blocks, 20 used
+    d = gs.route(request(), now=0.0)
+    # a: 4 x 4 + 0 = 16; b: 4 x 1 + 20 = 24 -> a, despite b's prefix
+    assert d.ranking == ["a", "b"] and [s.cost for s in d.scores] == [16.0, 24.0]
+    gs2 = scheduler()
+    gs2.apply_batch(batch("a", 0), now=0.0)
+    gs2.apply_batch(batch("b", 0, stored=h[:3], free=95), now=0.0)  # 5 used: 4 + 5 = 9 < 16
+    d2 = gs2.route(request(), now=0.0)
+    assert d2.ranking == ["b", "a"] and d2.reason == "prefix" and d2.predicted_hit_blocks == 3
+    assert [s.cost for s in d2.scores] == [9.0, 16.0]
+
+
+def test_only_the_leading_run_counts_as_cached():
+    gs = scheduler()
+    h = hashes(PROMPT)
+    gs.apply_batch(batch("a", 0, stored=[h[0], h[2], h[3]]), now=0.0)  # a hole at block 1
+    gs.apply_batch(batch("b", 0, stored=h[:2]), now=0.0)
+    d = gs.route(request(), now=0.0)
+    assert [(s.worker_id, s.cached_blocks) for s in d.scores] == [("b", 2), ("a", 1)]
+
+
+def test_reserved_blocks_count_as_load_and_against_room():
+    gs = scheduler()
+    gs.apply_batch(batch("a", 0, free=50, reserved=45), now=0.0)  # room 5: a 6-block request does not fit
+    gs.apply_batch(batch("b", 0, free=10, reserved=0), now=0.0)  # room 10, but 90 blocks in use
+    d = gs.route(request(num_blocks=6), now=0.0)
+    assert d.ranking == ["b"] and d.admitted  # a (load 50 used + 45 reserved) has no room: skipped
+    assert [s.load_blocks for s in d.scores] == [90]
+
+
+def test_no_worker_with_room_is_not_admitted_and_predicts_nothing():
+    gs = scheduler()
+    gs.apply_batch(batch("a", 0, free=3), now=0.0)
+    gs.apply_batch(batch("b", 0, free=5, stored=hashes(PROMPT)[:1]), now=0.0)
+    d = gs.route(request(num_blocks=8), now=0.0)
+    # b: needs 8 - 1 cached = 7 > 5; a: 8 > 3. Ranked all the same, by cost:
+    # b: 4 x 3 + 95 = 107, a: 4 x 4 + 97 = 113
+    assert (d.admitted, d.reason, d.ranking) == (False, "no_room", ["b", "a"])
+    assert gs.workers["b"].predicted_blocks == 0 and gs.counters.decisions_without_room == 1
+    forced = gs.route(request(num_blocks=8), now=0.0, force=True)  # admission control off: route anyway
+    assert forced.ranking[0] == "b" and gs.workers["b"].predicted_blocks == 7
+
+
+def test_prediction_ends_when_the_worker_reports_the_request_or_after_its_ttl():
+    gs = scheduler(prediction_ttl_s=2.0)
+    gs.apply_batch(batch("a", 0), now=0.0)
+    gs.route(request("r1", num_blocks=6), now=0.0)
+    assert gs.workers["a"].predicted_blocks == 6
+    gs.apply_batch(batch("a", 1, free=94, reserved=2, added=["r1"]), now=0.5)  # took it in: 4 held, 2 to come
+    assert gs.workers["a"].predicted_blocks == 0 and gs.workers["a"].load_blocks == 8
+    assert gs.counters.predictions_confirmed == 1
+    # the predicted prefix entries stay until the ttl, so a twin still goes to a ...
+    assert gs.route(request("r2"), now=1.0, candidates=["a"]).predicted_hit_blocks == 4
+    # ... and are gone after it (a never stored the blocks: say r1 was aborted)
+    gs.apply_batch(batch("a", 2), now=2.9)
+    assert gs.route(request("r3"), now=3.1, candidates=["a"]).predicted_hit_blocks == 0
+    assert gs.counters.predictions_expired == 2  # r1 at 2.0, r2 at 3.0
+
+
+def test_a_sequence_gap_is_answered_by_a_snapshot():
+    gs = scheduler(snapshot_retry_s=2.0)
+    h = hashes(PROMPT)
+    assert gs.apply_batch(batch("a", 0, stored=h[:2]), now=0.0) is False
+    assert gs.apply_batch(batch("a", 2, stored=h[2:3]), now=0.1) is True  # batch 1 never came
+    assert gs.counters.gaps == 1 and gs.counters.snapshots_asked == 1
+    assert gs.apply_batch(batch("a", 3, removed=h[:1], free=7), now=0.2) is False  # asked already: wait
+    assert gs.keys_of("a") == set(routing_keys(pack_hashes(h[:2])))  # nothing applied while unsynced
+    assert gs.workers["a"].num_free_blocks == 7  # but counters are absolute: they are taken
+    assert gs.apply_batch(batch("a", 4), now=2.5) is True  # still no snapshot after the retry time: ask again
+    gs.apply_snapshot(KVSnapshot("a", 5, pack_hashes(h[1:4]), 60, 100, 1, 0, 0), now=2.6)
+    assert gs.keys_of("a") == set(routing_keys(pack_hashes(h[1:4])))
+    assert gs.apply_batch(batch("a", 5, stored=h[:1]), now=2.7) is False  # from before the snapshot
+    assert gs.counters.stale_batches == 1 and gs.keys_of("a") == set(routing_keys(pack_hashes(h[1:4])))
+    assert gs.apply_batch(batch("a", 6, stored=h[:1], removed=h[3:4]), now=2.8) is False
+    assert gs.keys_of("a") == set(routing_keys(pack_hashes(h[:3])))
+    merged = batch("a", 9, first_seq=7, removed=h[:1])  # a publisher's merge of 7..9 follows on
+    assert gs.apply_batch(merged, now=2.9) is False and gs.workers["a"].seq == 9
+
+
+def test_a_restarted_scheduler_asks_every_worker_for_a_snapshot():
+    gs = scheduler()
+    assert gs.apply_batch(batch("a", 41), now=0.0) is True  # mid-stream: it cannot know a's blocks
+    assert gs.apply_batch(batch("b", 0), now=0.0) is False  # a fresh worker starts at 0, empty
+    gs.apply_snapshot(KVSnapshot("a", 42, pack_hashes(hashes(PROMPT)), 90, 100, 0, 0, 0), now=0.1)
+    assert gs.route(request(), now=0.2).ranking[0] == "a"
+
+
+def test_dead_or_silent_workers_are_dropped_with_their_blocks():
+    gs = scheduler(liveness_timeout_s=10.0)
+    h = hashes(PROMPT)
+    gs.apply_batch(batch("a", 0, stored=h), now=0.0)
+    gs.apply_batch(batch("b", 0, stored=h[:1]), now=0.0)
+    assert gs.drop_worker("a") is True and gs.drop_worker("a") is False
+    assert gs.keys_of("a") is None and len(gs.index) == 1
+    d = gs.route(request(), now=1.0)
+    assert d.ranking == ["b"] and d.predicted_hit_blocks == 1
+    gs.apply_batch(batch("c", 0, stored=h), now=5.0)  # reuses a's slot, holding only its own blocks
+    assert gs.workers["c"].slot == 0 and gs.keys_of("c") == set(routing_keys(pack_hashes(h)))
+    gs.expire(now=12.0)  # b silent since 0.0; c seen at 5.0
+    assert sorted(gs.workers) == ["c"] and gs.counters.workers_dropped == 2
+
+
+def test_two_salts_never_share_or_probe_each_other():
+    gs = scheduler()
+    gs.apply_batch(batch("a", 0, stored=hashes(PROMPT, salt="tenant-1")), now=0.0)
+    gs.apply_batch(batch("b", 0), now=0.0)
+    assert gs.route(request("r1", salt="tenant-1"), now=0.0).predicted_hit_blocks == 4
+    other = gs.route(request("r2", salt="tenant-2"), now=0.0, candidates=["a"])
+    assert other.predicted_hit_blocks == 0 and other.reason == "load"
+    unsalted = gs.route(request("r3"), now=0.0, candidates=["a"])
+    assert unsalted.predicted_hit_blocks == 0
+    assert set(hashes(PROMPT, "tenant-1")).isdisjoint(hashes(PROMPT, "tenant-2"))
+
+
+def test_candidates_limit_the_ranking_and_unknown_ones_start_empty():
+    gs = scheduler()
+    gs.apply_batch(batch("a", 0, stored=hashes(PROMPT)), now=0.0)
+    d = gs.route(request(), now=0.0, candidates=["new"])
+    assert d.ranking == ["new"] and d.admitted  # nothing known of it yet: it may take the request
+    assert gs.route(RouteRequest("x", b"", 1), now=0.0, candidates=[]).reason == "no_workers"
+
+
+def test_index_holder_encoding_round_trips():
+    index = KVBlockIndex()
+    index.add(3, [10, 11])
+    index.add(300, [11, 12])  # a slot beyond the small-int range
+    index.add(3, [10])  # twice: no change
+    assert (index.holders(10), index.holders(11), index.holders(12)) == (1 << 3, 1 << 3 | 1 << 300, 1 << 300)
+    assert index.prefix_match([10, 11, 12]) == {3: 2}
+    assert index.prefix_match([11, 12]) == {3: 1, 300: 2}
+    index.remove(300, [11, 99])
+    assert index.holders(11) == 1 << 3 and index._holders[11] == 3  # back to the single-holder form
+    index.replace(3, [11, 13])
+    assert index.keys_of(3) == {11, 13} and index.holders(10) == 0 and len(index) == 3
+    index.clear(300)
+    assert index.num_entries() == 2 and index.holders(12) == 0
+    with pytest.raises(ValueError):
+        routing_keys(b"short")
+    assert routing_keys(bytes(range(16))) == [int.from_bytes(bytes(range(8)), "little")]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["add", "remove", "clear", "replace"]), st.sampled_from([0, 1, 7, 256, 300]),
+                          st.lists(st.integers(0, 12), max_size=6)), max_size=40))
+def test_index_equals_a_plain_model(ops):
+    index, model = KVBlockIndex(), {}
+    for op, slot, keys in ops:
+        mine = model.setdefault(slot, set())
+        if op == "add":
+            index.add(slot, keys)
+            mine.update(keys)
+        elif op == "remove":
+            index.remove(slot, keys)
+            mine.difference_update(keys)
+        elif op == "clear":
+            index.clear(slot)
+            mine.clear()
+        else:
+            index.replace(slot, keys)
+            model[slot] = set(keys)
+    for key in range(13):
+        expected = sum(1 << slot for slot, keys in model.items() if key in keys)
+        assert index.holders(key) == expected
+        assert all(index.holds(slot, key) == (key in keys) for slot, keys in model.items())
+    for slot, keys in model.items():
+        assert index.keys_of(slot) == keys
+    assert len(index) == len(set().union(*model.values())) if model else len(index) == 0
+    probe = [0, 1, 2, 3]
+    expected_match = {}
+    for slot, keys in model.items():
+        run = next((i for i, k in enumerate(probe) if k not in keys), len(probe))
+        if run:
+            expected_match[slot] = run
+    assert index.prefix_match(probe) == expected_match

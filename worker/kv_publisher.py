@@ -1,0 +1,129 @@
+"""Sends one worker's KV event batches to the global scheduler without ever blocking the engine.
+
+The engine thread hands each step's batch to ``put`` (a bounded deque append
+and a wake-up of the event loop: nothing that can wait). A task on the
+replica's event loop sends them in order, one call in flight at a time; batches
+that pile up meanwhile go out merged into one (``merge_batches``), so a slow
+scheduler gets fewer, larger calls. When even the deque overflows, the oldest
+batches are dropped: their numbers go missing, the scheduler sees the gap and
+asks for a snapshot, which this publisher takes (on the engine thread) and
+sends in sequence with the batches. A failed call is not retried: it leaves a
+gap too. No Ray here: ``SchedulerLink`` is whatever carries the calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from dataclasses import dataclass
+from typing import Awaitable, Callable, Protocol
+
+from pagefleet.worker.kv_events import KVEventBatch, KVSnapshot, merge_batches
+
+logger = logging.getLogger(__name__)
+
+
+class SchedulerLink(Protocol):
+    async def publish(self, batch: KVEventBatch) -> bool:
+        """Deliver a batch; True when the scheduler wants a snapshot."""
+
+    async def publish_snapshot(self, snapshot: KVSnapshot) -> None:
+        ...
+
+
+@dataclass(slots=True)
+class PublisherCounters:
+    batches: int = 0  # put by the engine
+    calls: int = 0  # sent (a merged batch is one call)
+    dropped: int = 0  # lost to a full buffer
+    failed_calls: int = 0
+    snapshots: int = 0
+
+
+class KVEventPublisher:
+    def __init__(self, link: SchedulerLink, take_snapshot: Callable[[], Awaitable[KVSnapshot]], *,
+                 max_pending: int = 256, call_timeout_s: float = 5.0, backoff_s: float = 1.0) -> None:
+        self.link = link
+        self.take_snapshot = take_snapshot
+        self.call_timeout_s = call_timeout_s
+        self.backoff_s = backoff_s
+        self.counters = PublisherCounters()
+        self._pending: deque[KVEventBatch] = deque(maxlen=max_pending)
+        self._covered = -1  # batches up to this number are inside a snapshot already sent
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._wake: asyncio.Event | None = None
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        """Start sending, from the event loop that will run the sends."""
+        if self._task is None:
+            self._loop = asyncio.get_running_loop()
+            self._wake = asyncio.Event()
+            if self._pending:
+                self._wake.set()  # put before the start
+            self._task = self._loop.create_task(self._run(), name="pagefleet-kv-publisher")
+
+    def put(self, batch: KVEventBatch) -> None:
+        """Any thread; never waits."""
+        if len(self._pending) == self._pending.maxlen:
+            self.counters.dropped += 1
+        self._pending.append(batch)  # a full deque drops its oldest
+        self.counters.batches += 1
+        loop, wake = self._loop, self._wake
+        if loop is not None and wake is not None:
+            try:
+                loop.call_soon_threadsafe(wake.set)
+            except RuntimeError:  # the loop is closed: the replica is going away
+                pass
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+
+    async def _run(self) -> None:
+        assert self._wake is not None
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while self._pending:
+                await self._send_pending()
+
+    async def _send_pending(self) -> None:
+        batches = []
+        while self._pending:
+            batches.append(self._pending.popleft())
+        for run in _consecutive_runs([b for b in batches if b.seq > self._covered]):
+            run = [b for b in run if b.seq > self._covered]  # a snapshot taken meanwhile covers them
+            if not run:
+                continue
+            try:
+                wants_snapshot = await asyncio.wait_for(self.link.publish(merge_batches(run)), self.call_timeout_s)
+                self.counters.calls += 1
+                if wants_snapshot:
+                    await self._send_snapshot()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # the scheduler is down or restarting: its next view starts from a gap
+                self.counters.failed_calls += 1
+                logger.debug("publishing KV events failed: %r", exc)
+                await asyncio.sleep(self.backoff_s)
+                return
+
+    async def _send_snapshot(self) -> None:
+        snapshot = await self.take_snapshot()
+        self._covered = snapshot.seq
+        await asyncio.wait_for(self.link.publish_snapshot(snapshot), self.call_timeout_s)
+        self.counters.snapshots += 1
+
+
+def _consecutive_runs(batches: list[KVEventBatch]) -> list[list[KVEventBatch]]:
+    runs: list[list[KVEventBatch]] = []
+    for batch in batches:
+        if runs and batch.first_seq == runs[-1][-1].seq + 1:
+            runs[-1].append(batch)
+        else:
+            runs.append([batch])
+    return runs
