@@ -16,7 +16,9 @@ from ray.serve.config import RequestRouterConfig
 
 from pagefleet.cluster.config import ServeOptions
 from pagefleet.cluster.demo_model import or_demo_model
+from pagefleet.router.http_guards import BodyLimits
 from pagefleet.router.ingress import INGRESS_DEPLOYMENT_NAME, OpenAIIngress
+from pagefleet.router.preprocess import ServingLimits
 from pagefleet.router.request_router import REQUEST_ROUTER_CLASS
 from pagefleet.worker.deployment import worker_deployment
 
@@ -43,16 +45,25 @@ def build_app(args: Mapping[str, Any] | ServeOptions | None = None) -> Applicati
             request_routing_stats_period_s=ROUTING_STATS_PERIOD_S,
             request_routing_stats_timeout_s=5.0,
         ),
+        # Requests past every replica's max_ongoing_requests wait in each ingress's handle, up to
+        # this many; the next gets BackPressureError at once, which the ingress answers with 429.
+        max_queued_requests=serve_args.max_queued_requests,
+        graceful_shutdown_timeout_s=serve_args.drain_timeout_s,
     )
     ingress = serve.deployment(
         OpenAIIngress,
         name=INGRESS_DEPLOYMENT_NAME,
         num_replicas=serve_args.ingress_replicas,
-        # The ingress only tokenizes and relays; its concurrency is bounded by the workers'.
+        # The ingress only tokenizes and relays; its concurrency is bounded by the workers' queues.
         max_ongoing_requests=4096,
+        graceful_shutdown_timeout_s=serve_args.drain_timeout_s,
         ray_actor_options={"num_cpus": serve_args.ingress_num_cpus},
     )
-    return ingress.bind(worker, engine_args, serve_args.api_key)
+    serving = ServingLimits(serve_args.max_prompts_per_request, serve_args.max_prompt_chars,
+                            serve_args.max_request_id_chars)
+    return ingress.bind(worker, engine_args, api_key=serve_args.api_key, serving=serving,
+                        body_limits=BodyLimits(serve_args.max_request_body_bytes),
+                        drain_timeout_s=serve_args.drain_timeout_s)
 
 
 def _cluster_has_gpus() -> bool:

@@ -33,6 +33,10 @@ OTHER_VALUES = {
     "tensor_parallel_size": ("2", 2),
     "seed": ("7", 7),
     "load_format": ("dummy", "dummy"),
+    "trust_remote_code": (None, False),  # the only value it takes: true is refused (test below)
+    "max_stop_strings": ("4", 4),
+    "max_stop_string_chars": ("64", 64),
+    "max_stop_token_ids": ("8", 8),
     "host": ("0.0.0.0", "0.0.0.0"),
     "port": ("9000", 9000),
     "workers": ("3", 3),
@@ -41,6 +45,12 @@ OTHER_VALUES = {
     "worker_num_gpus": ("1", 1.0),
     "ingress_num_cpus": ("0.25", 0.25),
     "ingress_replicas": ("2", 2),
+    "max_request_body_bytes": ("1MiB", 2**20),
+    "max_prompts_per_request": ("16", 16),
+    "max_prompt_chars": ("10000", 10000),
+    "max_request_id_chars": ("64", 64),
+    "max_queued_requests": ("-1", -1),
+    "drain_timeout_s": ("5", 5.0),
 }
 ENGINE_FIELDS = [f.name for f in option_fields(EngineArgs)]
 SERVE_FIELDS = [f.name for f in option_fields(ServeArgs)]
@@ -120,3 +130,15 @@ def test_a_secret_option_never_shows(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         _parser().parse_args(["serve", "--help"])
     assert "s3cret-key" not in capsys.readouterr().out
+
+
+def test_trust_remote_code_is_refused_however_it_comes_in(monkeypatch):
+    """pagefleet runs no code from a model directory: the vLLM flag is known, and refused clearly."""
+    message = "trust_remote_code is not supported"
+    with pytest.raises(ValueError, match=message):
+        _cli("--trust-remote-code")
+    with pytest.raises(ValueError, match=message):
+        ServeOptions.from_dict({"trust_remote_code": True})
+    monkeypatch.setattr(llm_module, "LLMEngine", lambda args: _Stub())
+    with pytest.raises(ValueError, match=message):
+        llm_module.LLM(model="/ckpt", trust_remote_code=True)

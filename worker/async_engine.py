@@ -14,6 +14,7 @@ from typing import AsyncIterator
 
 from pagefleet.worker.engine import LLMEngine
 from pagefleet.worker.engine_args import EngineArgs
+from pagefleet.worker.errors import EngineDeadError
 from pagefleet.worker.outputs import RequestOutputDelta
 from pagefleet.worker.sampling_params import SamplingParams
 from pagefleet.worker.stats import EngineStats
@@ -21,8 +22,7 @@ from pagefleet.worker.stats import EngineStats
 logger = logging.getLogger(__name__)
 
 
-class EngineDeadError(RuntimeError):
-    pass
+__all__ = ["AsyncLLMEngine", "EngineDeadError"]
 
 
 @dataclass(slots=True)

@@ -139,9 +139,9 @@ def test_build_app_accepts_the_yaml_args_and_refuses_unknown_ones(tiny_checkpoin
     model = str(tiny_checkpoint("llama"))
     built = build_app({**app["args"], "model": model, "workers": 2, "worker_num_cpus": 0.5, "api_key": "k"})
     ingress = built._bound_deployment  # Serve has no public accessor for an Application's deployment
-    worker_app, engine_args, api_key = ingress.init_args
+    worker_app, engine_args = ingress.init_args
     worker = worker_app._bound_deployment
-    assert (ingress.name, ingress.num_replicas, api_key) == ("OpenAIIngress", 1, "k")
+    assert (ingress.name, ingress.num_replicas, ingress.init_kwargs["api_key"]) == ("OpenAIIngress", 1, "k")
     assert (worker.name, worker.num_replicas, worker.ray_actor_options["num_cpus"]) == ("PagefleetWorker", 2, 0.5)
     assert worker.init_args == (engine_args,) and engine_args.model == model
     with pytest.raises(ValueError, match="unknown option"):
