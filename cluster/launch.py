@@ -15,7 +15,7 @@ import signal
 import sys
 import time
 
-from pagefleet.cluster.config import ServeOptions
+from pagefleet.cluster.config import API_KEY_ENV, ServeOptions
 
 def prepare_model(opts: ServeOptions) -> str:
     """Resolve (and, for the demo, write) the checkpoint before any Ray process starts, so a bad
@@ -79,7 +79,8 @@ def run_server(opts: ServeOptions, *, address: str | None = None) -> int:
 def banner(opts: ServeOptions, model_name: str, elapsed_s: float, local: bool) -> str:
     host = "127.0.0.1" if opts.serve.host in ("0.0.0.0", "::") else opts.serve.host
     base = f"http://{host}:{opts.serve.port}"
-    auth = f" \\\n  -H 'Authorization: Bearer {opts.serve.api_key}'" if opts.serve.api_key else ""
+    # The key itself is never printed: the line names where the user keeps it.
+    auth = f" \\\n  -H \"Authorization: Bearer ${API_KEY_ENV}\"" if opts.serve.api_key else ""
     where = "a local Ray cluster (token auth on)" if local else "the Ray cluster"
     return (
         f"\npagefleet: serving {model_name!r} with {opts.serve.workers} worker replica(s) on {where}, "
