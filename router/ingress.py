@@ -9,6 +9,7 @@ worker-side generator, which aborts the request in the engine.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Any, AsyncIterator
 
@@ -44,9 +45,10 @@ class HandleWorkerClient:
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams) -> AsyncIterator[RequestOutputDelta]:
         for attempt in range(1, MAX_ATTEMPTS + 1):
-            response = self._stream.remote(request_id, prompt_token_ids, params)
+            response = None
             started = finished = False
             try:
+                response = self._stream.remote(request_id, prompt_token_ids, params)  # may refuse: queues full
                 async for delta in response:
                     started = True
                     finished = delta.finished
@@ -59,8 +61,9 @@ class HandleWorkerClient:
                 logger.warning("request %s: worker unavailable before its first output (%s); attempt %d of %d",
                                request_id, type(exc).__name__, attempt + 1, MAX_ATTEMPTS)
             finally:
-                if not finished:
-                    response.cancel()
+                if response is not None and not finished:
+                    with contextlib.suppress(Exception):  # a refused or failed call re-raises on cancel
+                        response.cancel()
 
     async def check_health(self) -> None:
         await self._health.check()

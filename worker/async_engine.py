@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import queue
 import threading
 import time
@@ -42,12 +43,24 @@ class AbortRequest:
     request_id: str
 
 
+STEP_TIMEOUT_ENV = "PAGEFLEET_STEP_TIMEOUT_S"
+DEFAULT_STEP_TIMEOUT_S = 1800.0
+
+
 class AsyncLLMEngine:
-    def __init__(self, args: EngineArgs, stall_timeout_s: float = 60.0) -> None:
+    """Health is forward progress: the loop is alive, and with work pending it either finished a
+    step with output within ``stall_timeout_s`` or is inside a step that began less than
+    ``step_timeout_s`` ago. One slow step (a cold compile, a large model on CPU) is progress in
+    flight, not a stall; a step that never returns is caught by ``step_timeout_s``
+    (``$PAGEFLEET_STEP_TIMEOUT_S``, default 30 min)."""
+
+    def __init__(self, args: EngineArgs, stall_timeout_s: float = 60.0, step_timeout_s: float | None = None) -> None:
         self.engine = LLMEngine(args)
         self.tokenizer = self.engine.tokenizer
         self.model_config = self.engine.model_config
         self.stall_timeout_s = stall_timeout_s
+        self.step_timeout_s = step_timeout_s or float(os.environ.get(STEP_TIMEOUT_ENV, DEFAULT_STEP_TIMEOUT_S))
+        self._step_started: float | None = None  # monotonic start of the step running now
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -99,10 +112,17 @@ class AsyncLLMEngine:
         return self._stats
 
     def check_health(self) -> None:
-        """Raise when the step loop died, or has work but made no step for stall_timeout_s."""
+        """Raise when the step loop died, or stopped making progress (see the class docstring)."""
         self._raise_if_dead()
         self.engine.check_health()
-        stalled = time.monotonic() - self._last_progress
+        now = time.monotonic()
+        started = self._step_started
+        if started is not None:
+            if now - started > self.step_timeout_s:
+                raise EngineDeadError(f"an engine step has run for {now - started:.0f} s "
+                                      f"(step timeout {self.step_timeout_s:.0f} s)")
+            return
+        stalled = now - self._last_progress
         if self.engine.has_unfinished() and stalled > self.stall_timeout_s:
             raise EngineDeadError(f"the engine has made no step for {stalled:.0f} s with work pending")
 
@@ -162,7 +182,11 @@ class AsyncLLMEngine:
                     self._wakeup.wait(timeout=1.0)
                     self._wakeup.clear()
                     continue
-                deltas = self.engine.step()
+                self._step_started = time.monotonic()
+                try:
+                    deltas = self.engine.step()
+                finally:
+                    self._step_started = None
                 self._stats = self.engine.stats()  # before delivery: a reader of a delta sees its step's stats
                 if deltas:  # a step that schedules nothing while work waits is no progress
                     self._last_progress = time.monotonic()

@@ -8,7 +8,6 @@ below runs against it.
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import time
@@ -19,33 +18,13 @@ import httpx
 import pytest
 import yaml
 
-from pagefleet.worker.stats import ReplicaStats
+from cluster_helpers import free_port as _free_port
+from cluster_helpers import worker_stats
 
 SERVE_YAML = Path(__file__).resolve().parents[2] / "deploy" / "serve.yaml"
 APP = "pagefleet"
 MAX_MODEL_LEN = 256
 PROMPTS = ["Hello, my name is", "The capital of France is", "pagefleet serves models"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def worker_stats() -> dict[str, ReplicaStats]:
-    """Each worker replica's published routing stats, keyed by replica id.
-
-    Asks every replica actor directly (the call Serve's controller makes each stats
-    period), so no request is routed and every replica answers."""
-    import ray
-
-    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-             if a["namespace"] == "serve" and "PagefleetWorker" in a["name"]]
-    actors = [ray.get_actor(name, namespace="serve") for name in names]
-    stats = ray.get([a.record_routing_stats.remote() for a in actors], timeout=60)
-    published = [ReplicaStats.from_routing_stats(s) for s in stats]
-    return {s.replica_id: s for s in published}
 
 
 @pytest.fixture(scope="module")
