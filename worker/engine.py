@@ -40,7 +40,7 @@ class LLMEngine:
         self.device = resolve_device(args.device)
         self.model_config = cfg = model_config_of(args)
         self.limits = RequestLimits.of(cfg, args)
-        self.tokenizer = AutoTokenizer.from_pretrained(str(cfg.path))
+        self.tokenizer = AutoTokenizer.from_pretrained(str(cfg.path), trust_remote_code=False)
         torch.manual_seed(args.seed)
         self.executor = make_executor(cfg, args, self.device)
         try:
