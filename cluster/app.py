@@ -18,7 +18,9 @@ from ray.serve.config import RequestRouterConfig
 
 from pagefleet.cluster.config import ServeOptions
 from pagefleet.cluster.demo_model import or_demo_model
+from pagefleet.router.http_guards import BodyLimits
 from pagefleet.router.ingress import INGRESS_DEPLOYMENT_NAME, OpenAIIngress
+from pagefleet.router.preprocess import ServingLimits
 from pagefleet.router.request_router import ROUTER_CLASSES
 from pagefleet.router.scheduler_actor import start_scheduler
 from pagefleet.worker.deployment import worker_deployment
@@ -48,16 +50,28 @@ def build_app(args: Mapping[str, Any] | ServeOptions | None = None) -> Applicati
             request_routing_stats_period_s=ROUTING_STATS_PERIOD_S,
             request_routing_stats_timeout_s=5.0,
         ),
+        # Requests past every replica's max_ongoing_requests wait in each ingress's handle, up to the
+        # admission queue's bound; the next gets BackPressureError at once, which the ingress answers
+        # with admission control's 429. With kv routing the ingress's own admission queue holds
+        # them before they reach the handle; this bound is then a backstop.
+        max_queued_requests=serve_args.admission_queue_size or -1,
+        graceful_shutdown_timeout_s=serve_args.drain_timeout_s,
     )
     ingress = serve.deployment(
         OpenAIIngress,
         name=INGRESS_DEPLOYMENT_NAME,
         num_replicas=serve_args.ingress_replicas,
-        # The ingress only tokenizes and relays; its concurrency is bounded by the workers'.
+        # The ingress only tokenizes and relays; its concurrency is bounded by the workers' queues.
         max_ongoing_requests=4096,
+        graceful_shutdown_timeout_s=serve_args.drain_timeout_s,
         ray_actor_options={"num_cpus": serve_args.ingress_num_cpus},
     )
-    return ingress.bind(worker, engine_args, serve_args.api_key, kv_scheduler, opts.kv_routing())
+    serving = ServingLimits(serve_args.max_prompts_per_request, serve_args.max_prompt_chars,
+                            serve_args.max_request_id_chars)
+    return ingress.bind(worker, engine_args, api_key=serve_args.api_key, kv_scheduler=kv_scheduler,
+                        kv_routing=opts.kv_routing(), serving=serving,
+                        body_limits=BodyLimits(serve_args.max_request_body_bytes),
+                        drain_timeout_s=serve_args.drain_timeout_s)
 
 
 def _cluster_has_gpus() -> bool:

@@ -22,6 +22,7 @@ from pagefleet.cluster.bench_args import ENDPOINTS, BenchArgs
 from pagefleet.cluster.bench_client import BenchRequest, Endpoint, send
 from pagefleet.cluster.bench_metrics import RequestResult, compute_metrics
 from pagefleet.cluster.bench_report import RunConfig, format_report, result_dict
+from pagefleet.cluster.demo_model import demo_cache_root
 from pagefleet.worker.options import add_cli_args, from_namespace
 
 
@@ -48,8 +49,8 @@ async def _main(args: BenchArgs) -> int:
     timeout = aiohttp.ClientTimeout(total=args.timeout)
     connector = aiohttp.TCPConnector(limit=args.max_concurrency or 0, keepalive_timeout=60)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
-        model, root = await _first_model(session, base, headers) if args.model is None else (args.model, None)
-        tokenizer_id = args.tokenizer or _local_dir(root) or _local_dir(args.model)
+        model = args.model or await _first_model(session, base, headers)
+        tokenizer_id = args.tokenizer or _local_dir(model) or _local_dir(demo_cache_root() / model)
         if tokenizer_id is None:
             raise ValueError("no tokenizer: pass --tokenizer DIR (a local tokenizer; nothing is downloaded)")
         from transformers import AutoTokenizer
@@ -152,7 +153,7 @@ def _dataset(args: BenchArgs, tokenizer) -> list[BenchRequest]:
                                         args.seed)
 
 
-async def _first_model(session: aiohttp.ClientSession, base: str, headers: dict) -> tuple[str, str | None]:
+async def _first_model(session: aiohttp.ClientSession, base: str, headers: dict) -> str:
     try:
         async with session.get(f"{base}/v1/models", headers=headers) as resp:
             if resp.status != 200:
@@ -162,8 +163,11 @@ async def _first_model(session: aiohttp.ClientSession, base: str, headers: dict)
         raise RuntimeError(f"cannot reach {base}/v1/models: {exc}") from None
     if not models:
         raise RuntimeError(f"{base}/v1/models lists no model")
-    return models[0]["id"], models[0].get("root")
+    return models[0]["id"]
 
 
-def _local_dir(path: str | None) -> str | None:
-    return path if path and Path(path).expanduser().is_dir() else None
+def _local_dir(path: str | Path) -> str | None:
+    """``path`` when it is a directory here (a model served from a local checkpoint, or one that
+    pagefleet wrote into its own cache: the demo model). Servers do not say where their
+    checkpoint lives (pagefleet's /v1/models never shows a path)."""
+    return str(path) if Path(path).expanduser().is_dir() else None

@@ -22,8 +22,8 @@ class BenchArgs:
     endpoint: str = option("/v1/completions", choices=tuple(ENDPOINTS), help="the API to benchmark")
     model: str | None = option(None, help="model name to send (default: the server's first)")
     tokenizer: str | None = option(None, help="local tokenizer directory for building prompts (default: the "
-                                              "model's checkpoint directory, when the server reports one that "
-                                              "exists here)")
+                                              "model name, when it is a directory here, or pagefleet's demo "
+                                              "checkpoint when the server serves it)")
     api_key: str | None = option(default_factory=lambda: os.environ.get("OPENAI_API_KEY")
                                  or os.environ.get("PAGEFLEET_API_KEY") or None, secret=True,
                                  help="sent as 'Authorization: Bearer KEY' (default: $OPENAI_API_KEY or "

@@ -14,10 +14,12 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from pagefleet.router.http_guards import DEFAULT_MAX_BODY_BYTES
 from pagefleet.router.kv_routing import KVRoutingOptions
+from pagefleet.router.preprocess import DEFAULT_MAX_PROMPTS, DEFAULT_MAX_REQUEST_ID_CHARS
 from pagefleet.router.routing_policy import POLICIES
 from pagefleet.worker.engine_args import EngineArgs
-from pagefleet.worker.options import check_choices, from_namespace, option, split_mapping
+from pagefleet.worker.options import check_choices, from_namespace, option, parse_bytes, split_mapping
 
 API_KEY_ENV = "PAGEFLEET_API_KEY"
 
@@ -28,7 +30,8 @@ class ServeArgs:
     port: int = option(8000, help="HTTP port")
     workers: int = option(1, help="engine replicas, each one TP group")
     api_key: str | None = option(default_factory=lambda: os.environ.get(API_KEY_ENV) or None, secret=True,
-                                 help=f"require 'Authorization: Bearer KEY' on /v1 routes (default: ${API_KEY_ENV})")
+                                 help="require 'Authorization: Bearer KEY' on every route but /health, /metrics "
+                                      f"and /version (default: ${API_KEY_ENV})")
     # Ray resources. worker_num_gpus None: one GPU per TP rank when the cluster has GPUs, else none.
     worker_num_cpus: float = option(1.0, aliases=("--worker-cpus",), help="Ray CPUs reserved per TP rank")
     worker_num_gpus: float | None = option(None, help="Ray GPUs per TP rank (default: 1 on a cluster with "
@@ -42,11 +45,24 @@ class ServeArgs:
     routing_cost_weight: float = option(4.0, help="kv: cost of one prompt block a worker must compute, against one "
                                                   "block of load it already holds (higher: follow cached prefixes "
                                                   "harder)")
-    admission_queue_size: int = option(64, help="kv: requests each ingress holds while no worker has room for them "
-                                                "(FIFO); beyond it, 429 at once. 0: no admission control")
+    admission_queue_size: int = option(64, help="requests each ingress replica holds waiting for room (kv: a worker "
+                                                "whose free KV blocks take them, FIFO; other policies: a free slot "
+                                                "on a worker replica, in Serve's queue); beyond it, 429 with "
+                                                "Retry-After at once. 0: no bound (kv: no admission control)")
     admission_max_wait_s: float = option(2.0, help="kv: longest wait in the admission queue before a 429")
     routing_timeout_ms: float = option(10.0, help="kv: how long a request waits for the scheduler's answer before "
                                                  "routing without it (power of two choices, counted)")
+    # What one request may hold, refused at the ingress before any work (the engine's own limits
+    # are engine options).
+    max_request_body_bytes: int = option(DEFAULT_MAX_BODY_BYTES, parse=parse_bytes, metavar="BYTES",
+                                         help="largest request body; larger ones get 413")
+    max_prompts_per_request: int = option(DEFAULT_MAX_PROMPTS, help="prompts in one /v1/completions request")
+    max_prompt_chars: int | None = option(None, help="characters of prompt text read before tokenizing "
+                                                     "(default: max_model_len x the tokenizer's longest "
+                                                     "token, so no prompt that fits is refused)")
+    max_request_id_chars: int = option(DEFAULT_MAX_REQUEST_ID_CHARS, help="length of a client's request_id")
+    drain_timeout_s: float = option(30.0, help="on shutdown, how long in-flight requests may finish while new "
+                                               "ones get 503")
 
     def __post_init__(self) -> None:
         check_choices(self)
@@ -56,7 +72,8 @@ class ServeArgs:
             raise ValueError(f"admission_queue_size must be an integer >= 0, got {self.admission_queue_size!r}")
         if self.admission_max_wait_s <= 0 or self.routing_timeout_ms <= 0:
             raise ValueError("admission_max_wait_s and routing_timeout_ms must be > 0")
-        for name in ("workers", "ingress_replicas"):
+        self.max_request_body_bytes = parse_bytes(self.max_request_body_bytes)
+        for name in ("workers", "ingress_replicas", "max_prompts_per_request", "max_request_id_chars"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
@@ -64,6 +81,10 @@ class ServeArgs:
             raise ValueError(f"port must be in 1..65535, got {self.port!r}")
         if self.worker_num_cpus < 0 or self.ingress_num_cpus < 0 or (self.worker_num_gpus or 0) < 0:
             raise ValueError("CPU and GPU counts must be >= 0")
+        if self.max_prompt_chars is not None and self.max_prompt_chars < 1:
+            raise ValueError(f"max_prompt_chars must be >= 1, got {self.max_prompt_chars}")
+        if self.drain_timeout_s < 0:
+            raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
 
 
 @dataclass(slots=True)

@@ -15,7 +15,7 @@ import signal
 import sys
 import time
 
-from pagefleet.cluster.config import ServeOptions
+from pagefleet.cluster.config import API_KEY_ENV, ServeOptions
 from pagefleet.cluster.ray_join import join_error, running_serve_http, serve_conflict
 
 def prepare_model(opts: ServeOptions) -> str:
@@ -107,7 +107,8 @@ def banner(opts: ServeOptions, model_name: str, elapsed_s: float, local: bool,
            metrics_targets: list[str] = (), started_serve: bool = True) -> str:
     host = "127.0.0.1" if opts.serve.host in ("0.0.0.0", "::") else opts.serve.host
     base = f"http://{host}:{opts.serve.port}"
-    auth = f" \\\n  -H 'Authorization: Bearer {opts.serve.api_key}'" if opts.serve.api_key else ""
+    # The key itself is never printed: the line names where the user keeps it.
+    auth = f" \\\n  -H \"Authorization: Bearer ${API_KEY_ENV}\"" if opts.serve.api_key else ""
     where = "a local Ray cluster (token auth on)" if local else "the Ray cluster"
     if local:
         stops = "stops the server and the local Ray cluster"

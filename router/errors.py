@@ -1,14 +1,21 @@
 """OpenAI-shaped errors: one exception type and the JSON body every 4xx/5xx carries.
 
 Status codes: 400 for bad values, bad types and prompts that do not fit
-``max_model_len``; 404 for an unknown model or route; 422 for well-formed
-requests that use a feature pagefleet does not implement (``echo``,
-``suffix``, tools, images); 429 (with ``Retry-After``) when admission control
-turns a request away; 503 when no worker is healthy.
+``max_model_len``; 401 without the API key; 404 for an unknown model or route;
+413 for a body over the size limit; 415 for a body that is not JSON; 422 for
+well-formed requests that use a feature pagefleet does not implement (``echo``,
+``suffix``, tools, images); 429 when admission control turns a request away
+(no worker has room and the admission queue is full, or the wait ran out) and
+503 when no worker can take the request (draining, a worker that died), both
+with ``Retry-After``; 500 for a bug, whose message never carries the
+exception's text (file paths, addresses): that goes to the server log under an
+error id.
 """
 
 from __future__ import annotations
 
+import logging
+import uuid
 from http import HTTPStatus
 
 from fastapi import FastAPI, Request
@@ -17,11 +24,15 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+logger = logging.getLogger(__name__)
+
 _TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    413: "invalid_request_error",
+    415: "invalid_request_error",
     422: "unsupported_feature_error",
     429: "requests",  # OpenAI's type for a request-rate limit
     503: "service_unavailable_error",
@@ -32,13 +43,13 @@ class OpenAIError(Exception):
     """A request failure that the client should see as ``{"error": {...}}``."""
 
     def __init__(self, message: str, *, status_code: int = 400, param: str | None = None,
-                 code: str | None = None, type: str | None = None, headers: dict[str, str] | None = None) -> None:
+                 code: str | None = None, type: str | None = None, retry_after_s: int | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.status_code = status_code
         self.param = param
         self.code = code
-        self.headers = headers
+        self.retry_after_s = retry_after_s  # sent as Retry-After
         self.type = type or _TYPES.get(status_code, "internal_server_error" if status_code >= 500
                                        else "invalid_request_error")
 
@@ -52,6 +63,23 @@ def bad_request(message: str, param: str | None = None) -> OpenAIError:
 
 def unsupported(message: str, param: str) -> OpenAIError:
     return OpenAIError(message, status_code=422, param=param, code="unsupported")
+
+
+def too_many_requests(message: str, retry_after_s: int) -> OpenAIError:
+    """The one 429 (admission control's), shaped as OpenAI's own rate-limit error."""
+    return OpenAIError(message, status_code=429, code="rate_limit_exceeded", retry_after_s=retry_after_s)
+
+
+def unavailable(message: str, retry_after_s: int = 1, code: str = "unavailable") -> OpenAIError:
+    return OpenAIError(message, status_code=503, code=code, retry_after_s=retry_after_s)
+
+
+def internal_error(exc: BaseException) -> OpenAIError:
+    """A 500 that says nothing about the failure but an id to find it by in the server log."""
+    error_id = uuid.uuid4().hex[:12]
+    logger.error("internal error %s", error_id, exc_info=exc)
+    return OpenAIError(f"internal server error (error id {error_id}; the details are in the server log)",
+                       status_code=500, code="internal_error")
 
 
 def from_validation_error(exc: ValidationError | RequestValidationError) -> OpenAIError:
@@ -83,13 +111,9 @@ def _param_name(loc: list) -> str | None:
     return ".".join(parts)
 
 
-def too_many_requests(message: str, retry_after_s: int) -> OpenAIError:
-    return OpenAIError(message, status_code=429, code="rate_limit_exceeded",
-                       headers={"Retry-After": str(retry_after_s)})
-
-
 def error_response(exc: OpenAIError) -> JSONResponse:
-    return JSONResponse(exc.body(), status_code=exc.status_code, headers=exc.headers)
+    headers = {"Retry-After": str(exc.retry_after_s)} if exc.retry_after_s is not None else None
+    return JSONResponse(exc.body(), status_code=exc.status_code, headers=headers)
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -105,6 +129,10 @@ def install_error_handlers(app: FastAPI) -> None:
         message = exc.detail if isinstance(exc.detail, str) else HTTPStatus(exc.status_code).phrase
         return error_response(OpenAIError(message, status_code=exc.status_code))
 
+    async def on_unexpected(_: Request, exc: Exception) -> JSONResponse:
+        return error_response(internal_error(exc))
+
     app.add_exception_handler(OpenAIError, on_openai_error)
+    app.add_exception_handler(Exception, on_unexpected)
     app.add_exception_handler(RequestValidationError, on_validation_error)
     app.add_exception_handler(StarletteHTTPException, on_http_error)

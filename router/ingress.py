@@ -12,18 +12,21 @@ request in the engine.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Any, AsyncIterator
 
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
+from pagefleet.router.http_guards import BodyLimits
 from pagefleet.router.kv_routing import KVRoutingClient, KVRoutingOptions, RoutingCounters
 from pagefleet.router.metrics import RouterMetrics
 from pagefleet.router.node_metrics import NodeMetricsReader
 from pagefleet.router.openai_app import build_openai_app
-from pagefleet.router.preprocess import ModelInfo
+from pagefleet.router.preprocess import ModelInfo, ServingLimits, longest_token_chars
 from pagefleet.router.service import Job, OpenAIService
+from pagefleet.router.worker_errors import WorkerHealth, worker_failure
 from pagefleet.worker.config import model_config_of
 from pagefleet.worker.engine_args import EngineArgs
 from pagefleet.worker.outputs import RequestOutputDelta
@@ -33,16 +36,21 @@ from pagefleet.worker.worker_request import WorkerRequest
 logger = logging.getLogger(__name__)
 
 INGRESS_DEPLOYMENT_NAME = "OpenAIIngress"
+# A request that has produced nothing yet is tried again on another replica when its worker dies
+# (or is unreachable) before answering: nothing was sent, so nothing is repeated.
+MAX_ATTEMPTS = 3
 
 
 class HandleWorkerClient:
     """``WorkerClient`` over a Serve handle to the worker deployment (and, with ``kv`` routing,
     the global scheduler)."""
 
-    def __init__(self, handle: DeploymentHandle, kv: KVRoutingClient | None = None) -> None:
+    def __init__(self, handle: DeploymentHandle, kv: KVRoutingClient | None = None,
+                 health: WorkerHealth | None = None, metrics: RouterMetrics | None = None) -> None:
         self._stream = handle.options(method_name="generate", stream=True)
-        self._health = handle.options(method_name="check_health")
+        self._health = health or WorkerHealth(handle.deployment_name)
         self.kv = kv
+        self.metrics = metrics or RouterMetrics()
 
     async def route(self, job: Job) -> list[str] | None:
         if self.kv is None:
@@ -52,55 +60,79 @@ class HandleWorkerClient:
         return None if decision is None else decision.ranking
 
     async def generate(self, job: Job) -> AsyncIterator[RequestOutputDelta]:
-        response = self._stream.remote(WorkerRequest(job.request_id, job.token_ids, job.params, job.block_hashes,
-                                                     job.extra_keys, job.ranking))
-        finished = False
-        first = True
-        try:
-            async for delta in response:
-                if first and self.kv is not None:
-                    self.kv.record_realised(delta.num_cached_tokens)
-                first = False
-                finished = delta.finished
-                yield delta
-        finally:
-            if not finished:
-                response.cancel()
+        request = WorkerRequest(job.request_id, job.token_ids, job.params, job.block_hashes, job.extra_keys,
+                                job.ranking)
+        for attempt in range(1, MAX_ATTEMPTS + 1):
+            response = None
+            started = finished = False
+            try:
+                response = self._stream.remote(request)  # may refuse at once: Serve's queue is full
+                async for delta in response:
+                    if not started and self.kv is not None:
+                        self.kv.record_realised(delta.num_cached_tokens)
+                    started = True
+                    finished = delta.finished
+                    yield delta
+                return
+            except Exception as exc:  # noqa: BLE001 — each becomes an OpenAI error (or a retry) below
+                error, retry = worker_failure(exc)
+                if error.status_code == 429:
+                    self.metrics.inc("admission_rejections", reason="worker_queue_full")
+                if not retry or started or attempt == MAX_ATTEMPTS:
+                    raise error from None
+                logger.warning("request %s: worker unavailable before its first output (%s); attempt %d of %d",
+                               job.request_id, type(exc).__name__, attempt + 1, MAX_ATTEMPTS)
+                request.ranking = None  # its first choice failed: let the request router pick again
+            finally:
+                if response is not None and not finished:
+                    with contextlib.suppress(Exception):  # a refused or failed call re-raises on cancel
+                        response.cancel()
 
     async def check_health(self) -> None:
-        await self._health.remote()
+        await self._health.check()
 
 
-def load_model_info(args: EngineArgs) -> tuple[Any, ModelInfo]:
+def load_model_info(args: EngineArgs, serving: ServingLimits = ServingLimits()) -> tuple[Any, ModelInfo]:
     """The tokenizer and ``ModelInfo`` from the checkpoint's config and tokenizer files,
     read exactly as the engine reads them (same max_model_len, same name, same limits)."""
     from transformers import AutoTokenizer
 
     cfg = model_config_of(args)
-    tokenizer = AutoTokenizer.from_pretrained(str(cfg.path))
-    limits = RequestLimits(vocab_size=cfg.vocab_size, max_model_len=cfg.max_model_len,
-                           max_num_seqs=args.max_num_seqs)
-    return tokenizer, ModelInfo(served_model_name=cfg.served_model_name, root=str(cfg.path), limits=limits,
-                                block_size=args.block_size)
+    tokenizer = AutoTokenizer.from_pretrained(str(cfg.path), trust_remote_code=False)
+    if serving.max_prompt_chars is None:
+        serving = ServingLimits(serving.max_prompts_per_request, cfg.max_model_len * longest_token_chars(tokenizer),
+                                serving.max_request_id_chars)
+    return tokenizer, ModelInfo(served_model_name=cfg.served_model_name, limits=RequestLimits.of(cfg, args),
+                                serving=serving, block_size=args.block_size)
 
 
 @serve.ingress()
 class OpenAIIngress:
-    def __init__(self, worker: DeploymentHandle, engine_args: EngineArgs, api_key: str | None = None,
-                 kv_scheduler: Any = None, kv_routing: KVRoutingOptions | None = None) -> None:
+    def __init__(self, worker: DeploymentHandle, engine_args: EngineArgs, *, api_key: str | None = None,
+                 kv_scheduler: Any = None, kv_routing: KVRoutingOptions | None = None,
+                 serving: ServingLimits = ServingLimits(), body_limits: BodyLimits = BodyLimits(),
+                 drain_timeout_s: float = 30.0) -> None:
         """``kv_scheduler``: the global scheduler actor, for ``kv`` routing (None: other policies)."""
-        tokenizer, info = load_model_info(engine_args)
+        tokenizer, info = load_model_info(engine_args, serving)
         self._metrics = RouterMetrics(default_tags={"model_name": info.served_model_name})
         kv = None if kv_scheduler is None else KVRoutingClient(kv_scheduler, kv_routing or KVRoutingOptions(),
                                                                engine_args.block_size, self._metrics)
-        self._client = HandleWorkerClient(worker, kv)
+        self._client = HandleWorkerClient(worker, kv, metrics=self._metrics)
         self._service = OpenAIService(tokenizer=tokenizer, info=info, client=self._client)
         self._api_key = api_key
+        self._body_limits = body_limits
+        self._drain_timeout_s = drain_timeout_s
         logger.info("ingress serves %s (max_model_len %d)", info.served_model_name, info.limits.max_model_len)
 
     def __serve_build_asgi_app__(self):
-        return build_openai_app(self._service, api_key=self._api_key, metrics=self._metrics,
-                                node_metrics=NodeMetricsReader())
+        return build_openai_app(self._service, api_key=self._api_key, body_limits=self._body_limits,
+                                metrics=self._metrics, node_metrics=NodeMetricsReader())
+
+    async def drain(self) -> tuple[str, int]:
+        """Graceful shutdown: new requests get 503 from now on; waits up to drain_timeout_s for
+        the in-flight ones. Returns this replica's id and how many were still running."""
+        left = await self._service.drain(self._drain_timeout_s)
+        return serve.get_replica_context().replica_id.unique_id, left
 
     async def routing_counters(self) -> RoutingCounters | None:
         """This replica's kv routing counters (None without kv routing), for benchmarks and tests

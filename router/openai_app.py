@@ -7,20 +7,29 @@ in production and under a test client with a fake worker in tests.
 from __future__ import annotations
 
 import asyncio
-import json
-import secrets
-from typing import Any, AsyncIterator, TypeVar
+import logging
+from typing import AsyncIterator, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
-from pagefleet.router.errors import OpenAIError, bad_request, from_validation_error, install_error_handlers
+from pagefleet.router.auth import APIKeyMiddleware
+from pagefleet.router.errors import OpenAIError, from_validation_error, install_error_handlers
+from pagefleet.router.http_guards import (
+    INLINE_PARSE_BYTES,
+    BodyLimits,
+    check_content_type,
+    parse_json_object,
+    read_body,
+)
 from pagefleet.router.metrics import RouterMetrics
 from pagefleet.router.node_metrics import NodeMetricsReader
 from pagefleet.router.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from pagefleet.router.service import OpenAIService, PreparedRequest
 from pagefleet.router.sse import sse_stream
+
+logger = logging.getLogger(__name__)
 
 VERSION = "0.1.0"
 HEALTH_TIMEOUT_S = 5.0
@@ -33,23 +42,14 @@ ROUTES = frozenset({"/v1/models", "/v1/completions", "/v1/chat/completions", "/t
                     "/health", "/version", "/metrics"})
 
 
-def build_openai_app(service: OpenAIService, *, api_key: str | None = None, metrics: RouterMetrics | None = None,
-                     node_metrics: NodeMetricsReader | None = None) -> FastAPI:
+def build_openai_app(service: OpenAIService, *, api_key: str | None = None, body_limits: BodyLimits = BodyLimits(),
+                     metrics: RouterMetrics | None = None, node_metrics: NodeMetricsReader | None = None) -> FastAPI:
     """``metrics`` counts every response by route and status code; ``node_metrics`` adds this
     node's pagefleet series (from Ray's metrics agent) to ``GET /metrics``."""
     app = FastAPI(title="pagefleet", version=VERSION)
     install_error_handlers(app)
-
     if api_key:
-        @app.middleware("http")
-        async def require_api_key(request: Request, call_next):
-            # Like vLLM: the key guards the OpenAI routes; probes (/health, /metrics) stay open.
-            if request.url.path.startswith("/v1"):
-                given = request.headers.get("authorization", "")
-                if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-                    return JSONResponse(OpenAIError("invalid or missing API key", status_code=401,
-                                                    code="invalid_api_key").body(), status_code=401)
-            return await call_next(request)
+        app.add_middleware(APIKeyMiddleware, api_key=api_key, routes_of=app)
 
     if metrics is not None:
         # Added after the API-key check, so it wraps it: a 401 is counted too.
@@ -64,6 +64,13 @@ def build_openai_app(service: OpenAIService, *, api_key: str | None = None, metr
             metrics.inc("http_requests", route=route, status_code=str(response.status_code))
             return response
 
+    async def _parse(request: Request, model: type[Body]) -> Body:
+        check_content_type(request)
+        raw = await read_body(request, body_limits.max_body_bytes)
+        if len(raw) > INLINE_PARSE_BYTES:  # a big body parses on a thread, off the event loop
+            return await asyncio.to_thread(_decode, raw, model)
+        return _decode(raw, model)
+
     @app.get("/v1/models")
     async def list_models() -> dict:
         return service.models()
@@ -76,15 +83,15 @@ def build_openai_app(service: OpenAIService, *, api_key: str | None = None, metr
 
     @app.post("/v1/completions")
     async def create_completion(request: Request) -> Response:
-        return await respond(service.completion(await _parse(request, CompletionRequest)))
+        return await respond(await service.completion(await _parse(request, CompletionRequest)))
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(request: Request) -> Response:
-        return await respond(service.chat(await _parse(request, ChatCompletionRequest)))
+        return await respond(await service.chat(await _parse(request, ChatCompletionRequest)))
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict:
-        return service.tokenize(await _parse(request, TokenizeRequest))
+        return await service.tokenize(await _parse(request, TokenizeRequest))
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> dict:
@@ -92,12 +99,14 @@ def build_openai_app(service: OpenAIService, *, api_key: str | None = None, metr
 
     @app.get("/health")
     async def health() -> Response:
+        if service.draining:
+            return JSONResponse(OpenAIError("the server is shutting down", status_code=503, code="draining").body(),
+                                status_code=503)
         try:
             await asyncio.wait_for(service.client.check_health(), HEALTH_TIMEOUT_S)
         except Exception as exc:  # a timeout, an unhealthy engine or no replica at all
-            detail = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-            return JSONResponse(OpenAIError(f"no healthy worker ({detail})", status_code=503).body(),
-                                status_code=503)
+            logger.warning("health check failed: %s: %s", type(exc).__name__, exc)
+            return JSONResponse(OpenAIError("no healthy worker replica", status_code=503).body(), status_code=503)
         return Response(status_code=200)
 
     @app.get("/version")
@@ -116,23 +125,11 @@ def build_openai_app(service: OpenAIService, *, api_key: str | None = None, metr
     return app
 
 
-async def _parse(request: Request, model: type[Body]) -> Body:
-    raw = await request.body()
+def _decode(raw: bytes, model: type[Body]) -> Body:
     try:
-        data: Any = json.loads(raw, parse_constant=_reject_constant)
-    except (json.JSONDecodeError, UnicodeDecodeError, ValueError) as exc:
-        raise bad_request(f"could not parse the JSON body of the request: {exc}") from exc
-    if not isinstance(data, dict):
-        raise bad_request("the request body must be a JSON object")
-    try:
-        return model.model_validate(data)
+        return model.model_validate(parse_json_object(raw))
     except ValidationError as exc:
         raise from_validation_error(exc) from exc
-
-
-def _reject_constant(name: str) -> Any:
-    # Python's json accepts NaN and Infinity, which JSON (and OpenAI) do not.
-    raise ValueError(f"{name} is not valid JSON")
 
 
 def _event_stream(chunks: AsyncIterator[dict]) -> StreamingResponse:

@@ -10,7 +10,8 @@ request gets the same message from the ingress as from ``LLM.generate``.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 from typing import Any
 
 from pagefleet.router.errors import OpenAIError, bad_request, unsupported
@@ -19,14 +20,53 @@ from pagefleet.worker.request_check import InvalidRequest, RequestLimits, check_
 from pagefleet.worker.sampling_params import SamplingParams
 
 
+DEFAULT_MAX_PROMPTS = 256
+DEFAULT_MAX_REQUEST_ID_CHARS = 128
+# A client's request_id is echoed in headers, logs and every chunk: visible ASCII only.
+_REQUEST_ID = re.compile(r"[\x21-\x7e]+")
+
+
+@dataclass(slots=True, frozen=True)
+class ServingLimits:
+    """What one HTTP request may hold beyond what the engine checks (``ServeArgs``' options)."""
+
+    max_prompts_per_request: int = DEFAULT_MAX_PROMPTS
+    max_prompt_chars: int | None = None  # None: not checked (the ingress derives one from the tokenizer)
+    max_request_id_chars: int = DEFAULT_MAX_REQUEST_ID_CHARS
+
+
 @dataclass(slots=True, frozen=True)
 class ModelInfo:
     """What the ingress knows about the served model (read from config.json, no weights)."""
 
     served_model_name: str
-    root: str
     limits: RequestLimits
+    serving: ServingLimits = field(default_factory=ServingLimits)
     block_size: int = 16  # the engines' KV block size: the ingress hashes prompts in these blocks
+
+
+def longest_token_chars(tokenizer: Any) -> int:
+    """Characters of the vocabulary's longest token string. Byte-level and sentencepiece vocabularies
+    spell each byte or character of a token with at least one character, so a text of
+    ``max_model_len x this`` characters or more cannot fit in ``max_model_len`` tokens."""
+    return max(map(len, tokenizer.get_vocab()), default=1)
+
+
+def check_request_id(request_id: str | None, info: ModelInfo) -> None:
+    if request_id is None:
+        return
+    limit = info.serving.max_request_id_chars
+    if not 0 < len(request_id) <= limit or not _REQUEST_ID.fullmatch(request_id):
+        raise bad_request(f"request_id must be 1 to {limit} visible ASCII characters (max_request_id_chars)",
+                          "request_id")
+
+
+def check_prompt_chars(num_chars: int, info: ModelInfo, param: str) -> None:
+    """Before tokenizing: refuse a prompt too long to fit, without spending the tokenizer's time on it."""
+    limit = info.serving.max_prompt_chars
+    if limit is not None and num_chars > limit:
+        raise bad_request(f"a prompt has {num_chars} characters; this server reads at most {limit} before "
+                          f"tokenizing (max_prompt_chars; the context is {info.limits.max_model_len} tokens)", param)
 
 
 @dataclass(slots=True)
@@ -42,7 +82,8 @@ def check_model_name(requested: str | None, info: ModelInfo) -> None:
                           code="model_not_found")
 
 
-def completion_prompts(req: CompletionRequest, tokenizer: Any) -> list[PreparedPrompt]:
+def completion_prompt_items(req: CompletionRequest, info: ModelInfo) -> list[str | list[int]]:
+    """The prompts of a completions request, checked for count and size but not yet tokenized."""
     if req.echo:
         raise unsupported("echo is not supported", "echo")
     if req.suffix:
@@ -58,26 +99,42 @@ def completion_prompts(req: CompletionRequest, tokenizer: Any) -> list[PreparedP
         items = list(prompt)
     if not items:
         raise bad_request("prompt must not be empty", "prompt")
+    limit = info.serving.max_prompts_per_request
+    if len(items) > limit:
+        raise bad_request(f"prompt holds {len(items)} prompts; at most {limit} are allowed in one request "
+                          "(max_prompts_per_request)", "prompt")
+    check_prompt_chars(max((len(p) for p in items if isinstance(p, str)), default=0), info, "prompt")
+    return items
+
+
+def tokenize_prompts(items: list[str | list[int]], tokenizer: Any, add_special_tokens: bool) -> list[PreparedPrompt]:
     prepared = []
     for item in items:
         if isinstance(item, str):
-            ids = tokenizer.encode(item, add_special_tokens=req.add_special_tokens)
+            ids = tokenizer.encode(item, add_special_tokens=add_special_tokens)
             prepared.append(PreparedPrompt(list(ids), item))
         else:
             prepared.append(PreparedPrompt(list(item), None))
     return prepared
 
 
-def chat_prompt(messages: list[ChatMessage], tokenizer: Any, *, add_generation_prompt: bool,
-                continue_final_message: bool = False, add_special_tokens: bool = False) -> PreparedPrompt:
-    """Applies the tokenizer's chat template; template text is tokenized without adding
-    special tokens again (the template writes its own BOS)."""
+def chat_conversation(messages: list[ChatMessage], info: ModelInfo, *, add_generation_prompt: bool,
+                      continue_final_message: bool = False) -> list[dict]:
+    """The messages as the chat template takes them, checked but not yet rendered."""
     if not messages:
         raise bad_request("messages must not be empty", "messages")
     if continue_final_message and add_generation_prompt:
         raise bad_request("continue_final_message and add_generation_prompt cannot both be true",
                           "continue_final_message")
     conversation = [_plain_message(i, m) for i, m in enumerate(messages)]
+    check_prompt_chars(sum(len(m["content"]) for m in conversation), info, "messages")
+    return conversation
+
+
+def chat_prompt(conversation: list[dict], tokenizer: Any, *, add_generation_prompt: bool,
+                continue_final_message: bool = False, add_special_tokens: bool = False) -> PreparedPrompt:
+    """Applies the tokenizer's chat template; template text is tokenized without adding
+    special tokens again (the template writes its own BOS)."""
     if getattr(tokenizer, "chat_template", None) is None:
         raise bad_request("this model's tokenizer has no chat template; use /v1/completions", "messages")
     try:

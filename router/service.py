@@ -13,18 +13,27 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Protocol
+from typing import Any, AsyncIterator, Callable, Protocol, TypeVar
 
 from pagefleet.router import preprocess as pre
-from pagefleet.router.errors import OpenAIError, bad_request
+from pagefleet.router.errors import OpenAIError, bad_request, internal_error, unavailable
 from pagefleet.router.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from pagefleet.router.responses import ChatResponseBuilder, CompletionResponseBuilder, ResponseBuilder
-from pagefleet.router.sse import internal_error
 from pagefleet.worker.block_hash import block_hashes
 from pagefleet.worker.kv_events import pack_hashes
 from pagefleet.worker.outputs import RequestOutputDelta
+from pagefleet.worker.request_check import InvalidRequest
 from pagefleet.worker.sampling_params import SamplingParams
+
+T = TypeVar("T")
+
+# Text up to this many characters is tokenized (or templated) on the event loop: it takes under
+# about a millisecond, less than handing it to a thread and back costs in latency under load.
+# Longer text goes to the tokenizer threads so it never stalls other requests' streams.
+INLINE_TEXT_CHARS = 2048
+TOKENIZER_THREADS = 2
 
 
 class WorkerClient(Protocol):
@@ -44,31 +53,46 @@ class OpenAIService:
         self.tokenizer = tokenizer
         self.info = info
         self.client = client
+        self.draining = False  # shutting down: in-flight requests finish, new ones get 503
+        self.num_in_flight = 0
+        self._tokenizer_pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="pagefleet-tokenize")
 
     # ---- /v1/completions, /v1/chat/completions --------------------------------------
 
-    def completion(self, req: CompletionRequest) -> PreparedRequest:
+    async def completion(self, req: CompletionRequest) -> PreparedRequest:
+        self._check_open()
         pre.check_model_name(req.model, self.info)
-        prompts = pre.completion_prompts(req, self.tokenizer)
+        pre.check_request_id(req.request_id, self.info)
+        items = pre.completion_prompt_items(req, self.info)
         params = pre.completion_sampling_params(req)
-        builder = CompletionResponseBuilder(request_id=req.request_id or f"cmpl-{uuid.uuid4().hex}",
+        text_chars = sum(len(p) for p in items if isinstance(p, str))
+        prompts = await self._off_loop(text_chars, pre.tokenize_prompts, items, self.tokenizer,
+                                       req.add_special_tokens)
+        engine_id = f"cmpl-{uuid.uuid4().hex}"
+        builder = CompletionResponseBuilder(request_id=req.request_id or engine_id,
                                             model=self.info.served_model_name, tokenizer=self.tokenizer,
                                             want_logprobs=req.logprobs is not None,
                                             include_usage=_include_usage(req))
-        return self._prepared(req, builder, [p.token_ids for p in prompts], params)
+        return self._prepared(req, builder, engine_id, [p.token_ids for p in prompts], params)
 
-    def chat(self, req: ChatCompletionRequest) -> PreparedRequest:
+    async def chat(self, req: ChatCompletionRequest) -> PreparedRequest:
+        self._check_open()
         pre.check_model_name(req.model, self.info)
-        prompt = pre.chat_prompt(req.messages, self.tokenizer, add_generation_prompt=req.add_generation_prompt,
-                                 continue_final_message=req.continue_final_message,
-                                 add_special_tokens=req.add_special_tokens)
+        pre.check_request_id(req.request_id, self.info)
+        conversation = pre.chat_conversation(req.messages, self.info, add_generation_prompt=req.add_generation_prompt,
+                                             continue_final_message=req.continue_final_message)
         params = pre.chat_sampling_params(req)
-        builder = ChatResponseBuilder(request_id=req.request_id or f"chatcmpl-{uuid.uuid4().hex}",
+        text_chars = sum(len(m["content"]) for m in conversation)
+        prompt = await self._off_loop(text_chars, lambda: pre.chat_prompt(
+            conversation, self.tokenizer, add_generation_prompt=req.add_generation_prompt,
+            continue_final_message=req.continue_final_message, add_special_tokens=req.add_special_tokens))
+        engine_id = f"chatcmpl-{uuid.uuid4().hex}"
+        builder = ChatResponseBuilder(request_id=req.request_id or engine_id,
                                       model=self.info.served_model_name, tokenizer=self.tokenizer,
                                       want_logprobs=req.logprobs, include_usage=_include_usage(req))
-        return self._prepared(req, builder, [prompt.token_ids], params)
+        return self._prepared(req, builder, engine_id, [prompt.token_ids], params)
 
-    def _prepared(self, req: CompletionRequest | ChatCompletionRequest, builder: ResponseBuilder,
+    def _prepared(self, req: CompletionRequest | ChatCompletionRequest, builder: ResponseBuilder, engine_id: str,
                   prompts: list[list[int]], params: SamplingParams) -> PreparedRequest:
         if req.cache_salt is not None and not req.cache_salt:
             raise bad_request("cache_salt must be a non-empty string", "cache_salt")
@@ -77,9 +101,32 @@ class OpenAIService:
         for i, token_ids in enumerate(prompts):
             pre.check_job(token_ids, params, self.info, req)
             hashes = pack_hashes(block_hashes(token_ids, self.info.block_size, extra_keys))
-            jobs.append(Job(f"{builder.id}-{i}", token_ids, pre.with_max_tokens(params, len(token_ids), self.info),
+            # Engine request ids are the server's own, whatever id the client sent.
+            jobs.append(Job(f"{engine_id}-{i}", token_ids, pre.with_max_tokens(params, len(token_ids), self.info),
                             hashes, extra_keys))
         return PreparedRequest(builder, jobs, req.stream)
+
+    async def _off_loop(self, text_chars: int, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` here for short text, on a tokenizer thread for long text."""
+        if text_chars <= INLINE_TEXT_CHARS:
+            return fn(*args)
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, fn, *args)
+
+    def _check_open(self) -> None:
+        if self.draining:
+            raise unavailable("the server is shutting down; retry on another replica", retry_after_s=5,
+                              code="draining")
+
+    # ---- draining (graceful shutdown) -----------------------------------------------------
+
+    async def drain(self, timeout_s: float) -> int:
+        """Refuse new requests from now on and wait up to ``timeout_s`` for the in-flight ones;
+        returns how many were still running when it gave up (0: all finished)."""
+        self.draining = True
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while self.num_in_flight and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.05)
+        return self.num_in_flight
 
     # ---- running jobs ------------------------------------------------------------------
 
@@ -91,26 +138,35 @@ class OpenAIService:
     async def run_to_completion(self, prepared: PreparedRequest) -> dict:
         """All prompts run concurrently; the response is built once every one has finished."""
         builder, jobs = prepared.builder, prepared.jobs
-        async for job_index, delta in self._merged(builder, jobs):
-            for seq in delta.sequences:
-                builder.accumulate(job_index * jobs[job_index].params.n + seq.index, seq)
+        self.num_in_flight += 1
+        try:
+            async for job_index, delta in self._merged(prepared):
+                for seq in delta.sequences:
+                    builder.accumulate(job_index * jobs[job_index].params.n + seq.index, seq)
+        finally:
+            self.num_in_flight -= 1
         return builder.full_response()
 
     async def stream_chunks(self, prepared: PreparedRequest) -> AsyncIterator[dict]:
         builder, jobs = prepared.builder, prepared.jobs
         n = jobs[0].params.n
-        for chunk in builder.role_chunks(list(range(len(jobs) * n))):
-            yield chunk
-        async for job_index, delta in self._merged(builder, jobs):
-            for seq in delta.sequences:
-                chunk = builder.delta_chunk(job_index * n + seq.index, seq)
-                if chunk is not None:
-                    yield chunk
-        if builder.include_usage:
-            yield builder.usage_chunk()
+        self.num_in_flight += 1
+        try:
+            for chunk in builder.role_chunks(list(range(len(jobs) * n))):
+                yield chunk
+            async for job_index, delta in self._merged(prepared):
+                for seq in delta.sequences:
+                    chunk = builder.delta_chunk(job_index * n + seq.index, seq)
+                    if chunk is not None:
+                        yield chunk
+            if builder.include_usage:
+                yield builder.usage_chunk()
+        finally:
+            self.num_in_flight -= 1
 
-    async def _merged(self, builder: ResponseBuilder, jobs: list[Job]) -> AsyncIterator[tuple[int, RequestOutputDelta]]:
+    async def _merged(self, prepared: PreparedRequest) -> AsyncIterator[tuple[int, RequestOutputDelta]]:
         """Deltas of every job as they come; leaving early closes every worker stream."""
+        builder, jobs = prepared.builder, prepared.jobs
         streams = [_counting(builder, i, self.client.generate(job)) for i, job in enumerate(jobs)]
         if len(streams) == 1:  # the common case needs no tasks
             try:
@@ -138,17 +194,23 @@ class OpenAIService:
 
     # ---- /tokenize, /detokenize --------------------------------------------------------
 
-    def tokenize(self, req: TokenizeRequest) -> dict:
+    async def tokenize(self, req: TokenizeRequest) -> dict:
         pre.check_model_name(req.model, self.info)
         if (req.prompt is None) == (req.messages is None):
             raise bad_request("give exactly one of prompt and messages", "prompt")
         if req.messages is not None:
             add_special = False if req.add_special_tokens is None else req.add_special_tokens
-            ids = pre.chat_prompt(req.messages, self.tokenizer, add_generation_prompt=req.add_generation_prompt,
-                                  add_special_tokens=add_special).token_ids
+            conversation = pre.chat_conversation(req.messages, self.info,
+                                                 add_generation_prompt=req.add_generation_prompt)
+            chars = sum(len(m["content"]) for m in conversation)
+            ids = (await self._off_loop(chars, lambda: pre.chat_prompt(
+                conversation, self.tokenizer, add_generation_prompt=req.add_generation_prompt,
+                add_special_tokens=add_special))).token_ids
         else:
             add_special = True if req.add_special_tokens is None else req.add_special_tokens
-            ids = list(self.tokenizer.encode(req.prompt, add_special_tokens=add_special))
+            pre.check_prompt_chars(len(req.prompt), self.info, "prompt")
+            ids = (await self._off_loop(len(req.prompt), pre.tokenize_prompts, [req.prompt], self.tokenizer,
+                                        add_special))[0].token_ids
         out = {"count": len(ids), "max_model_len": self.info.limits.max_model_len, "tokens": ids}
         if req.return_token_strs:
             out["token_strs"] = self.tokenizer.convert_ids_to_tokens(ids)
@@ -163,16 +225,18 @@ class OpenAIService:
         return {"prompt": self.tokenizer.decode(req.tokens)}
 
     def models(self) -> dict:
+        # root names the model, never the checkpoint's path on the server
+        name = self.info.served_model_name
         return {"object": "list", "data": [{
-            "id": self.info.served_model_name, "object": "model", "created": 0, "owned_by": "pagefleet",
-            "root": self.info.root, "parent": None, "max_model_len": self.info.limits.max_model_len}]}
+            "id": name, "object": "model", "created": 0, "owned_by": "pagefleet",
+            "root": name, "parent": None, "max_model_len": self.info.limits.max_model_len}]}
 
 
 @dataclass(slots=True)
 class Job:
     """One engine request of an HTTP request (a completions request has one per prompt)."""
 
-    request_id: str
+    request_id: str  # the server's: f"{engine id}-{prompt index}"
     token_ids: list[int]
     params: SamplingParams
     block_hashes: bytes = b""  # the prompt's full-block hashes, packed
@@ -199,7 +263,8 @@ _FINISHED = object()
 async def _counting(builder: ResponseBuilder, index: int,
                     stream: AsyncIterator[RequestOutputDelta]) -> AsyncIterator[tuple[int, RequestOutputDelta]]:
     """Tags deltas with their job and counts each request's prompt once; worker errors
-    become OpenAI errors (a ValueError the ingress missed is still the client's fault)."""
+    become OpenAI errors (a request the engine refused is still the client's fault; anything
+    else is a 500 whose details stay in the server log)."""
     first = True
     try:
         async for delta in stream:
@@ -209,8 +274,8 @@ async def _counting(builder: ResponseBuilder, index: int,
             yield index, delta
     except OpenAIError:
         raise
-    except ValueError as exc:
-        raise bad_request(str(exc)) from exc
+    except InvalidRequest as exc:
+        raise bad_request(str(exc), exc.param) from exc
     except Exception as exc:
         raise internal_error(exc) from exc
     finally:

@@ -8,12 +8,9 @@ An error after the response has started (status 200 is already sent) is one
 from __future__ import annotations
 
 import json
-import logging
 from typing import AsyncIterator
 
-from pagefleet.router.errors import OpenAIError
-
-logger = logging.getLogger(__name__)
+from pagefleet.router.errors import OpenAIError, internal_error
 
 DONE = "data: [DONE]\n\n"
 
@@ -30,7 +27,6 @@ async def sse_stream(chunks: AsyncIterator[dict]) -> AsyncIterator[str]:
     except OpenAIError as exc:
         yield sse_event(exc.body())
     except Exception as exc:  # the client already has a 200; the error must travel in the stream
-        logger.exception("stream failed")
         yield sse_event(internal_error(exc).body())
     finally:
         close = getattr(chunks, "aclose", None)
@@ -38,6 +34,3 @@ async def sse_stream(chunks: AsyncIterator[dict]) -> AsyncIterator[str]:
             await close()
     yield DONE
 
-
-def internal_error(exc: BaseException) -> OpenAIError:
-    return OpenAIError(f"internal error: {type(exc).__name__}: {exc}", status_code=500)

@@ -110,3 +110,42 @@ def test_shutdown_ends_open_streams(tiny_checkpoint):
                 pass
 
     asyncio.run(asyncio.wait_for(main(), timeout=60))
+
+
+def test_one_slow_step_is_progress_not_a_stall(tiny_checkpoint):
+    """A step longer than the stall limit (a cold compile, a big model on CPU) keeps the engine
+    healthy; a step past the step timeout, or work with no step at all, does not."""
+    import threading
+    import time
+
+    from pagefleet.worker.async_engine import EngineDeadError
+
+    eng = AsyncLLMEngine(EngineArgs(model=str(tiny_checkpoint(arch="llama")), dtype="float32",
+                                    kv_cache_bytes=16 << 20), stall_timeout_s=0.3, step_timeout_s=3.0)
+    real_step = eng.engine.step
+    release = threading.Event()
+
+    def slow_step():
+        release.wait(10)
+        return real_step()
+
+    eng.engine.step = slow_step
+    try:
+        async def main():
+            gen = eng.generate("slow", [5, 6, 7], SamplingParams(max_tokens=2, ignore_eos=True))
+            first = asyncio.ensure_future(gen.__anext__())
+            await asyncio.sleep(1.0)  # inside the first step, > 3x the stall limit
+            eng.check_health()
+            await asyncio.sleep(2.5)  # now past the step timeout
+            with pytest.raises(EngineDeadError, match="has run for"):
+                eng.check_health()
+            release.set()
+            await first
+            async for _ in gen:
+                pass
+            eng.check_health()  # healthy again once steps complete
+
+        asyncio.run(asyncio.wait_for(main(), timeout=60))
+    finally:
+        release.set()
+        eng.shutdown()

@@ -34,6 +34,10 @@ OTHER_VALUES = {
     "seed": ("7", 7),
     "load_format": ("dummy", "dummy"),
     "log_stats_interval": ("2.5", 2.5),
+    "trust_remote_code": (None, False),  # the only value it takes: true is refused (test below)
+    "max_stop_strings": ("4", 4),
+    "max_stop_string_chars": ("64", 64),
+    "max_stop_token_ids": ("8", 8),
     "host": ("0.0.0.0", "0.0.0.0"),
     "port": ("9000", 9000),
     "workers": ("3", 3),
@@ -47,6 +51,11 @@ OTHER_VALUES = {
     "admission_queue_size": ("0", 0),
     "admission_max_wait_s": ("0.5", 0.5),
     "routing_timeout_ms": ("3", 3.0),
+    "max_request_body_bytes": ("1MiB", 2**20),
+    "max_prompts_per_request": ("16", 16),
+    "max_prompt_chars": ("10000", 10000),
+    "max_request_id_chars": ("64", 64),
+    "drain_timeout_s": ("5", 5.0),
 }
 ENGINE_FIELDS = [f.name for f in option_fields(EngineArgs)]
 SERVE_FIELDS = [f.name for f in option_fields(ServeArgs)]
@@ -126,3 +135,15 @@ def test_a_secret_option_never_shows(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         _parser().parse_args(["serve", "--help"])
     assert "s3cret-key" not in capsys.readouterr().out
+
+
+def test_trust_remote_code_is_refused_however_it_comes_in(monkeypatch):
+    """pagefleet runs no code from a model directory: the vLLM flag is known, and refused clearly."""
+    message = "trust_remote_code is not supported"
+    with pytest.raises(ValueError, match=message):
+        _cli("--trust-remote-code")
+    with pytest.raises(ValueError, match=message):
+        ServeOptions.from_dict({"trust_remote_code": True})
+    monkeypatch.setattr(llm_module, "LLMEngine", lambda args: _Stub())
+    with pytest.raises(ValueError, match=message):
+        llm_module.LLM(model="/ckpt", trust_remote_code=True)

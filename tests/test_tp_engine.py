@@ -92,6 +92,7 @@ def test_tp2_greedy_matches_tp1(ray_session, tiny_checkpoint, baselines, case):
     try:
         executor = llm.engine.executor
         assert isinstance(executor, TPExecutor)
+        assert executor.rendezvous_host == "127.0.0.1"  # one node: the group listens on loopback only
         cfg = llm.engine.model_config
         # Each rank's KV cache holds its share of the KV heads, or one replica when too few.
         assert executor.runner.num_kv_heads == max(1, cfg.num_kv_heads // 2)

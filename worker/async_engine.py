@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import queue
 import threading
 import time
@@ -17,6 +18,7 @@ from pagefleet.worker.config import ModelConfig
 from pagefleet.worker.engine import LLMEngine
 from pagefleet.worker.engine_args import EngineArgs
 from pagefleet.worker.engine_metrics import EngineMetrics, MetricsRecorder
+from pagefleet.worker.errors import EngineDeadError
 from pagefleet.worker.kv_events import KVEventBatch, KVSnapshot
 from pagefleet.worker.outputs import RequestOutputDelta
 from pagefleet.worker.sampling_params import SamplingParams
@@ -25,8 +27,7 @@ from pagefleet.worker.stats import EngineStats
 logger = logging.getLogger(__name__)
 
 
-class EngineDeadError(RuntimeError):
-    pass
+__all__ = ["AsyncLLMEngine", "EngineDeadError"]
 
 
 @dataclass(slots=True)
@@ -47,6 +48,10 @@ class AbortRequest:
     request_id: str
 
 
+STEP_TIMEOUT_ENV = "PAGEFLEET_STEP_TIMEOUT_S"
+DEFAULT_STEP_TIMEOUT_S = 1800.0
+
+
 @dataclass(slots=True)
 class EnableKVEvents:
     """Engine-thread command: from now on, hand each step's KV event batch to ``sink``
@@ -65,13 +70,22 @@ class TakeKVSnapshot:
 
 
 class AsyncLLMEngine:
+    """Health is forward progress: the loop is alive, and with work pending it either finished a
+    step with output within ``stall_timeout_s`` or is inside a step that began less than
+    ``step_timeout_s`` ago. One slow step (a cold compile, a large model on CPU) is progress in
+    flight, not a stall; a step that never returns is caught by ``step_timeout_s``
+    (``$PAGEFLEET_STEP_TIMEOUT_S``, default 30 min)."""
+
     def __init__(self, args: EngineArgs, stall_timeout_s: float = 60.0,
-                 metrics: Callable[[ModelConfig], MetricsRecorder] | None = None) -> None:
+                 metrics: Callable[[ModelConfig], MetricsRecorder] | None = None,
+                 step_timeout_s: float | None = None) -> None:
         """``metrics`` makes the recorder for this engine's metrics (None: none recorded)."""
         self.engine = LLMEngine(args)
         self.tokenizer = self.engine.tokenizer
         self.model_config = self.engine.model_config
         self.stall_timeout_s = stall_timeout_s
+        self.step_timeout_s = step_timeout_s or float(os.environ.get(STEP_TIMEOUT_ENV, DEFAULT_STEP_TIMEOUT_S))
+        self._step_started: float | None = None  # monotonic start of the step running now
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -141,10 +155,17 @@ class AsyncLLMEngine:
         return await future
 
     def check_health(self) -> None:
-        """Raise when the step loop died, or has work but made no step for stall_timeout_s."""
+        """Raise when the step loop died, or stopped making progress (see the class docstring)."""
         self._raise_if_dead()
         self.engine.check_health()
-        stalled = time.monotonic() - self._last_progress
+        now = time.monotonic()
+        started = self._step_started
+        if started is not None:
+            if now - started > self.step_timeout_s:
+                raise EngineDeadError(f"an engine step has run for {now - started:.0f} s "
+                                      f"(step timeout {self.step_timeout_s:.0f} s)")
+            return
+        stalled = now - self._last_progress
         if self.engine.has_unfinished() and stalled > self.stall_timeout_s:
             raise EngineDeadError(f"the engine has made no step for {stalled:.0f} s with work pending")
 
@@ -224,8 +245,11 @@ class AsyncLLMEngine:
                     self._wakeup.wait(timeout=1.0)
                     self._wakeup.clear()
                     continue
-                started = time.monotonic()
-                deltas = self.engine.step()
+                started = self._step_started = time.monotonic()
+                try:
+                    deltas = self.engine.step()
+                finally:
+                    self._step_started = None
                 self._stats = self.engine.stats()  # before delivery: a reader of a delta sees its step's stats
                 self._metrics.after_step(started, time.monotonic(), self._stats, deltas)
                 self._publish_kv_events()

@@ -14,6 +14,8 @@ process-wide state.
 from __future__ import annotations
 
 import logging
+import os
+import socket
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -27,6 +29,13 @@ logger = logging.getLogger(__name__)
 # Ranks 1..N-1 wait on the control group while the engine is idle. Rank 0 exiting
 # closes the sockets (and Ray kills its actors), so this never turns into a real hang.
 IDLE_WAIT = timedelta(days=365)
+LOOPBACK = "127.0.0.1"
+
+
+def rendezvous_host(rank0_node: str, rank_nodes: list[str], node_ip: str) -> str:
+    """Where the group's sockets listen: loopback when every rank runs on rank 0's node (always so
+    under STRICT_PACK), so nothing of the group is reachable from the network; else the node's address."""
+    return LOOPBACK if all(node == rank0_node for node in rank_nodes) else node_ip
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,9 +51,19 @@ def backend_for(device: torch.device) -> str:
 
 def create_rendezvous_store(host: str, world_size: int, timeout_s: float) -> dist.TCPStore:
     """Rank 0's TCP store on a free port the OS picks (``store.port``); the other ranks
-    join it by address. Not waiting for them here: they connect during init."""
-    return dist.TCPStore(host, 0, world_size, is_master=True, timeout=timedelta(seconds=timeout_s),
-                         wait_for_workers=False)
+    join it by address. Not waiting for them here: they connect during init. The store is
+    handed a socket already bound to ``host``: left to itself it listens on every interface."""
+    listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((host, 0))
+        listener.listen(128)
+        store = dist.TCPStore(host, listener.getsockname()[1], world_size, is_master=True,
+                              timeout=timedelta(seconds=timeout_s), wait_for_workers=False,
+                              master_listen_fd=listener.detach())
+    finally:
+        listener.close()
+    return store
 
 
 def init_process_groups(*, rank: int, world_size: int, device: torch.device, host: str, port: int,
@@ -59,16 +78,28 @@ def init_process_groups(*, rank: int, world_size: int, device: torch.device, hos
         store = dist.TCPStore(host, port, world_size, is_master=False, timeout=timedelta(seconds=init_timeout_s))
     backend = backend_for(device)
     step_timeout = timedelta(seconds=step_timeout_s)
-    kwargs = {"device_id": device} if backend == "nccl" else {}
+    kwargs = {"device_id": device} if backend == "nccl" else {"pg_options": _gloo_on(host, step_timeout)}
+    if backend == "nccl" and host == LOOPBACK:
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")  # NCCL's own bootstrap sockets too
     # The default group is the compute group. For NCCL its timeout is set past the step
     # timeout: rank 0 polls the step itself (see TPExecutor) and must notice a dead peer
     # before NCCL's watchdog does, since the watchdog tears the whole process down.
     compute_timeout = step_timeout + timedelta(seconds=30) if backend == "nccl" else step_timeout
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=compute_timeout,
                             **kwargs)
-    control = dist.new_group(backend="gloo", timeout=step_timeout if rank == 0 else IDLE_WAIT)
+    control_timeout = step_timeout if rank == 0 else IDLE_WAIT
+    control = dist.new_group(backend="gloo", timeout=control_timeout, pg_options=_gloo_on(host, control_timeout))
     logger.info("tensor-parallel rank %d/%d joined (%s, rendezvous %s:%d)", rank, world_size, backend, host, port)
     return ProcessGroups(TPGroup(rank, world_size, dist.group.WORLD), control, backend)
+
+
+def _gloo_on(host: str, timeout: timedelta):
+    """Gloo options whose sockets listen on ``host`` (by default gloo binds whatever the machine's
+    hostname resolves to, often the node's public address)."""
+    options = dist.ProcessGroupGloo._Options()  # torch 2.13 has no public way to pick gloo's address
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+    options._timeout = timeout
+    return options
 
 
 def destroy_process_groups(*, abort: bool = False) -> None:

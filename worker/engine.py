@@ -42,9 +42,8 @@ class LLMEngine:
         self.args = args
         self.device = resolve_device(args.device)
         self.model_config = cfg = model_config_of(args)
-        self.limits = RequestLimits(vocab_size=cfg.vocab_size, max_model_len=cfg.max_model_len,
-                                    max_num_seqs=args.max_num_seqs)
-        self.tokenizer = AutoTokenizer.from_pretrained(str(cfg.path))
+        self.limits = RequestLimits.of(cfg, args)
+        self.tokenizer = AutoTokenizer.from_pretrained(str(cfg.path), trust_remote_code=False)
         torch.manual_seed(args.seed)
         self.executor = make_executor(cfg, args, self.device)
         try:

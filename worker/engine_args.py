@@ -7,6 +7,11 @@ from dataclasses import dataclass
 
 from pagefleet.worker.config import parse_dtype
 from pagefleet.worker.options import check_choices, option, parse_bytes
+from pagefleet.worker.request_check import (
+    DEFAULT_MAX_STOP_STRING_CHARS,
+    DEFAULT_MAX_STOP_STRINGS,
+    DEFAULT_MAX_STOP_TOKEN_IDS,
+)
 
 BLOCK_SIZES = (8, 16, 32, 64, 128)
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
@@ -39,13 +44,23 @@ class EngineArgs:
     log_stats_interval: float = option(10.0, metavar="SECONDS",
                                        help="seconds between engine stats lines (throughput, queue, KV usage, "
                                             "prefix hits) while busy; 0 turns them off")
+    trust_remote_code: bool = option(False, help="refused when true: pagefleet runs no code from a model "
+                                                 "directory (its architectures are built in)")
+    # Per-request limits on what the engine thread scans after every token.
+    max_stop_strings: int = option(DEFAULT_MAX_STOP_STRINGS, help="stop strings per request")
+    max_stop_string_chars: int = option(DEFAULT_MAX_STOP_STRING_CHARS, help="characters per stop string")
+    max_stop_token_ids: int = option(DEFAULT_MAX_STOP_TOKEN_IDS, help="stop token ids per request")
 
     def __post_init__(self) -> None:
         check_choices(self)
         self.dtype = parse_dtype(self.dtype)
         if self.kv_cache_bytes is not None:
             self.kv_cache_bytes = parse_bytes(self.kv_cache_bytes)
-        for name in ("max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
+        if self.trust_remote_code:
+            raise ValueError("trust_remote_code is not supported: pagefleet never runs code from a model "
+                             "directory; it runs Llama, Mistral, Qwen2 and Qwen3 checkpoints with its own code")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size", "max_stop_strings",
+                     "max_stop_string_chars", "max_stop_token_ids"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")

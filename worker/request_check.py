@@ -13,7 +13,15 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from pagefleet.worker.config import ModelConfig
+    from pagefleet.worker.engine_args import EngineArgs
     from pagefleet.worker.sampling_params import SamplingParams
+
+# The engine's one thread scans every stop string and stop token id of every running sequence
+# after each token: these bound that work per request (EngineArgs' defaults).
+DEFAULT_MAX_STOP_STRINGS = 32
+DEFAULT_MAX_STOP_STRING_CHARS = 512
+DEFAULT_MAX_STOP_TOKEN_IDS = 128
 
 
 class InvalidRequest(ValueError):
@@ -29,6 +37,16 @@ class RequestLimits:
     vocab_size: int
     max_model_len: int
     max_num_seqs: int
+    max_stop_strings: int = DEFAULT_MAX_STOP_STRINGS
+    max_stop_string_chars: int = DEFAULT_MAX_STOP_STRING_CHARS
+    max_stop_token_ids: int = DEFAULT_MAX_STOP_TOKEN_IDS
+
+    @classmethod
+    def of(cls, cfg: "ModelConfig", args: "EngineArgs") -> "RequestLimits":
+        """The limits of an engine with these options serving this model (the ingress reads the same)."""
+        return cls(vocab_size=cfg.vocab_size, max_model_len=cfg.max_model_len, max_num_seqs=args.max_num_seqs,
+                   max_stop_strings=args.max_stop_strings, max_stop_string_chars=args.max_stop_string_chars,
+                   max_stop_token_ids=args.max_stop_token_ids)
 
 
 def check_request(prompt_token_ids: list[int], params: "SamplingParams", limits: RequestLimits) -> None:
@@ -53,6 +71,16 @@ def check_request(prompt_token_ids: list[int], params: "SamplingParams", limits:
                              f"within the maximum context length of {limits.max_model_len} tokens", "min_tokens")
     if params.n > limits.max_num_seqs:
         raise InvalidRequest(f"n ({params.n}) must be <= max_num_seqs ({limits.max_num_seqs})", "n")
+    if len(params.stop) > limits.max_stop_strings:
+        raise InvalidRequest(f"stop has {len(params.stop)} strings; at most {limits.max_stop_strings} are "
+                             "allowed (max_stop_strings)", "stop")
+    longest = max(map(len, params.stop), default=0)
+    if longest > limits.max_stop_string_chars:
+        raise InvalidRequest(f"a stop string of {longest} characters is longer than the "
+                             f"{limits.max_stop_string_chars} allowed (max_stop_string_chars)", "stop")
+    if len(params.stop_token_ids) > limits.max_stop_token_ids:
+        raise InvalidRequest(f"stop_token_ids has {len(params.stop_token_ids)} ids; at most "
+                             f"{limits.max_stop_token_ids} are allowed (max_stop_token_ids)", "stop_token_ids")
     bad = _first_outside_vocab(params.stop_token_ids, limits.vocab_size)
     if bad is not None:
         raise InvalidRequest(f"stop token id {params.stop_token_ids[bad]!r} is outside the vocabulary "

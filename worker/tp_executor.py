@@ -30,6 +30,7 @@ from pagefleet.worker.distributed import (
     create_rendezvous_store,
     destroy_process_groups,
     init_process_groups,
+    rendezvous_host,
 )
 from pagefleet.worker.engine_args import EngineArgs
 from pagefleet.worker.model_runner import ModelRunner, StepInput
@@ -67,6 +68,7 @@ class TPExecutor:
         self._groups: ProcessGroups | None = None
         self._owns_dist = False  # torch.distributed state is this executor's to destroy
         self._failure: str | None = None
+        self.rendezvous_host: str | None = None  # where the group's sockets listen (loopback on one node)
         # The engine thread steps while the replica's event loop checks health and may shut
         # down: one lock keeps a step, a teardown and a failure report from interleaving.
         self._lock = threading.RLock()
@@ -101,7 +103,9 @@ class TPExecutor:
         # Actors up (process started, torch imported) before the rendezvous, so a rank that
         # cannot start fails here with its own error rather than as a rendezvous timeout.
         self.actor_pids = ray.get([a.pid.remote() for a in self.actors], timeout=STARTUP_TIMEOUT_S)
-        host = ray.util.get_node_ip_address()
+        nodes = ray.get([a.node_id.remote() for a in self.actors], timeout=STARTUP_TIMEOUT_S)
+        host = self.rendezvous_host = rendezvous_host(ray.get_runtime_context().get_node_id(), nodes,
+                                                      ray.util.get_node_ip_address())
         store = create_rendezvous_store(host, self.size, STARTUP_TIMEOUT_S)
         joins = [a.join.remote(host, store.port, self.step_timeout_s, STARTUP_TIMEOUT_S) for a in self.actors]
         self._owns_dist = True

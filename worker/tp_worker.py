@@ -57,6 +57,11 @@ class TPWorker:
     def pid(self) -> int:
         return os.getpid()
 
+    def node_id(self) -> str:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
     def join(self, host: str, port: int, step_timeout_s: float, init_timeout_s: float) -> None:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)

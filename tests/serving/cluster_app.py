@@ -17,6 +17,8 @@ from pathlib import Path
 import httpx
 import yaml
 
+import cluster_helpers
+
 from pagefleet.router.kv_index import routing_keys
 from pagefleet.worker.stats import ReplicaStats
 
@@ -26,18 +28,8 @@ MAX_MODEL_LEN = 256
 
 
 def worker_stats() -> dict[str, ReplicaStats]:
-    """Each worker replica's published routing stats, keyed by replica id.
-
-    Asks every replica actor directly (the call Serve's controller makes each stats
-    period), so no request is routed and every replica answers."""
-    import ray
-
-    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-             if a["namespace"] == "serve" and f"::{APP}#PagefleetWorker#" in a["name"]]
-    actors = [ray.get_actor(name, namespace="serve") for name in names]
-    stats = ray.get([a.record_routing_stats.remote() for a in actors], timeout=60)
-    published = [ReplicaStats.from_routing_stats(s) for s in stats]
-    return {s.replica_id: s for s in published}
+    """Each worker replica's published routing stats, keyed by replica id (this app's workers)."""
+    return cluster_helpers.worker_stats(APP)
 
 
 def start_app(ray_address: str, port: int, ckpt: Path, workdir: Path) -> str:

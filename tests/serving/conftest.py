@@ -20,7 +20,7 @@ def fake(tokenizer):
 
 @pytest.fixture
 def info(tokenizer):
-    return ModelInfo(served_model_name=MODEL, root="/ckpt",
+    return ModelInfo(served_model_name=MODEL,
                      limits=RequestLimits(vocab_size=len(tokenizer), max_model_len=MAX_MODEL_LEN, max_num_seqs=8))
 
 

@@ -32,7 +32,7 @@ def build_app(args: argparse.Namespace) -> web.Application:
 
     async def models(request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [
-            {"id": MODEL, "object": "model", "owned_by": "test", "root": args.root}]})
+            {"id": args.model, "object": "model", "owned_by": "test"}]})
 
     async def generate(request: web.Request) -> web.StreamResponse:
         arrived = time.perf_counter()
@@ -104,7 +104,8 @@ def main() -> None:
     parser.add_argument("--ttft-ms", type=float, default=200)
     parser.add_argument("--itl-ms", type=float, default=20)
     parser.add_argument("--log", default=None)
-    parser.add_argument("--root", default=None, help="reported as the model's root (a tokenizer directory)")
+    parser.add_argument("--model", default=MODEL, help="the served model's id (a local checkpoint directory, as "
+                                                       "a server serving one names it)")
     parser.add_argument("--http-error-on", type=int, default=-1)
     parser.add_argument("--cut-on", type=int, default=-1)
     asyncio.run(serve(parser.parse_args()))

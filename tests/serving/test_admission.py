@@ -144,8 +144,7 @@ def test_routing_client_counts_decisions_fallbacks_and_refusals():
         with pytest.raises(OpenAIError) as info:
             await client.route("r3", b"", 40, 24, 1)
         err = info.value
-        assert (err.status_code, err.code, err.type, err.headers) == (429, "rate_limit_exceeded", "requests",
-                                                                      {"Retry-After": "1"})
+        assert (err.status_code, err.code, err.type, err.retry_after_s) == (429, "rate_limit_exceeded", "requests", 1)
         c = client.counters
         assert (dict(c.decisions), c.fallbacks, c.rejected, c.predicted_hit_blocks) == ({"prefix": 1}, 1, 1, 3)
 

@@ -57,14 +57,19 @@ def test_chat_stream_opens_with_the_role_and_ends_with_usage(client, tokenizer):
     assert [c["message"]["content"] for c in non_stream["choices"]] == [text[0], text[1]]
 
 
-def test_error_mid_stream_is_an_error_event_then_done(client, fake):
+def test_error_mid_stream_is_an_error_event_then_done(client, fake, caplog):
     fake.fail_after_steps = 1
     chunks = _events(client, "/v1/completions", {"prompt": "hello", "max_tokens": 4, "stream": True})
     assert len(chunks) == 2
     assert chunks[0]["choices"][0]["finish_reason"] is None
     assert set(chunks[1]) == {"error"}
-    assert chunks[1]["error"]["type"] == "internal_server_error"
-    assert "engine step failed" in chunks[1]["error"]["message"]
+    error = chunks[1]["error"]
+    assert error["type"] == "internal_server_error"
+    # The client gets an id to quote; the exception's text (paths, addresses) stays in the log.
+    assert "engine step failed" not in error["message"]
+    error_id = error["message"].split("error id ")[1].split(";")[0]
+    logged = [r for r in caplog.records if error_id in r.getMessage()]
+    assert len(logged) == 1 and "engine step failed" in str(logged[0].exc_info[1])
 
 
 def test_worker_failure_without_stream_is_a_500_in_openai_shape(client, fake):
@@ -72,13 +77,14 @@ def test_worker_failure_without_stream_is_a_500_in_openai_shape(client, fake):
     r = client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 4})
     assert r.status_code == 500
     assert r.json()["error"]["type"] == "internal_server_error"
+    assert "engine step failed" not in r.json()["error"]["message"]
 
 
 def test_closing_a_stream_aborts_every_request_under_it(service, fake):
     async def run():
         fake.step_gate = asyncio.Event()  # hold every request after its first step
         from pagefleet.router.protocol import CompletionRequest
-        prepared = service.completion(CompletionRequest(prompt=["hello", "world"], max_tokens=5, stream=True))
+        prepared = await service.completion(CompletionRequest(prompt=["hello", "world"], max_tokens=5, stream=True))
         chunks = service.stream_chunks(prepared)
         first = await chunks.__anext__()
         await chunks.aclose()

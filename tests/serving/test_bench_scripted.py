@@ -23,7 +23,7 @@ def scripted_server(tmp_path, tokenizer_dir):
     def start(*flags: str) -> tuple[str, Path]:
         log = tmp_path / f"server{len(procs)}.jsonl"
         proc = subprocess.Popen([sys.executable, str(SERVER), "--port", "0", "--log", str(log),
-                                 "--root", str(tokenizer_dir), *flags], stdout=subprocess.PIPE, text=True)
+                                 "--model", str(tokenizer_dir), *flags], stdout=subprocess.PIPE, text=True)
         procs.append(proc)
         line = proc.stdout.readline()
         assert line.startswith("PORT "), line

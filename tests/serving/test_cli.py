@@ -67,10 +67,12 @@ def test_missing_checkpoint_fails_before_any_cluster_starts(tmp_path, capsys, mo
 def test_banner_shows_where_and_how(capsys):
     from pagefleet.cluster.config import ServeOptions
 
-    text = banner(ServeOptions.from_dict({"port": 8123, "api_key": "k", "workers": 2}), "demo", 12.3, local=True)
+    key = "s3cret-9f1c"
+    text = banner(ServeOptions.from_dict({"port": 8123, "api_key": key, "workers": 2}), "demo", 12.3, local=True)
     assert "http://127.0.0.1:8123/v1" in text
     assert "curl http://127.0.0.1:8123/v1/chat/completions" in text
-    assert "Authorization: Bearer k" in text
+    assert key not in text  # the banner names where the key is, never the key
+    assert '"Authorization: Bearer $PAGEFLEET_API_KEY"' in text
     assert '"model": "demo"' in text
     assert "2 worker replica(s)" in text
 

@@ -31,7 +31,8 @@ def test_responses_are_counted_by_route_and_status(service):
         assert client.post("/v1/completions", json=body).status_code == 401
         assert client.post("/v1/completions", json={**body, "model": "nope"}, headers=auth).status_code == 404
         assert client.get("/v1/models", headers=auth).status_code == 200
-        assert client.get("/no/such/route").status_code == 404
+        assert client.get("/no/such/route", headers=auth).status_code == 404
+        assert client.get("/no/such/route").status_code == 401  # no route is probed without the key
         assert client.get("/version").status_code == 200
     assert metrics.counts == Counter({
         ("http_requests", "/v1/completions", "200"): 2,
@@ -40,6 +41,7 @@ def test_responses_are_counted_by_route_and_status(service):
         ("http_requests", "/v1/completions", "404"): 1,
         ("http_requests", "/v1/models", "200"): 1,
         ("http_requests", "other", "404"): 1,
+        ("http_requests", "other", "401"): 1,
         ("http_requests", "/version", "200"): 1,
     })
 

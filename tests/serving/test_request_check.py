@@ -56,6 +56,10 @@ BAD = [
     ([5, 6], {"max_tokens": 4, "top_p": 0.0}, "top_p"),
     ([5, 6], {"max_tokens": 4, "seed": 2**64}, "seed"),
     ([5, 6], {"max_tokens": 0}, "max_tokens"),
+    # What the one engine thread would scan after every token is bounded (engine options).
+    ([5, 6], {"max_tokens": 4, "stop": [f"s{i}" for i in range(33)]}, "stop"),
+    ([5, 6], {"max_tokens": 4, "stop": ["x" * 513]}, "stop"),
+    ([5, 6], {"max_tokens": 4, "stop_token_ids": list(range(129))}, "stop_token_ids"),
 ]
 
 

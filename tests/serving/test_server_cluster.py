@@ -248,7 +248,8 @@ def test_bench_random_completions_writes_report_json_and_png(server, tmp_path):
     base, ckpt = server
     result, png = tmp_path / "result.json", tmp_path / "plot.png"
     done = run_bench(base, "--num-prompts", "6", "--random-input-len", "24", "--random-output-len", "6",
-                     "--max-concurrency", "3", "--save-result", str(result), "--save-detailed", "--plot", str(png))
+                     "--max-concurrency", "3", "--save-result", str(result), "--save-detailed", "--plot", str(png),
+                     "--tokenizer", str(ckpt))
     out = done.stdout
     assert "Successful requests:                     6" in out
     assert "Failed requests:                         0" in out
@@ -257,7 +258,7 @@ def test_bench_random_completions_writes_report_json_and_png(server, tmp_path):
                    "End-to-end Latency"):
         assert header in out
     saved = json.loads(result.read_text())
-    assert (saved["model_id"], saved["tokenizer_id"]) == (ckpt.name, str(ckpt))  # from /v1/models
+    assert (saved["model_id"], saved["tokenizer_id"]) == (ckpt.name, str(ckpt))  # the model from /v1/models
     assert (saved["completed"], saved["failed"], saved["max_concurrency"]) == (6, 0, 3)
     # the random dataset ignores EOS: every request generates its 6 tokens; the server counts
     # each prompt as the 24 tokens the dataset built
@@ -270,13 +271,13 @@ def test_bench_random_completions_writes_report_json_and_png(server, tmp_path):
 
 
 def test_bench_shared_prefix_chat_sees_prefix_cache_hits(server, tmp_path):
-    base, _ = server
+    base, ckpt = server
     result = tmp_path / "result.json"
     done = run_bench(base, "--endpoint", "/v1/chat/completions", "--dataset", "shared-prefix",
                      "--shared-prefix-num-tenants", "2", "--shared-prefix-questions-per-tenant", "3",
                      "--shared-prefix-len", "64", "--shared-prefix-question-len", "8",
                      "--shared-prefix-output-len", "4", "--max-concurrency", "1", "--ignore-eos",
-                     "--save-result", str(result))
+                     "--save-result", str(result), "--tokenizer", str(ckpt))
     saved = json.loads(result.read_text())
     assert (saved["completed"], saved["failed"], saved["total_output_tokens"]) == (6, 0, 24)
     # One request at a time over two replicas: of each tenant's three requests, two met on one

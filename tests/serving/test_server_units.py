@@ -151,14 +151,18 @@ def test_build_app_accepts_the_yaml_args_and_refuses_unknown_ones(tiny_checkpoin
     built = build_app({**app["args"], "model": model, "workers": 2, "worker_num_cpus": 0.5, "api_key": "k",
                        "routing": "round_robin"})
     ingress = built._bound_deployment  # Serve has no public accessor for an Application's deployment
-    worker_app, engine_args, api_key, kv_scheduler, kv_routing = ingress.init_args
+    worker_app, engine_args = ingress.init_args
+    kwargs = ingress.init_kwargs
     worker = worker_app._bound_deployment
-    assert (ingress.name, ingress.num_replicas, api_key, kv_scheduler) == ("OpenAIIngress", 1, "k", None)
+    assert (ingress.name, ingress.num_replicas, kwargs["api_key"], kwargs["kv_scheduler"]) == \
+        ("OpenAIIngress", 1, "k", None)
     assert (worker.name, worker.num_replicas, worker.ray_actor_options["num_cpus"]) == ("PagefleetWorker", 2, 0.5)
     assert worker.init_args[0] == engine_args and worker.init_args[2] is None and engine_args.model == model
     router = worker._deployment_config.request_router_config  # no public accessor either
     assert router.request_router_class == "pagefleet.router.request_router:RoundRobinRouter"
+    kv_routing = kwargs["kv_routing"]
     assert (kv_routing.cost_weight, kv_routing.admission_queue_size, kv_routing.admission_max_wait_s) == (4.0, 64, 2.0)
+    assert worker._deployment_config.max_queued_requests == 64  # Serve's queue: the same bound
     with pytest.raises(ValueError, match="unknown option"):
         build_app({"replicas": 3})
     with pytest.raises(ValueError, match="routing must be one of kv, least_loaded, pow2, round_robin, prefix"):

@@ -1,0 +1,54 @@
+"""Helpers for the tests that run a real Serve app: the workers' own published stats, and figures
+that benchmarks/reliability.py collects from the reliability battery."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import socket
+
+from pagefleet.worker.stats import ReplicaStats
+
+FIGURES_ENV = "PAGEFLEET_FIGURES"  # a file: each figure is appended to it as one JSON line
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def worker_actors(app: str | None = None) -> list:
+    import ray
+
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+             if a["namespace"] == "serve" and "PagefleetWorker" in a["name"]
+             and (app is None or f"::{app}#" in a["name"])]
+    return [ray.get_actor(name, namespace="serve") for name in names]
+
+
+def worker_stats(app: str | None = None) -> dict[str, ReplicaStats]:
+    """Each worker replica's published routing stats, keyed by replica id.
+
+    Asks every replica actor directly (the call Serve's controller makes each stats
+    period), so no request is routed and every replica answers."""
+    import ray
+
+    actors = worker_actors(app)
+    stats = ray.get([a.record_routing_stats.remote() for a in actors], timeout=60)
+    published = [ReplicaStats.from_routing_stats(s) for s in stats]
+    return {s.replica_id: s for s in published}
+
+
+def record_figure(name: str, value, target: str | None = None, **detail) -> dict:
+    """One measured figure, printed and, when $PAGEFLEET_FIGURES names a file, appended to it."""
+    line = {"figure": name, "value": value, "target": target, **detail,
+            "machine": f"{platform.machine()} {os.cpu_count()} cores, {platform.python_implementation()} "
+                       f"{platform.python_version()}"}
+    print(json.dumps(line))
+    path = os.environ.get(FIGURES_ENV)
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps(line) + "\n")
+    return line

@@ -1,0 +1,140 @@
+"""What a worker's failure becomes at the ingress: clean OpenAI errors, never a Ray traceback,
+and a retry on another replica only for a request that had produced nothing yet."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import ray.exceptions as ray_exceptions
+from ray.serve.exceptions import BackPressureError
+
+from pagefleet.router.ingress import HandleWorkerClient
+from pagefleet.router.service import Job
+from pagefleet.router.worker_errors import worker_failure
+from pagefleet.worker.errors import EngineDeadError
+from pagefleet.worker.outputs import CompletionOutput, RequestOutputDelta
+from pagefleet.worker.request_check import InvalidRequest
+from pagefleet.worker.sampling_params import SamplingParams
+
+
+def _as_ray_task_error(cause: Exception) -> Exception:
+    """What a Serve handle raises for an exception inside the replica: a RayTaskError whose text
+    carries the remote traceback (file paths, pid, address)."""
+    try:
+        raise cause
+    except Exception as exc:
+        err = ray_exceptions.RayTaskError("generate", "Traceback (most recent call last):\n  File "
+                                          "\"/home/u/pagefleet/worker/engine.py\", line 9\n(pid=4242, ip=10.1.2.3)",
+                                          exc)
+    return err.as_instanceof_cause()
+
+
+def test_an_engine_refusal_is_a_400_with_the_engines_words_only():
+    error, retry = worker_failure(_as_ray_task_error(InvalidRequest("stop has 40 strings", "stop")))
+    assert (error.status_code, error.param, error.message, retry) == (400, "stop", "stop has 40 strings", False)
+
+
+@pytest.mark.parametrize("exc", [
+    _as_ray_task_error(EngineDeadError("the engine loop died: RuntimeError('CUDA error at 0x7f..')")),
+    ray_exceptions.ActorDiedError(),
+    ray_exceptions.ActorUnavailableError("unavailable", b"\x00" * 16),
+])
+def test_a_dead_worker_is_a_retryable_503_without_details(exc):
+    error, retry = worker_failure(exc)
+    assert (error.status_code, error.code, error.retry_after_s, retry) == (503, "worker_failed", 1, True)
+    assert error.message == "the worker replica serving this request failed; retry the request"
+
+
+def test_full_queues_are_a_429_with_retry_after():
+    error, retry = worker_failure(BackPressureError(num_queued_requests=9, max_queued_requests=8))
+    assert (error.status_code, error.type, error.code, error.retry_after_s, retry) == \
+        (429, "requests", "rate_limit_exceeded", 1, False)
+    assert "max_queued" not in error.message
+
+
+def test_anything_else_is_a_500_that_names_only_an_error_id(caplog):
+    error, retry = worker_failure(_as_ray_task_error(KeyError("/srv/models/secret-path")))
+    assert error.status_code == 500 and retry is False
+    assert "secret-path" not in error.message and "10.1.2.3" not in error.message
+    assert "error id" in error.message
+
+
+class _Response:
+    """A Serve DeploymentResponseGenerator stand-in: yields deltas, then raises ``fail``."""
+
+    def __init__(self, deltas, fail=None):
+        self.deltas, self.fail, self.cancelled = deltas, fail, False
+
+    def __aiter__(self):
+        return self._run()
+
+    async def _run(self):
+        for d in self.deltas:
+            await asyncio.sleep(0)
+            yield d
+        if self.fail is not None:
+            raise self.fail
+
+    def cancel(self):
+        self.cancelled = True
+
+
+class _Handle:
+    deployment_name = "PagefleetWorker"
+
+    def __init__(self, responses):
+        self.responses = list(responses)
+        self.sent = []
+
+    def options(self, **kw):
+        return self
+
+    def remote(self, request):
+        self.sent.append((request.request_id, request.ranking))
+        return self.responses.pop(0)
+
+
+def _delta(token, finished):
+    return RequestOutputDelta("r", [CompletionOutput(0, "x", [token], None, "length" if finished else None)], 2, 0,
+                              finished)
+
+
+def _job(ranking=None):
+    return Job("r-0", [5, 6], SamplingParams(max_tokens=2), ranking=ranking)
+
+
+async def _collect(client, job=None):
+    return [d async for d in client.generate(job or _job())]
+
+
+def test_a_request_whose_worker_died_before_any_output_goes_to_another_replica():
+    dead = _Response([], ray_exceptions.ActorDiedError())
+    good = _Response([_delta(1, False), _delta(2, True)])
+    handle = _Handle([dead, good])
+    deltas = asyncio.run(_collect(HandleWorkerClient(handle), _job(ranking=["w1", "w0"])))
+    assert [d.sequences[0].token_ids for d in deltas] == [[1], [2]]
+    # the retry drops the ranking whose first choice just failed: the request router picks again
+    assert handle.sent == [("r-0", ["w1", "w0"]), ("r-0", None)] and dead.cancelled and not good.cancelled
+
+
+def test_a_request_with_output_already_sent_is_not_repeated():
+    dying = _Response([_delta(1, False)], ray_exceptions.ActorDiedError())
+    handle = _Handle([dying, _Response([_delta(9, True)])])
+    got = []
+
+    async def run():
+        async for d in HandleWorkerClient(handle).generate(_job()):
+            got.append(d)
+
+    with pytest.raises(Exception) as failed:
+        asyncio.run(run())
+    assert failed.value.status_code == 503 and [d.sequences[0].token_ids for d in got] == [[1]]
+    assert handle.sent == [("r-0", None)]
+
+
+def test_retries_are_bounded():
+    handle = _Handle([_Response([], ray_exceptions.ActorDiedError()) for _ in range(5)])
+    with pytest.raises(Exception) as failed:
+        asyncio.run(_collect(HandleWorkerClient(handle)))
+    assert failed.value.status_code == 503 and len(handle.sent) == 3
