@@ -28,6 +28,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="CI sizes only (no slow variants)")
     args = parser.parse_args()
+    load_start = os.getloadavg()[0]  # the machine is shared: say how busy it was
     with tempfile.TemporaryDirectory() as tmp:
         figures = Path(tmp) / "figures.jsonl"
         env = {**os.environ, "PAGEFLEET_FIGURES": str(figures), "OMP_WAIT_POLICY": "PASSIVE"}
@@ -36,11 +37,12 @@ def main() -> int:
                               cwd=ROOT, env=env, capture_output=True, text=True)
         lines = figures.read_text().splitlines() if figures.exists() else []
     machine = f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
+    load = {"loadavg_1m_start": round(load_start, 2), "loadavg_1m_end": round(os.getloadavg()[0], 2)}
     for line in lines:
-        print(json.dumps({**json.loads(line), "machine": machine}))
+        print(json.dumps({**json.loads(line), "machine": machine, **load}))
     summary = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else ""
     print(json.dumps({"figure": "battery", "pytest_exit_code": done.returncode, "summary": summary,
-                      "machine": machine}))
+                      "machine": machine, **load}))
     if done.returncode != 0:
         print(done.stdout[-5000:], file=sys.stderr)
     return done.returncode

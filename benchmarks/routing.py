@@ -14,19 +14,18 @@ Per policy, on a fresh app (fresh caches) on one local Ray cluster:
 Capacity (requests/s) is measured once, first, with round_robin and a
 closed loop of 64 clients. kv runs with admission control (a queue of
 ``--admission-queue`` per ingress, ``--admission-wait-s``); the others have none.
-kv's scheduler timeout is ``--routing-timeout-ms`` (50 here, 10 by default in
-pagefleet): on a 2-core machine that also runs the four workers, one actor round
-trip often takes longer than 10 ms, and the run would then mostly measure the
-fallback; choose_ms reports the round trips, and how many took over 10 ms.
+kv decides in the ingress, with its copy of the global scheduler's view (kept
+current from the actor's feed); choose_ms reports those local decisions, and
+``mirror`` how the copy followed the feed (updates, entries, resyncs, failed
+polls).
 
 One JSON line per policy: prefix hit rate from the workers' own counters
 (normal phase) and the hit rate an oracle would get on the same requests (every
 tenant's prefix cached after its first request), TTFT p50/p99 and output
 tokens/s (normal phase), preemptions, 429s and their latency, timeouts (each
-phase), time to choose a replica p50/p99 and fallbacks (kv: the ingress's round
-trips to the global scheduler that were answered in time, and the requests
-routed without an answer; the other policies choose inside Serve's router with
-no remote call), then a summary line with the ratios the issue asks for and the
+phase), time to choose a replica p50/p99 and fallbacks (kv: the ingress's
+decisions with its copy of the view, and the requests routed while the copy was
+stale or empty; the other policies choose inside Serve's router), then a summary line with the ratios the issue asks for and the
 machine (load average included: on a shared machine it says how much of the
 CPU the run had).
 
@@ -236,12 +235,12 @@ def deploy(policy: str, ckpt: Path, args: argparse.Namespace) -> str:
         "model": str(ckpt), "workers": WORKERS, "worker_num_cpus": 0.5, "ingress_num_cpus": 0.5,
         "kv_cache_bytes": KV_BLOCKS * 16 * 2**10, "max_model_len": 1024, "max_num_seqs": 8, "routing": policy,
         "admission_queue_size": args.admission_queue, "admission_max_wait_s": args.admission_wait_s,
-        "routing_timeout_ms": args.routing_timeout_ms}),
+        "routing_max_staleness_s": args.routing_max_staleness_s}),
         name=app, route_prefix=f"/{policy}")
     return app
 
 
-def summarize(policy: str, normal: Phase, overload: Phase, oracle: float, routing, admission) -> dict:
+def summarize(policy: str, normal: Phase, overload: Phase, oracle: float, routing, admission, mirror) -> dict:
     def delta(phase: Phase, key: str) -> int:
         return phase.counters_after[key] - phase.counters_before[key]
 
@@ -276,7 +275,11 @@ def summarize(policy: str, normal: Phase, overload: Phase, oracle: float, routin
         line["admission"] = {"admitted_at_once": admission.admitted_at_once,
                              "admitted_after_waiting": admission.admitted_after_waiting,
                              "refused_queue_full": admission.rejected_queue_full,
+                             "refused_expected_wait": admission.rejected_expected_wait,
                              "refused_after_waiting": admission.rejected_waited_too_long}
+    if mirror is not None:
+        line["mirror"] = {"updates": mirror.updates, "entries": mirror.entries, "resyncs": mirror.resyncs,
+                          "failed_polls": mirror.failed_polls}
     return line
 
 
@@ -300,7 +303,7 @@ def main() -> None:
     ap.add_argument("--capacity", type=float, default=None, help="requests/s (default: measure it first)")
     ap.add_argument("--admission-queue", type=int, default=4)
     ap.add_argument("--admission-wait-s", type=float, default=2.0)
-    ap.add_argument("--routing-timeout-ms", type=float, default=50.0)
+    ap.add_argument("--routing-max-staleness-s", type=float, default=1.0)
     ap.add_argument("--timeout-s", type=float, default=60.0, help="a client gives up after this long")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="also append the JSON lines to this file")
@@ -334,12 +337,13 @@ def main() -> None:
         normal = run_phase(app, base, model, work, args.load * capacity, args.normal_s, args.timeout_s)
         overload = run_phase(app, base, model, work, 3 * capacity, args.overload_s, args.timeout_s)
         oracle = oracle_hit_rate(normal.results, set())
-        routing = admission = None
+        routing = admission = mirror = None
         if policy == "kv":
             ingress = serve.get_deployment_handle("OpenAIIngress", app)
             routing = ingress.routing_counters.remote().result()
             admission = ingress.admission_counters.remote().result()
-        line = summarize(policy, normal, overload, oracle, routing, admission)
+            mirror = ingress.mirror_counters.remote().result()
+        line = summarize(policy, normal, overload, oracle, routing, admission, mirror)
         line.update(capacity_requests_per_s=round(capacity, 2), normal_rate=round(args.load * capacity, 2),
                     overload_rate=round(3 * capacity, 2), loadavg_1m=round(os.getloadavg()[0], 2))
         print(json.dumps(line), flush=True)
@@ -353,7 +357,7 @@ def main() -> None:
                                                   "normal_s": args.normal_s, "overload_s": args.overload_s,
                                                   "load": args.load, "seed": args.seed},
                "admission": {"queue": args.admission_queue, "max_wait_s": args.admission_wait_s},
-               "routing_timeout_ms": args.routing_timeout_ms,
+               "routing_max_staleness_s": args.routing_max_staleness_s,
                "machine": machine()}
     kv, rr = by.get("kv"), by.get("round_robin")
     if kv and rr:

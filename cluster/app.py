@@ -38,7 +38,7 @@ def build_app(args: Mapping[str, Any] | ServeOptions | None = None) -> Applicati
     gpus = serve_args.worker_num_gpus
     if gpus is None:
         gpus = 1.0 if _cluster_has_gpus() and engine_args.device != "cpu" else 0.0
-    kv_scheduler = start_scheduler(serve_args.routing_cost_weight) if serve_args.routing == "kv" else None
+    kv_scheduler = start_scheduler() if serve_args.routing == "kv" else None
     worker = worker_deployment(
         engine_args,
         kv_scheduler=kv_scheduler,

@@ -50,8 +50,9 @@ class ServeArgs:
                                                 "on a worker replica, in Serve's queue); beyond it, 429 with "
                                                 "Retry-After at once. 0: no bound (kv: no admission control)")
     admission_max_wait_s: float = option(2.0, help="kv: longest wait in the admission queue before a 429")
-    routing_timeout_ms: float = option(10.0, help="kv: how long a request waits for the scheduler's answer before "
-                                                 "routing without it (power of two choices, counted)")
+    routing_max_staleness_s: float = option(1.0, help="kv: oldest copy of the global scheduler's view an ingress "
+                                                      "routes with; past it, requests are routed by load (counted "
+                                                      "as fallbacks), still through admission control")
     # What one request may hold, refused at the ingress before any work (the engine's own limits
     # are engine options).
     max_request_body_bytes: int = option(DEFAULT_MAX_BODY_BYTES, parse=parse_bytes, metavar="BYTES",
@@ -70,8 +71,8 @@ class ServeArgs:
             raise ValueError(f"routing_cost_weight must be >= 0, got {self.routing_cost_weight}")
         if self.admission_queue_size < 0 or isinstance(self.admission_queue_size, bool):
             raise ValueError(f"admission_queue_size must be an integer >= 0, got {self.admission_queue_size!r}")
-        if self.admission_max_wait_s <= 0 or self.routing_timeout_ms <= 0:
-            raise ValueError("admission_max_wait_s and routing_timeout_ms must be > 0")
+        if self.admission_max_wait_s <= 0 or self.routing_max_staleness_s <= 0:
+            raise ValueError("admission_max_wait_s and routing_max_staleness_s must be > 0")
         self.max_request_body_bytes = parse_bytes(self.max_request_body_bytes)
         for name in ("workers", "ingress_replicas", "max_prompts_per_request", "max_request_id_chars"):
             value = getattr(self, name)
@@ -108,7 +109,7 @@ class ServeOptions:
         serve = self.serve
         return KVRoutingOptions(cost_weight=serve.routing_cost_weight, admission_queue_size=serve.admission_queue_size,
                                 admission_max_wait_s=serve.admission_max_wait_s,
-                                timeout_s=serve.routing_timeout_ms / 1000)
+                                max_staleness_s=serve.routing_max_staleness_s)
 
     def logical_cpus_needed(self) -> float:
         """CPUs the app reserves on a Ray cluster (Serve's controller and proxy take none)."""

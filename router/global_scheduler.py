@@ -2,7 +2,9 @@
 
 Pure Python (no Ray, no torch, no clock of its own: callers pass ``now``), so
 every choice is tested on constructed states. ``scheduler_actor.py`` wraps it
-in a named Ray actor.
+in a named Ray actor (the source of truth, fed by the workers); each ingress
+replica holds another instance as its read-only copy (``kv_mirror.py``), fed
+the same inputs in the same order, and routes with it.
 
 The view of a worker is exact, not guessed: it is the worker's own KV event
 batches applied in sequence order. A batch whose first number is not the next
@@ -31,7 +33,7 @@ from collections import Counter
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
-from pagefleet.router.kv_index import KVBlockIndex, routing_keys
+from pagefleet.router.kv_index import KVBlockIndex, pack_keys, routing_keys, unpack_keys
 from pagefleet.worker.kv_events import KVEventBatch, KVSnapshot
 
 
@@ -89,6 +91,21 @@ class WorkerView:
         if self.reported:
             self.room_blocks = self.num_free_blocks - self.num_reserved_blocks - self.predicted_blocks
         self.queued = self.num_running + self.num_waiting
+
+
+@dataclass(slots=True)
+class WorkerState:
+    """One worker's whole view, as plain data: what a new copy of the view starts from."""
+
+    worker_id: str
+    seq: int
+    synced: bool
+    routing_keys: bytes  # packed (``kv_index.pack_keys``)
+    num_free_blocks: int
+    num_total_blocks: int
+    num_running: int
+    num_waiting: int
+    num_reserved_blocks: int
 
 
 @dataclass(slots=True)
@@ -165,18 +182,22 @@ class GlobalScheduler:
         self.counters.workers_dropped += 1
         return True
 
-    def expire(self, now: float) -> None:
-        """Drop silent workers (looked for at most once a second) and end predictions past their time."""
+    def expire(self, now: float) -> list[str]:
+        """Drop silent workers (looked for at most once a second) and end predictions past their
+        time; returns the workers dropped."""
+        dropped = []
         if now >= self._next_liveness_check:
             self._next_liveness_check = now + 1.0
             for view in [v for v in self.workers.values() if now - v.last_seen > self.liveness_timeout_s]:
                 self.drop_worker(view.worker_id)
+                dropped.append(view.worker_id)
         while self._predictions:
             pred = next(iter(self._predictions.values()))
             if pred.expires > now:
                 break
             self._end_prediction(pred)
             self.counters.predictions_expired += 1
+        return dropped
 
     def _report(self, view: WorkerView, b: KVEventBatch | KVSnapshot, now: float) -> None:
         view.last_seen = now
@@ -234,6 +255,28 @@ class GlobalScheduler:
         view.synced = True
         view.snapshot_asked_at = None
         self.counters.snapshots_applied += 1
+
+    def worker_states(self) -> list[WorkerState]:
+        """Every worker's view as plain data, for a new copy of the view to ``restore``."""
+        return [WorkerState(v.worker_id, v.seq, v.synced, pack_keys(self.index.keys_of(v.slot)), v.num_free_blocks,
+                            v.num_total_blocks, v.num_running, v.num_waiting, v.num_reserved_blocks)
+                for v in self.workers.values()]
+
+    def restore(self, states: list[WorkerState], now: float) -> None:
+        """Make the view of every worker exactly ``states`` (workers not in it are dropped);
+        predictions on workers that stay are kept."""
+        keep = {s.worker_id for s in states}
+        for worker_id in [w for w in self.workers if w not in keep]:
+            self.drop_worker(worker_id)
+        for state in states:
+            view = self._view(state.worker_id, now)
+            self.index.replace(view.slot, unpack_keys(state.routing_keys))
+            view.seq, view.synced, view.snapshot_asked_at = state.seq, state.synced, None
+            view.reported = True
+            view.num_free_blocks, view.num_total_blocks = state.num_free_blocks, state.num_total_blocks
+            view.num_running, view.num_waiting = state.num_running, state.num_waiting
+            view.num_reserved_blocks = state.num_reserved_blocks
+            view.refresh()
 
     def keys_of(self, worker_id: str) -> set[int] | None:
         """The routing keys the scheduler believes the worker holds (None: unknown worker)."""

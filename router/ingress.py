@@ -2,9 +2,11 @@
 
 The ingress loads the tokenizer and config.json only (no weights): it
 tokenizes, applies chat templates, validates and hashes prompt blocks, so bad
-requests stop here. With ``kv`` routing it asks the global scheduler where
-each request goes (``KVRoutingClient``) and hands the answer to the request
-router inside the ``WorkerRequest``. Requests go to workers through a Serve
+requests stop here. With ``kv`` routing it decides where each request goes
+with its own copy of the global scheduler's view (``KVRoutingClient`` over a
+``SchedulerMirror``, which a ``ViewFollower`` task keeps current from the
+scheduler actor's feed, off the requests' path) and hands the ranking to the
+request router inside the ``WorkerRequest``. Requests go to workers through a Serve
 handle, streamed one delta per engine step; closing a stream cancels the
 handle's response, which cancels the worker-side generator, which aborts the
 request in the engine.
@@ -12,19 +14,23 @@ request in the engine.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
+import weakref
 from typing import Any, AsyncIterator
 
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from pagefleet.router.http_guards import BodyLimits
+from pagefleet.router.kv_mirror import MirrorCounters, SchedulerMirror, ViewFollower
 from pagefleet.router.kv_routing import KVRoutingClient, KVRoutingOptions, RoutingCounters
 from pagefleet.router.metrics import RouterMetrics
 from pagefleet.router.node_metrics import NodeMetricsReader
 from pagefleet.router.openai_app import build_openai_app
 from pagefleet.router.preprocess import ModelInfo, ServingLimits, longest_token_chars
+from pagefleet.router.scheduler_actor import WorkerKVView, worker_kv_view
 from pagefleet.router.service import Job, OpenAIService
 from pagefleet.router.worker_errors import WorkerHealth, worker_failure
 from pagefleet.worker.config import model_config_of
@@ -41,23 +47,46 @@ INGRESS_DEPLOYMENT_NAME = "OpenAIIngress"
 MAX_ATTEMPTS = 3
 
 
+class ActorFeedLink:
+    """``kv_mirror.FeedLink`` over the global scheduler actor's handle."""
+
+    def __init__(self, scheduler: Any) -> None:
+        self.scheduler = scheduler
+
+    async def updates(self, epoch: str | None, cursor: int, wait_s: float):
+        return await self.scheduler.updates.remote(epoch, cursor, wait_s)
+
+
 class HandleWorkerClient:
     """``WorkerClient`` over a Serve handle to the worker deployment (and, with ``kv`` routing,
-    the global scheduler)."""
+    a ``KVRoutingClient`` deciding with this ingress's copy of the scheduler's view)."""
 
     def __init__(self, handle: DeploymentHandle, kv: KVRoutingClient | None = None,
-                 health: WorkerHealth | None = None, metrics: RouterMetrics | None = None) -> None:
+                 health: WorkerHealth | None = None, metrics: RouterMetrics | None = None,
+                 follower: ViewFollower | None = None) -> None:
         self._stream = handle.options(method_name="generate", stream=True)
         self._health = health or WorkerHealth(handle.deployment_name)
         self.kv = kv
+        self.follower = follower
         self.metrics = metrics or RouterMetrics()
+
+    def check_room(self) -> None:
+        if self.kv is not None:
+            self.kv.check_room()
 
     async def route(self, job: Job) -> list[str] | None:
         if self.kv is None:
             return None
+        if self.follower is not None:
+            self.follower.start()  # a no-op once running (started by the constructor where it can)
         decision = await self.kv.route(job.request_id, job.block_hashes, len(job.token_ids), job.params.max_tokens,
                                        job.params.n)
-        return None if decision is None else decision.ranking
+        if decision is None:
+            return None
+        # The blocks this request may hold count in the ingress's own load until the job is gone,
+        # however it ends (finished, failed, refused later, or never sent).
+        weakref.finalize(job, self.kv.ended_later, job.request_id)
+        return decision.ranking
 
     async def generate(self, job: Job) -> AsyncIterator[RequestOutputDelta]:
         request = WorkerRequest(job.request_id, job.token_ids, job.params, job.block_hashes, job.extra_keys,
@@ -115,9 +144,16 @@ class OpenAIIngress:
         """``kv_scheduler``: the global scheduler actor, for ``kv`` routing (None: other policies)."""
         tokenizer, info = load_model_info(engine_args, serving)
         self._metrics = RouterMetrics(default_tags={"model_name": info.served_model_name})
-        kv = None if kv_scheduler is None else KVRoutingClient(kv_scheduler, kv_routing or KVRoutingOptions(),
-                                                               engine_args.block_size, self._metrics)
-        self._client = HandleWorkerClient(worker, kv, metrics=self._metrics)
+        kv = follower = self._mirror = None
+        if kv_scheduler is not None:
+            kv_routing = kv_routing or KVRoutingOptions()
+            self._mirror = SchedulerMirror(kv_routing.cost_weight)
+            follower = ViewFollower(ActorFeedLink(kv_scheduler), self._mirror)
+            kv = KVRoutingClient(self._mirror, kv_routing, engine_args.block_size, self._metrics)
+            with contextlib.suppress(RuntimeError):  # Serve runs constructors on the replica's loop
+                asyncio.get_running_loop()
+                follower.start()
+        self._client = HandleWorkerClient(worker, kv, metrics=self._metrics, follower=follower)
         self._service = OpenAIService(tokenizer=tokenizer, info=info, client=self._client)
         self._api_key = api_key
         self._body_limits = body_limits
@@ -138,6 +174,14 @@ class OpenAIIngress:
         """This replica's kv routing counters (None without kv routing), for benchmarks and tests
         (Serve handle call; the HTTP app does not expose them)."""
         return None if self._client.kv is None else self._client.kv.counters
+
+    async def mirror_view(self, worker_id: str) -> WorkerKVView | None:
+        """What this ingress's copy of the scheduler's view holds for a worker (tests compare
+        it with the worker's own pool and with the actor's view)."""
+        return None if self._mirror is None else worker_kv_view(self._mirror.core, worker_id)
+
+    async def mirror_counters(self) -> MirrorCounters | None:
+        return None if self._mirror is None else self._mirror.counters
 
     async def admission_counters(self):
         kv = self._client.kv

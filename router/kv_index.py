@@ -16,6 +16,7 @@ worker can be dropped or resynchronised in time proportional to what it holds.
 from __future__ import annotations
 
 import sys
+from array import array
 from collections import deque
 from itertools import compress
 from typing import Iterable, Sequence
@@ -32,6 +33,22 @@ def routing_keys(packed_hashes: bytes) -> list[int]:
     if sys.byteorder == "big":  # keys must agree across machines: they are little-endian by definition
         keys = [int.from_bytes(k.to_bytes(8, "big"), "little") for k in keys]
     return keys
+
+
+def pack_keys(keys: Iterable[int]) -> bytes:
+    """Routing keys as 8 little-endian bytes each (one bytes object: pickles at C speed)."""
+    packed = array("Q", keys)
+    if sys.byteorder == "big":
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def unpack_keys(packed: bytes) -> list[int]:
+    keys = array("Q")
+    keys.frombytes(packed)
+    if sys.byteorder == "big":
+        keys.byteswap()
+    return keys.tolist()
 
 
 def _mask(v: int) -> int:

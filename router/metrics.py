@@ -27,7 +27,8 @@ ROUTER_METRICS: dict[str, MetricSpec] = {
     # kv routing (the global scheduler), recorded by the ingress
     "routing_seconds": MetricSpec(
         "pagefleet_router_choose_seconds", "histogram",
-        "kv routing: time to get the global scheduler's ranking for a request (one actor round trip).",
+        "kv routing: time to rank the workers for a request with this ingress's copy of the global "
+        "scheduler's view (a local computation).",
         buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1), tag_keys=("model_name",)),
     "prefix_hit_blocks_predicted": MetricSpec(
         "pagefleet_router_prefix_hit_blocks_predicted", "counter",
@@ -46,7 +47,8 @@ ROUTER_METRICS: dict[str, MetricSpec] = {
         buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0), tag_keys=("model_name",)),
     "admission_rejections": MetricSpec(
         "pagefleet_router_admission_rejections", "counter",
-        "kv routing: requests answered 429 by admission control, by reason (queue_full, waited_too_long).",
+        "kv routing: requests answered 429 by admission control, by reason (queue_full, expected_wait, "
+        "waited_too_long; worker_queue_full: Serve's queue of a worker replica).",
         tag_keys=("model_name", "reason")),
 }
 

@@ -37,6 +37,10 @@ TOKENIZER_THREADS = 2
 
 
 class WorkerClient(Protocol):
+    def check_room(self) -> None:
+        """Raises OpenAIError (429) when admission control would turn away any request arriving
+        now (checked before the request is read, so a refusal costs next to nothing)."""
+
     async def route(self, job: Job) -> list[str] | None:
         """Where the job should run, best first (None: the request router decides alone).
         Raises OpenAIError (429) when admission control turns it away."""
@@ -111,6 +115,12 @@ class OpenAIService:
         if text_chars <= INLINE_TEXT_CHARS:
             return fn(*args)
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, fn, *args)
+
+    def check_open(self) -> None:
+        """Raises 503 while draining and 429 when admission control is refusing every newcomer:
+        called before a request's body is read."""
+        self._check_open()
+        self.client.check_room()
 
     def _check_open(self) -> None:
         if self.draining:
@@ -232,7 +242,7 @@ class OpenAIService:
             "root": name, "parent": None, "max_model_len": self.info.limits.max_model_len}]}
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, weakref_slot=True)
 class Job:
     """One engine request of an HTTP request (a completions request has one per prompt)."""
 

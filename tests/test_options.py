@@ -50,7 +50,7 @@ OTHER_VALUES = {
     "routing_cost_weight": ("1.5", 1.5),
     "admission_queue_size": ("0", 0),
     "admission_max_wait_s": ("0.5", 0.5),
-    "routing_timeout_ms": ("3", 3.0),
+    "routing_max_staleness_s": ("0.5", 0.5),
     "max_request_body_bytes": ("1MiB", 2**20),
     "max_prompts_per_request": ("16", 16),
     "max_prompt_chars": ("10000", 10000),

@@ -95,23 +95,28 @@ def wait_idle(timeout_s: float = 60.0) -> None:
 
 
 def assert_views_equal_pools(scheduler) -> dict:
+    """The scheduler actor's view of each worker, and the ingress's copy of it (what requests are
+    routed with), each equal to the worker's own pool; returns the actor's views."""
     import ray
 
     snaps = worker_snapshots()
     views = {}
     for worker_id, snap in snaps.items():
-        deadline = time.monotonic() + 10
-        while True:  # the batch the snapshot was taken at has to reach the scheduler first
-            view = ray.get(scheduler.worker_view.remote(worker_id))
-            if view is not None and view.seq >= snap.seq:
-                break
-            assert time.monotonic() < deadline, (worker_id, view, snap.seq)
-            time.sleep(0.05)
-        assert view.synced
-        assert view.routing_keys == set(routing_keys(snap.block_hashes)), worker_id
-        assert (view.num_free_blocks, view.num_total_blocks) == (snap.num_free_blocks, snap.num_total_blocks)
-        assert snap.num_free_blocks == snap.num_total_blocks  # idle: every block is free (cached or not)
-        views[worker_id] = view
+        for name, read in (("actor", lambda: ray.get(scheduler.worker_view.remote(worker_id))),
+                           ("ingress copy", lambda: ingress().mirror_view.remote(worker_id).result())):
+            deadline = time.monotonic() + 10
+            while True:  # the batch the snapshot was taken at has to reach the view first
+                view = read()
+                if view is not None and view.seq >= snap.seq:
+                    break
+                assert time.monotonic() < deadline, (name, worker_id, view, snap.seq)
+                time.sleep(0.05)
+            assert view.synced, name
+            assert view.routing_keys == set(routing_keys(snap.block_hashes)), (name, worker_id)
+            assert (view.num_free_blocks, view.num_total_blocks) == (snap.num_free_blocks, snap.num_total_blocks)
+            assert snap.num_free_blocks == snap.num_total_blocks  # idle: every block is free (cached or not)
+            if name == "actor":
+                views[worker_id] = view
     return views
 
 

@@ -45,7 +45,8 @@ def record_figure(name: str, value, target: str | None = None, **detail) -> dict
     """One measured figure, printed and, when $PAGEFLEET_FIGURES names a file, appended to it."""
     line = {"figure": name, "value": value, "target": target, **detail,
             "machine": f"{platform.machine()} {os.cpu_count()} cores, {platform.python_implementation()} "
-                       f"{platform.python_version()}"}
+                       f"{platform.python_version()}",
+            "loadavg_1m": round(os.getloadavg()[0], 2)}  # the machine is shared: how busy it was
     print(json.dumps(line))
     path = os.environ.get(FIGURES_ENV)
     if path:

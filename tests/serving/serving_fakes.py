@@ -50,6 +50,7 @@ class FakeWorkerClient:
         self.requests: list[tuple[str, list[int], SamplingParams]] = []
         self.routed: list = []  # every Job asked about, before it runs
         self.refuse: Exception | None = None  # raised by route (admission control saying no)
+        self.refuse_early: Exception | None = None  # raised by check_room (the admission queue full)
         self.aborted: list[str] = []
         self.healthy = True
         self.fail_after_steps: int | None = None
@@ -60,6 +61,10 @@ class FakeWorkerClient:
 
     def expected_tokens(self, prompt_ids: list[int], params: SamplingParams, index: int) -> list[int]:
         return [fake_token(prompt_ids, s, index, self.vocab_size) for s in range(params.max_tokens)]
+
+    def check_room(self) -> None:
+        if self.refuse_early is not None:
+            raise self.refuse_early
 
     async def route(self, job) -> list[str] | None:
         self.routed.append(job)

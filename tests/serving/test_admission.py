@@ -1,4 +1,5 @@
-"""Admission control and the ingress's kv routing client, without Ray: exact orders and counts."""
+"""Admission control and the ingress's kv routing client (deciding with its copy of the view),
+without Ray: exact orders and counts."""
 
 from __future__ import annotations
 
@@ -8,8 +9,12 @@ import pytest
 
 from pagefleet.router.admission import AdmissionQueue, AdmissionRejected
 from pagefleet.router.errors import OpenAIError
-from pagefleet.router.global_scheduler import RouteDecision
-from pagefleet.router.kv_routing import KVRoutingClient, KVRoutingOptions, request_blocks
+from pagefleet.router.global_scheduler import GlobalScheduler
+from pagefleet.router.kv_mirror import SchedulerMirror
+from pagefleet.router.kv_routing import KVRoutingClient, KVRoutingOptions, request_blocks, route_by_inflight
+from pagefleet.router.metrics import RouterMetrics
+from pagefleet.router.view_feed import ViewFeed
+from pagefleet.worker.kv_events import KVEventBatch
 
 
 class Room:
@@ -104,64 +109,113 @@ def test_request_blocks_share_full_prompt_blocks_between_sequences():
     assert request_blocks(5, 1, 1, 16) == 1
 
 
-class FakeScheduler:
-    """The actor's ``route`` as an awaitable, answering what the test says (or hanging, or dying)."""
-
-    def __init__(self) -> None:
-        self.answers: list = []
-        self.calls: list[tuple[str, bool]] = []
-        self.route = self
-
-    def remote(self, req, force):
-        self.calls.append((req.request_id, force))
-        answer = self.answers.pop(0)
-
-        async def reply():
-            if answer == "hang":
-                await asyncio.sleep(10)
-            if isinstance(answer, Exception):
-                raise answer
-            return answer
-        return reply()
-
-
-def decision(admitted=True, reason="prefix", hit=3):
-    return RouteDecision(["w1", "w0"], admitted, reason if admitted else "no_room", hit)
-
-
-def test_routing_client_counts_decisions_fallbacks_and_refusals():
+def test_expected_wait_past_the_limit_refuses_on_arrival():
     async def run():
-        sched = FakeScheduler()
-        # a timeout long enough that only the "hang" answer misses it, however busy the machine
-        client = KVRoutingClient(sched, KVRoutingOptions(admission_queue_size=1, admission_max_wait_s=0.05,
-                                                         timeout_s=0.5), block_size=16)
-        sched.answers = [decision()]
-        got = await client.route("r1", b"", 40, 24, 1)
-        assert got.ranking == ["w1", "w0"] and sched.calls == [("r1", False)]
-        sched.answers = ["hang"]  # too slow: routed without it
-        assert await client.route("r2", b"", 40, 24, 1) is None
-        sched.answers = [decision(admitted=False)] * 20  # no room, ever: waits, then 429
-        with pytest.raises(OpenAIError) as info:
-            await client.route("r3", b"", 40, 24, 1)
-        err = info.value
-        assert (err.status_code, err.code, err.type, err.retry_after_s) == (429, "rate_limit_exceeded", "requests", 1)
-        c = client.counters
-        assert (dict(c.decisions), c.fallbacks, c.rejected, c.predicted_hit_blocks) == ({"prefix": 1}, 1, 1, 3)
+        now = [0.0]  # moved by hand: nobody's wait runs out
+        q = AdmissionQueue(max_size=10, max_wait_s=1.0, retry_s=0.001, clock=lambda: now[0])
+        allowed: set[str] = set()
+        asked: list[str] = []
+
+        def attempt(name):
+            async def ask() -> bool:
+                asked.append(name)
+                return name in allowed
+            return ask
+
+        tasks = {n: asyncio.create_task(q.admit(attempt(n), bool)) for n in "abcd"}
+        while len(q) < 4:
+            await asyncio.sleep(0.001)
+        assert q.expected_wait_s() is None  # nothing has left the queue yet: no rate to go by
+        for t, name in ((0.4, "a"), (0.8, "b")):  # a, then b, leave 0.4 s apart
+            now[0] = t
+            allowed.add(name)
+            await tasks[name]
+        # c and d wait; one interval seen (0.4 s): a newcomer would be third, 1.2 s > 1.0 s
+        assert (len(q), q.departure_interval_s) == (2, pytest.approx(0.4))
+        with pytest.raises(AdmissionRejected, match="about 1.2 s to admit") as info:
+            q.check_room()
+        assert info.value.reason == "expected_wait" and q.counters.rejected_expected_wait == 1
+        with pytest.raises(AdmissionRejected):
+            await q.admit(attempt("e"), bool)
+        assert "e" not in asked and q.counters.rejected_expected_wait == 2
+        allowed.update("cd")
+        await asyncio.gather(*tasks.values())
+        assert q.expected_wait_s() is None  # an empty queue has no wait
 
     asyncio.run(run())
 
 
-def test_a_failed_scheduler_is_skipped_for_a_while_and_admission_off_forces_a_route():
+def kv_client(options: KVRoutingOptions, workers=("w0", "w1"), free=64):
+    """A routing client over a mirror synced (at t=0) to workers each with ``free`` of 64 blocks free."""
+    actor_core = GlobalScheduler()
+    feed = ViewFeed("e1")
+    for w in workers:
+        b = KVEventBatch(w, 0, 0, False, num_free_blocks=free, num_total_blocks=64)
+        actor_core.apply_batch(b, 0.0)
+        feed.append(b)
+    mirror = SchedulerMirror(weight=4.0)
+    mirror.apply(feed.update_since(None, -1, actor_core), now=0.0)
+    clock = [0.0]
+    metrics = RouterMetrics(default_tags={"model_name": "tiny"})  # records only inside a Ray worker
+    return KVRoutingClient(mirror, options, block_size=16, metrics=metrics, clock=lambda: clock[0]), clock
+
+
+def test_routing_client_decides_locally_counts_and_refuses_past_the_wait():
     async def run():
-        sched = FakeScheduler()
-        client = KVRoutingClient(sched, KVRoutingOptions(admission_queue_size=0), block_size=16)
-        sched.answers = [ConnectionError("actor died")]
+        client, clock = kv_client(KVRoutingOptions(admission_queue_size=1, admission_max_wait_s=0.05), free=8)
+        got = await client.route("r1", b"", 40, 24, 1)  # 4 blocks: w0 (tie broken by id)
+        assert got.ranking == ["w0", "w1"] and got.reason == "load" and got.admitted
+        got = await client.route("r2", b"", 40, 24, 1)  # w0 has 4 predicted: w1 is cheaper
+        assert got.ranking == ["w1", "w0"]
+        assert (await client.route("r3", b"", 40, 24, 1)).ranking == ["w0", "w1"]
+        assert (await client.route("r4", b"", 40, 24, 1)).ranking == ["w1"]  # w0 has no room left: unranked
+        # both workers' 8 free blocks are predicted away: r5 waits, then 429 (the clock moves on)
+
+        async def later():
+            await asyncio.sleep(0.01)
+            clock[0] = 0.5
+        mover = asyncio.create_task(later())
+        with pytest.raises(OpenAIError) as info:
+            await client.route("r5", b"", 40, 24, 1)
+        await mover
+        err = info.value
+        assert (err.status_code, err.code, err.type, err.retry_after_s) == (429, "rate_limit_exceeded", "requests", 1)
+        c = client.counters
+        assert (dict(c.decisions), c.fallbacks, c.rejected) == ({"load": 4}, 0, 1)
+
+    asyncio.run(run())
+
+
+def test_a_stale_view_routes_by_this_ingresss_own_load_and_counts_fallbacks():
+    async def run():
+        client, clock = kv_client(KVRoutingOptions(admission_queue_size=4, max_staleness_s=1.0), free=64)
+        clock[0] = 1.5  # no update for 1.5 s: the view is stale
+        got = await client.route("r1", b"", 40, 24, 1)
+        assert (got.ranking, got.reason, got.admitted) == (["w0", "w1"], "fallback_stale", True)
+        got = await client.route("r2", b"", 40, 24, 1)  # w0 holds r1's 4 blocks (this ingress's count)
+        assert got.ranking == ["w1", "w0"]
+        client.finished("r1")
+        assert (await client.route("r3", b"", 40, 24, 1)).ranking == ["w0", "w1"]
+        assert (client.counters.fallbacks, dict(client.counters.decisions)) == (3, {})
+
+    asyncio.run(run())
+
+
+def test_route_by_inflight_ranks_by_held_blocks_and_admits_only_with_room():
+    d = route_by_inflight({"a": 10, "b": 10, "c": 10}, {"a": 4, "b": 9}, need=3)
+    assert (d.ranking, d.admitted, d.reason) == (["c", "a"], True, "fallback_stale")
+    d = route_by_inflight({"a": 10, "b": 10}, {"a": 8, "b": 9}, need=3)
+    assert (d.ranking, d.admitted) == (["a", "b"], False)
+
+
+def test_a_view_with_no_worker_yet_routes_without_a_ranking_and_admission_off_forces_a_route():
+    async def run():
+        client, _ = kv_client(KVRoutingOptions(admission_queue_size=4), workers=())
         assert await client.route("r1", b"", 40, 24, 1) is None
-        assert await client.route("r2", b"", 40, 24, 1) is None  # not even asked: skipped
-        assert [c[0] for c in sched.calls] == ["r1"] and client.counters.fallbacks == 2
-        client._skip_until = 0.0
-        sched.answers = [decision(admitted=False)]
-        got = await client.route("r3", b"", 40, 24, 1)  # no admission control: routed anyway
-        assert got.ranking == ["w1", "w0"] and sched.calls[-1] == ("r3", True)
+        assert client.counters.fallbacks == 1
+        client, _ = kv_client(KVRoutingOptions(admission_queue_size=0), free=2)  # room for nobody
+        got = await client.route("r2", b"", 40, 24, 1)  # no admission control: routed anyway
+        assert (got.ranking, got.admitted) == (["w0", "w1"], False)
+        assert client.mirror.core.workers["w0"].predicted_blocks == 4  # forced: counted where it went
 
     asyncio.run(run())

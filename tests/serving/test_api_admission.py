@@ -44,3 +44,16 @@ def test_admission_refusal_is_a_429_with_retry_after_before_any_stream_starts(cl
     assert fake.requests == []  # nothing reached a worker
     fake.refuse = None
     assert client.post("/v1/completions", json={"model": MODEL, "prompt": "hello", "max_tokens": 1}).status_code == 200
+
+
+def test_a_full_admission_queue_refuses_before_the_body_is_read(client, fake):
+    fake.refuse_early = too_many_requests("all workers are full and 64 requests are already waiting", 2)
+    # not even valid JSON: a 429, not a 400, because the body is never read or parsed
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        r = client.post(path, content=b"{not json", headers={"Content-Type": "application/json"})
+        assert (r.status_code, r.headers["retry-after"], r.json()["error"]["code"]) == (429, "2",
+                                                                                       "rate_limit_exceeded")
+    assert fake.routed == [] and fake.requests == []  # nothing was tokenized, routed or sent
+    assert client.post("/tokenize", json={"model": MODEL, "prompt": "hi"}).status_code == 200  # only generation
+    fake.refuse_early = None
+    assert client.post("/v1/completions", json={"model": MODEL, "prompt": "hello", "max_tokens": 1}).status_code == 200

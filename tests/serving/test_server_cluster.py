@@ -321,7 +321,9 @@ def test_killing_the_scheduler_mid_traffic_keeps_serving_and_the_restart_rebuild
     from pagefleet.router.scheduler_actor import get_scheduler
 
     base, model, scheduler = server[0], server[1].name, get_scheduler()
-    before = ingress().routing_counters.remote().result().fallbacks
+    before = ingress().routing_counters.remote().result()
+    decided_before = sum(before.decisions.values()) + before.fallbacks
+    mirror_before = ingress().mirror_counters.remote().result()
     first_start = ray.get(scheduler.start_time.remote())
 
     async def run():
@@ -337,7 +339,13 @@ def test_killing_the_scheduler_mid_traffic_keeps_serving_and_the_restart_rebuild
     killed_at, statuses = asyncio.run(run())
     assert killed_at < 100  # mid-traffic: most requests came after the kill
     assert statuses == [200] * 300  # nothing failed while the scheduler was gone
-    assert ingress().routing_counters.remote().result().fallbacks > before
+    routing = ingress().routing_counters.remote().result()
+    # every request was routed: by the ingress's copy of the view while it was current, by load
+    # (a counted fallback) while it was stale
+    assert sum(routing.decisions.values()) + routing.fallbacks == decided_before + 300
+    mirror = ingress().mirror_counters.remote().result()
+    assert mirror.failed_polls > mirror_before.failed_polls  # the copy saw the actor go
+    assert mirror.resyncs > mirror_before.resyncs  # and took the new incarnation's whole view
     wait_idle()
     assert ray.get(scheduler.start_time.remote()) > first_start  # the same handle reaches the new incarnation
     views = assert_views_equal_pools(scheduler)
