@@ -296,10 +296,19 @@ def _overload(base, model, offered, rounds):
 @pytest.mark.parametrize("rounds", [pytest.param(1, id="1-round"), pytest.param(5, id="5-rounds",
                                                                                  marks=pytest.mark.slow)])
 def test_overload_is_refused_fast_with_retry_after(server, rounds):
+    from ray import serve
+
     base, model = server
+    ingress = serve.get_deployment_handle("OpenAIIngress", APP)
+    before = ingress.admission_counters.remote().result()
     ingress_rss = _ingress_rss_bytes()
     offered = 3 * CAPACITY
     results, health = _overload(base, model, offered, rounds)
+    after = ingress.admission_counters.remote().result()
+    # who refused: the ingress's admission queue (full, or too long to wait in), or Serve's
+    # queue of worker replicas behind it (the rest)
+    by_admission = {k: getattr(after, f"rejected_{k}") - getattr(before, f"rejected_{k}")
+                    for k in ("queue_full", "expected_wait", "waited_too_long")}
     codes = [c for c, _, _ in results]
     refused = [(t, r) for c, t, r in results if c == 429]
     assert "timeout" not in codes
@@ -315,7 +324,9 @@ def test_overload_is_refused_fast_with_retry_after(server, rounds):
     rss_growth = _ingress_rss_bytes() - ingress_rss
     record_figure("overload_p99_time_to_refusal_ms", round(p99 * 1000, 1), "<= 100 ms at 3x capacity",
                   offered_concurrency=offered, requests=len(results), refused=len(refused),
-                  served=codes.count(200), timeouts=0, health_p99_ms=round(1000 * sorted(
+                  served=codes.count(200), timeouts=0,
+                  refused_by={**by_admission, "worker_queue_full": len(refused) - sum(by_admission.values())},
+                  health_p99_ms=round(1000 * sorted(
                       t for _, t in health)[int(0.99 * (len(health) - 1))], 1),
                   ingress_rss_growth_mib=round(rss_growth / 2**20, 1))
     _idle(timeout_s=30)
