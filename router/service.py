@@ -120,7 +120,8 @@ class OpenAIService:
         """Raises 503 while draining and 429 when admission control is refusing every newcomer:
         called before a request's body is read."""
         self._check_open()
-        self.client.check_room()
+        if self.client is not None:  # a service built without workers (tokenize only) admits nothing
+            self.client.check_room()
 
     def _check_open(self) -> None:
         if self.draining:
