@@ -1,6 +1,9 @@
 """Greedy tokens from pagefleet equal transformers' on tiny checkpoints of all four
 architectures, under prefix sharing, forced preemption and forced chunking.
 
+The compiled step (torch.compile + paged FlexAttention) runs the batch, prefix-cache and
+chunked-prefill cases on the Llama checkpoint, with the same exact checks as eager.
+
 Every case here asserts exact equality: on these fp32 checkpoints no near-tie flips under
 a different batch composition, chunk split or recompute, so the DESIGN.md top-5
 criterion (tests/hf_reference.assert_greedy_close) is not needed; the TP tests use it,
@@ -51,7 +54,11 @@ def assert_equal_to_reference(outs, refs, what):
 
 
 def test_batch_matches_transformers(checkpoint):
-    llm = LLM(model=str(checkpoint), dtype="float32", kv_cache_bytes=32 << 20)
+    check_batch_and_prefix_cached_rerun(LLM(model=str(checkpoint), dtype="float32", kv_cache_bytes=32 << 20),
+                                        checkpoint)
+
+
+def check_batch_and_prefix_cached_rerun(llm, checkpoint):
     prompts = prompts_for(llm.tokenizer)
     assert len(set(map(len, prompts))) == len(prompts)  # all lengths differ
     refs = reference(checkpoint, prompts)
@@ -96,8 +103,34 @@ def test_preemption_matches(checkpoint):
 
 
 def test_chunked_prefill_matches(checkpoint):
+    check_chunked_prefill(LLM(model=str(checkpoint), dtype="float32", kv_cache_bytes=32 << 20,
+                              max_num_batched_tokens=7), checkpoint)
+
+
+def check_chunked_prefill(llm, checkpoint):
     # A 7-token budget chunks every prompt longer than 7 tokens across steps.
-    llm = LLM(model=str(checkpoint), dtype="float32", kv_cache_bytes=32 << 20, max_num_batched_tokens=7)
     prompts = prompts_for(llm.tokenizer)
     assert_equal_to_reference(run(llm, prompts), reference(checkpoint, prompts), "chunked prefill")
     assert llm.engine.stats().num_steps > max(map(len, prompts)) // 7
+
+
+# ---- the compiled step: same checks; the pool shape matches test_flex_paged_attention's, so
+# the kernels compiled there (or here) serve both.
+
+
+@pytest.fixture(scope="module")
+def llama_checkpoint(tiny_checkpoint):
+    return tiny_checkpoint(arch="llama")
+
+
+def test_compiled_batch_matches_transformers(llama_checkpoint):
+    llm = LLM(model=str(llama_checkpoint), dtype="float32", kv_cache_bytes=32 << 20, enforce_eager=False)
+    assert llm.engine.executor.compiled is not None
+    check_batch_and_prefix_cached_rerun(llm, llama_checkpoint)
+
+
+def test_compiled_chunked_prefill_matches(llama_checkpoint):
+    llm = LLM(model=str(llama_checkpoint), dtype="float32", kv_cache_bytes=32 << 20, max_num_batched_tokens=7,
+              enforce_eager=False)
+    assert llm.engine.executor.compiled is not None
+    check_chunked_prefill(llm, llama_checkpoint)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from pagefleet.worker.config import parse_dtype
@@ -10,6 +11,13 @@ from pagefleet.worker.options import check_choices, option, parse_bytes
 
 BLOCK_SIZES = (8, 16, 32, 64, 128)
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
+ENFORCE_EAGER_ENV = "PAGEFLEET_ENFORCE_EAGER"
+
+
+def _eager_by_default() -> bool:
+    # For machines without a C++ compiler, and for test suites that start many short-lived
+    # engines (and servers in subprocesses) where compiling each would cost more than it saves.
+    return os.environ.get(ENFORCE_EAGER_ENV, "0").strip().lower() in ("1", "true", "yes")
 
 
 @dataclass(slots=True)
@@ -39,6 +47,11 @@ class EngineArgs:
     log_stats_interval: float = option(10.0, metavar="SECONDS",
                                        help="seconds between engine stats lines (throughput, queue, KV usage, "
                                             "prefix hits) while busy; 0 turns them off")
+    enforce_eager: bool = option(default_factory=_eager_by_default,
+                                 help="run the model eagerly; otherwise, on CPU with one rank, the model step "
+                                      "is compiled with torch.compile (Inductor, needs a C++ compiler; cached "
+                                      "across starts under ~/.cache/pagefleet) around paged FlexAttention "
+                                      f"(default: ${ENFORCE_EAGER_ENV}, else off)")
 
     def __post_init__(self) -> None:
         check_choices(self)

@@ -32,6 +32,9 @@ class AttentionMetadata:
     block_table: torch.Tensor      # [B, max_blocks] int32
     query_start_loc: torch.Tensor  # [B + 1] int32
     seq_lens: torch.Tensor         # [B] int32: context length including this step's tokens
+    # True in the compiled step: attention is the pagefleet::flex_paged_attention op, which
+    # takes its block layout from compiled_step.attention_plan instead of the tensors above.
+    flex: bool = False
 
 
 class Attention(nn.Module):
@@ -62,9 +65,13 @@ class Attention(nn.Module):
             k = self.kernels.rms_norm(k, self.k_norm.weight, self.eps)
         q, k = self.kernels.rotary_embedding(positions, q, k, cos_sin)
         key_cache, value_cache = kv_cache
-        self.kernels.write_kv_cache(k, v, key_cache, value_cache, meta.slot_mapping)
-        o = self.kernels.paged_attention(q, key_cache, value_cache, meta.block_table, meta.query_start_loc,
-                                meta.seq_lens, self.scale)
+        if meta.flex:
+            o = torch.ops.pagefleet.flex_paged_attention(q, k, v, key_cache, value_cache, meta.slot_mapping,
+                                                         self.scale)
+        else:
+            self.kernels.write_kv_cache(k, v, key_cache, value_cache, meta.slot_mapping)
+            o = self.kernels.paged_attention(q, key_cache, value_cache, meta.block_table, meta.query_start_loc,
+                                             meta.seq_lens, self.scale)
         return self.o_proj(o.reshape(num_tokens, self.num_heads * self.head_dim))
 
 

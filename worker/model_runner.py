@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from pagefleet.kernels.ops import select_kernels
+from pagefleet.worker.compiled_step import CompiledModel, compile_cache_dir
 from pagefleet.worker.config import ModelConfig
 from pagefleet.worker.cpu_malloc import keep_freed_memory
 from pagefleet.worker.engine_args import DEFAULT_GPU_MEMORY_UTILIZATION
@@ -38,7 +40,7 @@ class StepInput:
 
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, tp: TPGroup, device: torch.device, load_format: str = "safetensors",
-                 seed: int = 0) -> None:
+                 seed: int = 0, enforce_eager: bool = True) -> None:
         self.cfg = cfg
         self.tp = tp
         self.device = device
@@ -52,6 +54,10 @@ class ModelRunner:
         self.num_kv_heads = attn.num_kv_heads
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.block_size = 0
+        # Compiled on CPU with one rank; CUDA keeps its Triton kernels eager for now, and
+        # tensor-parallel ranks keep their collectives out of the compiler.
+        self.use_compile = not enforce_eager and device.type == "cpu" and tp.size == 1
+        self.compiled: CompiledModel | None = None
 
     def kv_bytes_per_block(self, block_size: int) -> int:
         elem = torch.empty((), dtype=self.cfg.dtype).element_size()
@@ -100,6 +106,23 @@ class ModelRunner:
                            torch.zeros(shape, dtype=self.cfg.dtype, device=self.device))
                           for _ in range(self.cfg.num_layers)]
         self.block_size = block_size
+        if self.use_compile:
+            self.compiled = CompiledModel(self.model, num_blocks, block_size, self.device)
+            self._warm_up(num_blocks)
+
+    def _warm_up(self, num_blocks: int) -> None:
+        """Compile now rather than on the first requests: a prefill, a decode, and a step mixing
+        both (each kind of attention batch, one row and several). Writes only K/V of blocks no
+        request holds yet; the tables' block 0 doubles as padding."""
+        start = time.perf_counter()
+        bs = self.block_size
+        steps = [[(3, 3)], [(1, 4)], [(1, 4), (1, bs + 2), (5, 5), (bs + 3, bs + 3)]]
+        for seqs in steps:
+            if sum(-(-n // bs) for _, n in seqs) > num_blocks:
+                continue  # a pool this small serves too little to be worth compiling for
+            self.execute(_synthetic_step(seqs, bs))
+        logger.info("compiled the model step (torch.compile, Inductor %s) in %.1f s; compile cache %s",
+                    self.device.type, time.perf_counter() - start, compile_cache_dir())
 
     def _tensors(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         dev = self.device
@@ -119,8 +142,30 @@ class ModelRunner:
     def execute(self, step: StepInput) -> torch.Tensor | None:
         """Forward one step; [S, vocab] fp32 logits of the sampling rows on rank 0, else None."""
         input_ids, positions, meta, logits_indices = self._tensors(step)
-        hidden = self.model(input_ids, positions, meta, self.kv_caches)
+        if self.compiled is None:
+            hidden = self.model(input_ids, positions, meta, self.kv_caches)
+        else:
+            meta.flex = True
+            hidden = self.compiled(input_ids, positions, meta, self.kv_caches, step.query_start_loc, step.seq_lens)
         return self.model.compute_logits(hidden.index_select(0, logits_indices))
+
+
+def _synthetic_step(seqs: list[tuple[int, int]], block_size: int) -> StepInput:
+    """A step over fresh blocks 0, 1, ...: (new tokens, context length) per row."""
+    step = StepInput([], [], [], [], [0], [], [])
+    next_block = 0
+    for q_len, seq_len in seqs:
+        blocks = list(range(next_block, next_block + -(-seq_len // block_size)))
+        next_block += len(blocks)
+        step.input_ids.extend([0] * q_len)
+        step.positions.extend(range(seq_len - q_len, seq_len))
+        step.slot_mapping.extend(blocks[p // block_size] * block_size + p % block_size
+                                 for p in range(seq_len - q_len, seq_len))
+        step.block_tables.append(blocks)
+        step.query_start_loc.append(step.query_start_loc[-1] + q_len)
+        step.seq_lens.append(seq_len)
+        step.logits_indices.append(step.query_start_loc[-1] - 1)
+    return step
 
 
 def build_step_input(out: "SchedulerOutput", block_size: int, block_ids_of) -> StepInput:
