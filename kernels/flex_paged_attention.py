@@ -13,10 +13,10 @@ hashed at.
 Decode rows (one new token) run as one batch ``[B, Hq, 1, D]``. Rows that
 continue a context already in the cache (prefill chunks, prompts after a prefix
 hit) run as padded batches ``[B, Hq, L, D]``, L rounded up to a bucket (16, 64,
-256, ...); query blocks past a row's end visit no KV block, so padding costs a
-copy, not attention. Each bucket compiles once (Inductor's C++ flash-attention
-template on CPU), with the row count B its only dynamic size; decode compiles at
-engine start, a continuation bucket when first used. A fresh prompt (no context
+256, ... up to the step's token budget); query blocks past a row's end visit no
+KV block, so padding costs a copy, not attention. Each bucket compiles once
+(Inductor's C++ flash-attention template on CPU), with the row count B its only
+dynamic size. A fresh prompt (no context
 before its new tokens) reads nothing from the cache: it attends over its own
 keys and values with causal SDPA. The twin is ``reference.paged_attention``.
 """
@@ -37,14 +37,17 @@ PREFILL_Q_BLOCK = 32
 FIRST_BUCKET, BUCKET_GROWTH = 16, 4
 
 
-def query_bucket(q_len: int) -> int:
+def query_buckets(max_q_len: int) -> list[int]:
+    """Every padded query length a step of at most max_q_len tokens can use (decode's 1 first)."""
+    buckets = [1]
+    while buckets[-1] < max_q_len:
+        buckets.append(min(max(FIRST_BUCKET, buckets[-1] * BUCKET_GROWTH), max_q_len))
+    return buckets
+
+
+def query_bucket(q_len: int, max_q_len: int) -> int:
     """The padded query length a row with q_len new tokens is batched under."""
-    if q_len == 1:
-        return 1
-    bucket = FIRST_BUCKET
-    while bucket < q_len:
-        bucket *= BUCKET_GROWTH
-    return bucket
+    return next(b for b in query_buckets(max(max_q_len, q_len)) if b >= q_len)
 
 
 @dataclass(slots=True)
@@ -106,12 +109,13 @@ def _part(rows: list[int], starts: list[int], lens: list[int], table: torch.Tens
 
 
 def build_plan(block_table: torch.Tensor, query_start_loc: list[int], seq_lens: list[int], block_size: int,
-               block_pos: torch.Tensor) -> FlexPlan:
+               block_pos: torch.Tensor, max_q_len: int) -> FlexPlan:
     """Host-side layout of one step (CPU tensors).
 
     block_table: [B, M] int32 (rows padded with any valid block id); query_start_loc: B + 1
     ints; seq_lens: B ints (context length including this step's tokens); block_pos: [N] int32,
-    updated in place with the index of every block in the step's tables.
+    updated in place with the index of every block in the step's tables; max_q_len: the most
+    new tokens a row can have (the engine's max_num_batched_tokens), the largest bucket.
     """
     width = block_table.shape[1]
     valid = torch.arange(width) < torch.tensor([-(-n // block_size) for n in seq_lens])[:, None]  # [B, M]
@@ -123,7 +127,7 @@ def build_plan(block_table: torch.Tensor, query_start_loc: list[int], seq_lens: 
         if end - start == seq_len > 1:
             fresh.append((start, end))
         else:
-            buckets.setdefault(query_bucket(end - start), []).append(b)
+            buckets.setdefault(query_bucket(end - start, max_q_len), []).append(b)
     parts = [_part(rows, query_start_loc, seq_lens, block_table, block_size, q_len, len(block_pos))
              for q_len, rows in sorted(buckets.items())]
     return FlexPlan(block_pos, parts, fresh)

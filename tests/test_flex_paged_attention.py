@@ -17,10 +17,11 @@ import pytest
 import torch
 
 from pagefleet.kernels import reference
-from pagefleet.kernels.flex_paged_attention import PREFILL_Q_BLOCK, build_plan, flex_paged_attention, query_bucket
+from pagefleet.kernels.flex_paged_attention import PREFILL_Q_BLOCK, build_plan, flex_paged_attention, query_bucket, query_buckets
 from pagefleet.kernels.testing import make_paged_batch
 
 BLOCK_SIZE, POOL_BLOCKS = 16, 2048
+MAX_Q_LEN = 2048  # the engine's default max_num_batched_tokens
 CASES = {
     # (q_len, seq_len) per row
     "decode of spread lengths": [(1, 3), (1, 40), (1, 17), (1, 90), (1, 16), (1, 1)],
@@ -55,7 +56,7 @@ def _check(batch):
     # block_pos starts as garbage: the plan must fill in every block the tables use.
     block_pos = torch.full((POOL_BLOCKS,), 7, dtype=torch.int32)
     plan = build_plan(batch.block_table, batch.query_start_loc.tolist(), batch.seq_lens.tolist(), BLOCK_SIZE,
-                      block_pos)
+                      block_pos, MAX_Q_LEN)
     got = flex_paged_attention(batch.query, *_step_kv(batch), batch.key_cache, batch.value_cache, plan, scale)
     want = reference.paged_attention(*batch.args(), scale)
     atol = 8 * torch.finfo(torch.float32).eps * batch.value_cache.abs().max().item()
@@ -73,7 +74,9 @@ def test_rows_are_split_by_kind():
     # Fresh prompts attend over their own K/V: (9, 9) at tokens 14..22, (2, 2) at 59..60.
     assert plan.fresh == [(14, 23), (59, 61)]
     assert [(p.q_len, p.num_rows) for p in plan.parts] == [(1, 3), (16, 1), (64, 1)]
-    assert [query_bucket(n) for n in (1, 2, 16, 17, 64, 65, 4096)] == [1, 16, 16, 64, 64, 256, 4096]
+    assert query_buckets(2048) == [1, 16, 64, 256, 1024, 2048]
+    assert query_buckets(7) == [1, 7]
+    assert [query_bucket(n, 2048) for n in (1, 2, 16, 17, 64, 65, 2000)] == [1, 16, 16, 64, 64, 256, 2048]
 
 
 def test_shared_prefix_blocks_and_wide_tables():

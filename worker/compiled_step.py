@@ -23,7 +23,6 @@ import torch
 import torch.fx.experimental._config as fx_config
 
 from pagefleet.kernels.flex_paged_attention import FlexPlan, build_plan, flex_paged_attention
-from pagefleet.kernels.reference import write_kv_cache
 
 _plan: FlexPlan | None = None
 
@@ -47,7 +46,9 @@ def paged_attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     # query: [T, Hq, D]; key, value: [T, Hkv, D]; caches: [N, bs, Hkv, D]; slot_mapping: [T] -> [T, Hq, D]
     if _plan is None:
         raise RuntimeError("pagefleet::flex_paged_attention ran outside attention_plan")
-    write_kv_cache(key, value, key_cache, value_cache, slot_mapping)
+    # The engine never pads slot_mapping, so no negative-slot filter (and no host sync) here.
+    key_cache.view(-1, *key_cache.shape[2:]).index_copy_(0, slot_mapping, key)
+    value_cache.view(-1, *value_cache.shape[2:]).index_copy_(0, slot_mapping, value)
     return flex_paged_attention(query, key, value, key_cache, value_cache, _plan, scale)
 
 
@@ -64,18 +65,21 @@ def compile_cache_dir() -> str:
 class CompiledModel:
     """``model``'s forward compiled for any token count, attention through paged FlexAttention."""
 
-    def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int, device: torch.device) -> None:
+    def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int, max_num_batched_tokens: int,
+                 device: torch.device) -> None:
         # Read when Inductor first touches its cache, so this must run before the first compile.
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", compile_cache_dir())
         self.forward = torch.compile(model, dynamic=True, fullgraph=True)
         self.block_size = block_size
+        self.max_q_len = max_num_batched_tokens
         with torch.inference_mode():  # as every step will see it: no recompile on the second step
             self.block_pos = torch.zeros(num_blocks, dtype=torch.int32, device=device)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta, kv_caches,
                  query_start_loc: list[int], seq_lens: list[int]) -> torch.Tensor:
         # input_ids, positions: [T] -> hidden [T, H]; meta.block_table: [B, M]
-        plan = build_plan(meta.block_table, query_start_loc, seq_lens, self.block_size, self.block_pos)
+        plan = build_plan(meta.block_table, query_start_loc, seq_lens, self.block_size, self.block_pos,
+                          self.max_q_len)
         with attention_plan(plan), _compile_settings():
             return self.forward(input_ids, positions, meta, kv_caches)
 

@@ -41,8 +41,9 @@ class UniProcExecutor:
     """One rank, in this process: failures surface as exceptions from ``execute`` itself."""
 
     def __init__(self, cfg: ModelConfig, args: EngineArgs, device: torch.device) -> None:
+        compile_max_tokens = None if args.enforce_eager else args.max_num_batched_tokens
         self.runner: ModelRunner | None = ModelRunner(cfg, SINGLE, device, args.load_format, args.seed,
-                                                      args.enforce_eager)
+                                                      compile_max_tokens)
 
     def kv_bytes_per_block(self, block_size: int) -> int:
         return self._runner().kv_bytes_per_block(block_size)

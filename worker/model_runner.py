@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from pagefleet.kernels.flex_paged_attention import query_buckets
 from pagefleet.kernels.ops import select_kernels
 from pagefleet.worker.compiled_step import CompiledModel, compile_cache_dir
 from pagefleet.worker.config import ModelConfig
@@ -40,7 +41,9 @@ class StepInput:
 
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, tp: TPGroup, device: torch.device, load_format: str = "safetensors",
-                 seed: int = 0, enforce_eager: bool = True) -> None:
+                 seed: int = 0, compile_max_tokens: int | None = None) -> None:
+        """compile_max_tokens: None runs the model eagerly; otherwise (CPU, one rank) the model
+        step is compiled for steps of up to that many tokens (max_num_batched_tokens)."""
         self.cfg = cfg
         self.tp = tp
         self.device = device
@@ -56,7 +59,7 @@ class ModelRunner:
         self.block_size = 0
         # Compiled on CPU with one rank; CUDA keeps its Triton kernels eager for now, and
         # tensor-parallel ranks keep their collectives out of the compiler.
-        self.use_compile = not enforce_eager and device.type == "cpu" and tp.size == 1
+        self.compile_max_tokens = compile_max_tokens if device.type == "cpu" and tp.size == 1 else None
         self.compiled: CompiledModel | None = None
 
     def kv_bytes_per_block(self, block_size: int) -> int:
@@ -106,21 +109,23 @@ class ModelRunner:
                            torch.zeros(shape, dtype=self.cfg.dtype, device=self.device))
                           for _ in range(self.cfg.num_layers)]
         self.block_size = block_size
-        if self.use_compile:
-            self.compiled = CompiledModel(self.model, num_blocks, block_size, self.device)
+        if self.compile_max_tokens is not None:
+            self.compiled = CompiledModel(self.model, num_blocks, block_size, self.compile_max_tokens, self.device)
             self._warm_up(num_blocks)
 
     def _warm_up(self, num_blocks: int) -> None:
-        """Compile now rather than on the first requests: a prefill, a decode, and a step mixing
-        both (each kind of attention batch, one row and several). Writes only K/V of blocks no
-        request holds yet; the tables' block 0 doubles as padding."""
+        """Compile now rather than on the first requests: fresh prompts and decode rows (one and
+        several), then one prefill chunk per query bucket. Writes only K/V of blocks no request
+        holds yet."""
         start = time.perf_counter()
         bs = self.block_size
         steps = [[(3, 3)], [(1, 4)], [(1, 4), (1, bs + 2), (5, 5), (bs + 3, bs + 3)]]
+        # A chunk of bucket - 1 new tokens after one cached token lands in each bucket.
+        steps += [[(bucket - 1, bucket)] for bucket in query_buckets(self.compile_max_tokens)[1:] if bucket > 2]
         for seqs in steps:
-            if sum(-(-n // bs) for _, n in seqs) > num_blocks:
-                continue  # a pool this small serves too little to be worth compiling for
-            self.execute(_synthetic_step(seqs, bs))
+            longest = max(n for _, n in seqs)
+            if longest <= self.cfg.max_model_len and sum(-(-n // bs) for _, n in seqs) <= num_blocks:
+                self.execute(_synthetic_step(seqs, bs))  # else no request can need it either
         logger.info("compiled the model step (torch.compile, Inductor %s) in %.1f s; compile cache %s",
                     self.device.type, time.perf_counter() - start, compile_cache_dir())
 
