@@ -23,10 +23,13 @@ keys and values with causal SDPA. The twin is ``reference.paged_attention``.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
+import torch.fx.experimental._config as fx_config
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
@@ -153,6 +156,20 @@ def _attend(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
     return flex_attention(q, k, v, block_mask=mask, scale=scale, enable_gqa=num_heads != num_kv_heads)
 
 
+@contextlib.contextmanager
+def compile_settings() -> Iterator[None]:
+    """Around every call of a compiled function here and in the compiled step.
+
+    backed_size_oblivious: a size of 1 (one token, one row) is no specialisation of its own,
+    so each graph compiles once for every size. Recompiles: every engine in a process (tests
+    start dozens) adds its own pool size and model to the compiled functions' caches; past
+    the limit dynamo would quietly run them eagerly, and eager flex_attention is both slow
+    and, with this paged block mask, wrong. So allow many, and fail loudly past that."""
+    with fx_config.patch(backed_size_oblivious=True), \
+            torch._dynamo.config.patch(recompile_limit=64, fail_on_recompile_limit_hit=True):
+        yield
+
+
 @functools.cache
 def _compiled_attend():
     # Eager flex_attention materialises the dense score matrix; compiled, it is one fused
@@ -174,7 +191,8 @@ def _run_part(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.T
             part.full_kv_indices)
     for i in (0, 4, 5, 6, 7, 8):
         torch._dynamo.maybe_mark_dynamic(args[i], 0)
-    o = _compiled_attend()(*args, part.q_block, scale)
+    with compile_settings():
+        o = _compiled_attend()(*args, part.q_block, scale)
     o = o.transpose(1, 2).reshape(rows * length, *o.shape[1:2], o.shape[-1])                   # [B * L, Hq, D]
     return o if length == 1 else o.index_select(0, part.padded_rows)
 

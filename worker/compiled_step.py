@@ -20,9 +20,8 @@ import os
 from collections.abc import Iterator
 
 import torch
-import torch.fx.experimental._config as fx_config
 
-from pagefleet.kernels.flex_paged_attention import FlexPlan, build_plan, flex_paged_attention
+from pagefleet.kernels.flex_paged_attention import FlexPlan, build_plan, compile_settings, flex_paged_attention
 
 _plan: FlexPlan | None = None
 
@@ -80,18 +79,5 @@ class CompiledModel:
         # input_ids, positions: [T] -> hidden [T, H]; meta.block_table: [B, M]
         plan = build_plan(meta.block_table, query_start_loc, seq_lens, self.block_size, self.block_pos,
                           self.max_q_len)
-        with attention_plan(plan), _compile_settings():
+        with attention_plan(plan), compile_settings():
             return self.forward(input_ids, positions, meta, kv_caches)
-
-
-@contextlib.contextmanager
-def _compile_settings() -> Iterator[None]:
-    # backed_size_oblivious: T = 1 (single-stream decode) and one-row batches are no
-    # specialisations of their own, so each graph compiles once for every size.
-    # Recompiles: every engine in a process (tests start dozens) adds its own pool size
-    # and model to the compiled functions' caches; past the limit dynamo would quietly run
-    # them eagerly, and eager flex_attention is both slow and, with a paged block mask,
-    # wrong. So allow many, and fail loudly past that.
-    with fx_config.patch(backed_size_oblivious=True), \
-            torch._dynamo.config.patch(recompile_limit=64, fail_on_recompile_limit_hit=True):
-        yield
