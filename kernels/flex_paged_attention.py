@@ -1,216 +1,185 @@
-"""Paged attention through PyTorch's FlexAttention, reading the KV blocks where they lie.
+"""Paged decode attention through PyTorch's FlexAttention, reading the KV blocks where they lie.
 
 A layer's whole KV pool goes to ``flex_attention`` as one long key sequence of
-N * bs slots (``[1, Hkv, N*bs, D]``, a view, no copy), and the block table becomes
-flex's sparse block index: each query row visits exactly the physical blocks of
-its table, ``bs`` slots at a time. Blocks wholly before a query block's first
-position are "full" (no mask); the rest are masked by causality, with each
-slot's logical position taken from ``block_pos``, the index of its physical
-block within the tables that hold it. That index is the same in every table
-sharing the block: prefix blocks are shared only at the position they were
-hashed at.
+N * bs slots (``[1, Hkv, N*bs, D]``, a view, no copy), and each decode row's
+block table becomes flex's sparse block index: the row visits exactly the
+physical blocks of its table, ``bs`` slots at a time. All blocks but the last
+are "full" (no mask); the last, partly filled one is masked to the row's
+length. Compiled, this is one fused C++ kernel (Inductor's flash-attention
+template); eagerly, flex_attention would build the dense score matrix over the
+whole pool, so it only ever runs compiled.
 
-Decode rows (one new token) run as one batch ``[B, Hq, 1, D]``. Rows that
-continue a context already in the cache (prefill chunks, prompts after a prefix
-hit) run as padded batches ``[B, Hq, L, D]``, L rounded up to a bucket (16, 64,
-256, ... up to the step's token budget); query blocks past a row's end visit no
-KV block, so padding costs a copy, not attention. Each bucket compiles once
-(Inductor's C++ flash-attention template on CPU), with the row count B its only
-dynamic size. A fresh prompt (no context
-before its new tokens) reads nothing from the cache: it attends over its own
-keys and values with causal SDPA. The twin is ``reference.paged_attention``.
+GQA is packed into the query: the ``g = Hq / Hkv`` query heads that share a KV
+head are ``g`` query rows of that head (``[B, Hkv, g, D]``), so each KV block is
+read once per KV head, not once per query head.
+
+Only decode rows (one new token) come here: they are most of a busy step's
+attention and all of a single stream's, and a gather of their whole contexts
+(what the twin does) costs more than their attention. Rows with several new
+tokens (prompts, prefill chunks) attend over their own context in the twin,
+where the gather is small next to the attention work. The twin is
+``reference.paged_attention``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
+import torch._inductor.config
 import torch.fx.experimental._config as fx_config
-import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-# Query rows per sparse query block of a prefill batch. Smaller blocks skip more of the
-# causal triangle; larger ones give the C++ template bigger matmuls.
-PREFILL_Q_BLOCK = 32
-# Padded query lengths of prefill batches: each is one compiled kernel.
-FIRST_BUCKET, BUCKET_GROWTH = 16, 4
-
-
-def query_buckets(max_q_len: int) -> list[int]:
-    """Every padded query length a step of at most max_q_len tokens can use (decode's 1 first)."""
-    buckets = [1]
-    while buckets[-1] < max_q_len:
-        buckets.append(min(max(FIRST_BUCKET, buckets[-1] * BUCKET_GROWTH), max_q_len))
-    return buckets
-
-
-def query_bucket(q_len: int, max_q_len: int) -> int:
-    """The padded query length a row with q_len new tokens is batched under."""
-    return next(b for b in query_buckets(max(max_q_len, q_len)) if b >= q_len)
+from pagefleet.kernels import reference
+from pagefleet.kernels.compile_cache import use_compile_cache
 
 
 @dataclass(slots=True)
-class FlexPart:
-    """The rows of one query bucket, as flex_attention sees them."""
+class DecodePlan:
+    """One step's decode rows as flex_attention's block mask wants them: built once on the
+    host before the forward pass, shared by every layer."""
 
-    token_rows: torch.Tensor       # [n] int64: the rows' tokens among the step's T
-    padded_rows: torch.Tensor      # [n] int64: where each lands in the [B * L] padded query batch
-    q_start: torch.Tensor          # [B] int32: logical position of each row's first new token
-    kv_num: torch.Tensor           # [B, 1, Q] int32: masked KV blocks per query block
-    kv_indices: torch.Tensor       # [B, 1, Q, N] int32: their physical ids (first kv_num valid)
-    full_kv_num: torch.Tensor      # [B, 1, Q] int32: KV blocks wholly before the query block
-    full_kv_indices: torch.Tensor  # [B, 1, Q, N] int32
-    num_rows: int                  # B
-    q_len: int                     # L, the bucket
-    q_block: int                   # query rows per sparse block (Q = L / q_block)
-
-
-@dataclass(slots=True)
-class FlexPlan:
-    """One step's attention layout, built once on the host and shared by every layer."""
-
-    block_pos: torch.Tensor   # [N] int32: index of each physical block within its tables
-    parts: list[FlexPart]     # one per query bucket present in the step
-    fresh: list[tuple[int, int]]  # (first token, end) of each row whose context is only its new tokens
+    rows: torch.Tensor               # [B] int64: the decode rows' tokens among the step's T
+    full_kv_num: torch.Tensor        # [B, 1, 1] int32: blocks before the last (no mask)
+    last_kv_num: torch.Tensor        # [B, 1, 1] int32: ones (the last block, masked)
+    full_kv_indices: torch.Tensor    # [B, 1, 1, N] int32: their physical ids, first full_kv_num valid
+    last_kv_indices: torch.Tensor    # [B, 1, 1, N] int32: the physical id of the last block first
+    last_len: torch.Tensor           # [B] int32: slots of the last block in use (1..bs)
+    all_rows: bool                   # every row of the step is a decode row (rows = 0..T-1)
+    multi: list[int]                 # sequences with more than one new token: the twin serves them
 
 
-def _part(rows: list[int], starts: list[int], lens: list[int], table: torch.Tensor, block_size: int,
-          q_len: int, num_blocks: int) -> FlexPart:
-    # table: [B_all, M] int32 on the host, the whole step's block table
-    q_block = min(PREFILL_Q_BLOCK, q_len)
-    num_q_blocks = q_len // q_block
-    q_lens = torch.tensor([starts[b + 1] - starts[b] for b in rows], dtype=torch.int32)
-    q_start = torch.tensor([lens[b] for b in rows], dtype=torch.int32) - q_lens
-    # First and last position of each query block; a block past the row's end is empty.
-    first = q_start[:, None] + torch.arange(num_q_blocks, dtype=torch.int32) * q_block        # [B, Q]
-    last = q_start[:, None] + torch.minimum(first - q_start[:, None] + q_block, q_lens[:, None]) - 1
-    live = first <= q_start[:, None] + q_lens[:, None] - 1
-    num_full = torch.where(live, (first + 1) // block_size, 0)
-    num_needed = torch.where(live, last // block_size + 1, 0)
-    sub = table.index_select(0, torch.tensor(rows))                                            # [B, M]
-    width = sub.shape[1]
-    # Masked blocks of query block q are table[num_full : num_needed]: shift them to the front.
-    shift = (num_full[:, :, None] + torch.arange(width, dtype=torch.int32)).clamp_(max=width - 1)
-    masked = sub[:, None, :].expand(-1, num_q_blocks, -1).gather(2, shift.long())
-    full = sub[:, None, :].expand(-1, num_q_blocks, -1)
+class DecodePlanner:
+    """Builds each step's DecodePlan for a pool of ``num_blocks`` blocks of ``block_size``.
 
-    def indices(x: torch.Tensor) -> torch.Tensor:
-        # flex_attention wants an index row as wide as the key sequence has blocks (the pool).
-        return torch.nn.functional.pad(x, (0, num_blocks - width)).unsqueeze(1).contiguous()
+    flex_attention wants every block-index row as wide as the key sequence has blocks (the
+    whole pool), though it reads only the first ``num`` entries. So the index rows live in
+    two buffers of pool width kept across steps: a step writes only its tables' columns, and
+    what lies beyond them (zeros, or ids from earlier steps) is never read."""
 
-    token_rows = [t for b in rows for t in range(starts[b], starts[b + 1])]
-    padded = [i * q_len + j for i, b in enumerate(rows) for j in range(starts[b + 1] - starts[b])]
-    return FlexPart(
-        token_rows=torch.tensor(token_rows, dtype=torch.int64), padded_rows=torch.tensor(padded, dtype=torch.int64),
-        q_start=q_start, kv_num=(num_needed - num_full).unsqueeze(1).contiguous(), kv_indices=indices(masked),
-        full_kv_num=num_full.unsqueeze(1).contiguous(), full_kv_indices=indices(full),
-        num_rows=len(rows), q_len=q_len, q_block=q_block)
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self._full = torch.zeros(0, num_blocks, dtype=torch.int32)
+        self._last = torch.zeros(0, num_blocks, dtype=torch.int32)
+        self._ones = torch.ones(0, 1, 1, dtype=torch.int32)
 
+    def plan(self, block_table: torch.Tensor, query_start_loc: list[int], seq_lens: list[int]) -> DecodePlan | None:
+        """The step's decode rows, or None if it has none (CPU tensors).
 
-def build_plan(block_table: torch.Tensor, query_start_loc: list[int], seq_lens: list[int], block_size: int,
-               block_pos: torch.Tensor, max_q_len: int) -> FlexPlan:
-    """Host-side layout of one step (CPU tensors).
-
-    block_table: [B, M] int32 (rows padded with any valid block id); query_start_loc: B + 1
-    ints; seq_lens: B ints (context length including this step's tokens); block_pos: [N] int32,
-    updated in place with the index of every block in the step's tables; max_q_len: the most
-    new tokens a row can have (the engine's max_num_batched_tokens), the largest bucket.
-    """
-    width = block_table.shape[1]
-    valid = torch.arange(width) < torch.tensor([-(-n // block_size) for n in seq_lens])[:, None]  # [B, M]
-    block_pos.index_put_((block_table[valid].long(),), torch.arange(width, dtype=torch.int32).expand_as(valid)[valid])
-    buckets: dict[int, list[int]] = {}
-    fresh: list[tuple[int, int]] = []
-    for b, seq_len in enumerate(seq_lens):
-        start, end = query_start_loc[b], query_start_loc[b + 1]
-        if end - start == seq_len > 1:
-            fresh.append((start, end))
-        else:
-            buckets.setdefault(query_bucket(end - start, max_q_len), []).append(b)
-    parts = [_part(rows, query_start_loc, seq_lens, block_table, block_size, q_len, len(block_pos))
-             for q_len, rows in sorted(buckets.items())]
-    return FlexPlan(block_pos, parts, fresh)
+        block_table: [B_all, W] int32 (unused entries any valid block id); query_start_loc:
+        B_all + 1 ints; seq_lens: B_all ints (context length including this step's token)."""
+        decode = [b for b in range(len(seq_lens)) if query_start_loc[b + 1] - query_start_loc[b] == 1]
+        if not decode:
+            return None
+        multi = [b for b in range(len(seq_lens)) if query_start_loc[b + 1] - query_start_loc[b] != 1]
+        rows = len(decode)
+        if rows > self._full.shape[0]:
+            self._full = torch.zeros(max(rows, 2 * self._full.shape[0]), self.num_blocks, dtype=torch.int32)
+            self._last = torch.zeros_like(self._full)
+            self._ones = torch.ones(self._full.shape[0], 1, 1, dtype=torch.int32)
+        lens = torch.tensor([seq_lens[b] for b in decode], dtype=torch.int32)
+        table = block_table if not multi else block_table.index_select(0, torch.tensor(decode))
+        num_full = (lens + self.block_size - 1) // self.block_size - 1
+        full, last = self._full[:rows], self._last[:rows]
+        full[:, :table.shape[1]] = table
+        last[:, :1] = table.gather(1, num_full.long().unsqueeze(1))
+        return DecodePlan(
+            rows=torch.tensor([query_start_loc[b] for b in decode], dtype=torch.int64),
+            full_kv_num=num_full.view(rows, 1, 1),
+            last_kv_num=self._ones[:rows],
+            full_kv_indices=full.view(rows, 1, 1, -1),
+            last_kv_indices=last.view(rows, 1, 1, -1),
+            last_len=lens - num_full * self.block_size,
+            all_rows=not multi,
+            multi=multi)
 
 
-def _attend(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_pos: torch.Tensor,
-            q_start: torch.Tensor, kv_num: torch.Tensor, kv_indices: torch.Tensor, full_kv_num: torch.Tensor,
-            full_kv_indices: torch.Tensor, q_block: int, scale: float) -> torch.Tensor:
-    # q: [B, Hq, L, D]; caches: [N, bs, Hkv, D]; the rest as in FlexPart -> [B, Hq, L, D]
-    rows, num_heads, length, head_dim = q.shape
-    num_blocks, block_size, num_kv_heads, _ = key_cache.shape
+def _decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, full_kv_num: torch.Tensor,
+            full_kv_indices: torch.Tensor, last_kv_num: torch.Tensor, last_kv_indices: torch.Tensor,
+            last_len: torch.Tensor, scale: float) -> torch.Tensor:
+    # q: [B, Hkv, g, D]; caches: [N, bs, Hkv, D]; the rest as in DecodePlan -> [B, Hkv, g, D]
+    rows, num_kv_heads, group, head_dim = q.shape
+    num_blocks, block_size = key_cache.shape[:2]
     slots = num_blocks * block_size
     k = key_cache.view(1, slots, num_kv_heads, head_dim).transpose(1, 2).expand(rows, -1, -1, -1)
     v = value_cache.view(1, slots, num_kv_heads, head_dim).transpose(1, 2).expand(rows, -1, -1, -1)
 
-    def causal_over_pages(b, h, q_idx, kv_idx):
-        # kv_idx is a physical slot; its logical position is block index * bs + offset.
-        return block_pos[kv_idx // block_size] * block_size + kv_idx % block_size <= q_start[b] + q_idx
+    def in_last_block(b, h, q_idx, kv_idx):
+        # Applied to the last block only: its slots past the row's length hold nothing yet.
+        return kv_idx % block_size < last_len[b]
 
-    mask = BlockMask.from_kv_blocks(kv_num, kv_indices, full_kv_num, full_kv_indices,
-                                    BLOCK_SIZE=(q_block, block_size), mask_mod=causal_over_pages,
-                                    seq_lengths=(length, slots), compute_q_blocks=False)
-    return flex_attention(q, k, v, block_mask=mask, scale=scale, enable_gqa=num_heads != num_kv_heads)
+    mask = BlockMask.from_kv_blocks(last_kv_num, last_kv_indices, full_kv_num, full_kv_indices,
+                                    BLOCK_SIZE=(group, block_size), mask_mod=in_last_block,
+                                    seq_lengths=(group, slots), compute_q_blocks=False)
+    return flex_attention(q, k, v, block_mask=mask, scale=scale)
 
 
 @contextlib.contextmanager
 def compile_settings() -> Iterator[None]:
-    """Around every call of a compiled function here and in the compiled step.
+    """Around every call of a compiled function of the engine.
 
-    backed_size_oblivious: a size of 1 (one token, one row) is no specialisation of its own,
-    so each graph compiles once for every size. Recompiles: every engine in a process (tests
-    start dozens) adds its own pool size and model to the compiled functions' caches; past
-    the limit dynamo would quietly run them eagerly, and eager flex_attention is both slow
-    and, with this paged block mask, wrong. So allow many, and fail loudly past that."""
+    backed_size_oblivious: a size of 1 (one row, one token) is no specialisation of its own, so
+    a graph compiles once for every size. Recompiles: each engine in a process (tests start
+    dozens) adds its own pool size; past the limit dynamo would quietly run eagerly, and eager
+    flex_attention over the whole pool is slow. So allow many, and fail loudly past that."""
     with fx_config.patch(backed_size_oblivious=True), \
             torch._dynamo.config.patch(recompile_limit=64, fail_on_recompile_limit_hit=True):
         yield
 
 
 @functools.cache
-def _compiled_attend():
-    # Eager flex_attention materialises the dense score matrix; compiled, it is one fused
-    # kernel. Only the row count B is dynamic (marked per call). Keeping every other size
-    # static also steers clear of a torch 2.13 bug: the CPU template renames its split-size
-    # symbols by plain string replacement, so with many size symbols "ks4" also rewrites "ks41".
-    return torch.compile(_attend, dynamic=False)
+def _compiled_decode():
+    # Inductor otherwise proves each vector instruction set the CPU reports by compiling a
+    # probe program, in every process: measured 20 s of a 34 s cold compile of this kernel,
+    # and 11 s of every start with a warm cache. Trust the CPU's flags instead, for the whole
+    # process (the probes run outside any config.patch); TORCHINDUCTOR_VEC_ISA_OK=0 keeps them.
+    if "TORCHINDUCTOR_VEC_ISA_OK" not in os.environ:
+        torch._inductor.config.cpp.vec_isa_ok = True
+    use_compile_cache()
+    # Only the row count B is dynamic (marked per call): the pool, heads and block size are
+    # one engine's constants. Keeping the other sizes static also steers clear of a torch 2.13
+    # bug: the CPU template renames its size symbols by plain string replacement, so with many
+    # symbols "ks4" also rewrites "ks41".
+    return torch.compile(_decode, dynamic=False)
 
 
-def _run_part(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, part: FlexPart,
-              block_pos: torch.Tensor, scale: float) -> torch.Tensor:
-    # query: [T, Hq, D]; caches: [N, bs, Hkv, D] -> [n, Hq, D] for part.token_rows
-    rows, length = part.num_rows, part.q_len
-    q = query.index_select(0, part.token_rows)
-    if length > 1:
-        q = q.new_zeros(rows * length, *q.shape[1:]).index_copy_(0, part.padded_rows, q)
-    q = q.view(rows, length, *q.shape[1:]).transpose(1, 2).contiguous()                       # [B, Hq, L, D]
-    args = (q, key_cache, value_cache, block_pos, part.q_start, part.kv_num, part.kv_indices, part.full_kv_num,
-            part.full_kv_indices)
-    for i in (0, 4, 5, 6, 7, 8):
+def flex_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, plan: DecodePlan,
+                scale: float) -> torch.Tensor:
+    """Attention of the plan's decode rows. query: [T, Hq, D] -> [B, Hq, D] for plan.rows."""
+    num_heads, head_dim = query.shape[1:]
+    num_kv_heads = key_cache.shape[2]
+    # Contiguous either way: the engine's query is a strided view into the QKV projection, and a
+    # stride that differs from the tests' would compile the kernel a second time.
+    q = query.contiguous() if plan.all_rows else query.index_select(0, plan.rows)
+    rows = q.shape[0]
+    q = q.view(rows, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    args = (q, key_cache, value_cache, plan.full_kv_num, plan.full_kv_indices, plan.last_kv_num,
+            plan.last_kv_indices, plan.last_len)
+    for i in (0, 3, 4, 5, 6, 7):
         torch._dynamo.maybe_mark_dynamic(args[i], 0)
     with compile_settings():
-        o = _compiled_attend()(*args, part.q_block, scale)
-    o = o.transpose(1, 2).reshape(rows * length, *o.shape[1:2], o.shape[-1])                   # [B * L, Hq, D]
-    return o if length == 1 else o.index_select(0, part.padded_rows)
+        out = _compiled_decode()(*args, scale)
+    return out.view(rows, num_heads, head_dim)
 
 
-def flex_paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
-                         value_cache: torch.Tensor, plan: FlexPlan, scale: float) -> torch.Tensor:
-    """Causal attention of each row's new tokens over its paged context (same contract as
-    ``reference.paged_attention``, with the block table already turned into ``plan``).
-
-    query: [T, Hq, D]; key, value: [T, Hkv, D], this step's (already written to the caches);
-    key_cache, value_cache: [N, bs, Hkv, D]. Returns [T, Hq, D].
-    """
+def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                    block_table: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                    plan: DecodePlan | None) -> torch.Tensor:
+    """``reference.paged_attention``'s contract, with the step's decode rows (``plan``) read in
+    place by FlexAttention and the rest computed by the twin. Returns [T, Hq, D]."""
+    if plan is None:
+        return reference.paged_attention(query, key_cache, value_cache, block_table, query_start_loc, seq_lens,
+                                          scale)
+    decoded = flex_decode(query, key_cache, value_cache, plan, scale)
+    if plan.all_rows:
+        return decoded
     out = torch.empty_like(query)
-    gqa = query.shape[1] != key.shape[1]
-    for start, end in plan.fresh:
-        q, k, v = (x[start:end].transpose(0, 1) for x in (query, key, value))                # [H, L, D]
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
-        out[start:end] = o.transpose(0, 1)
-    for part in plan.parts:
-        out.index_copy_(0, part.token_rows, _run_part(query, key_cache, value_cache, part, plan.block_pos, scale))
+    out.index_copy_(0, plan.rows, decoded)
+    reference.multi_token_attention(query, key_cache, value_cache, block_table, query_start_loc.tolist(),
+                                    seq_lens.tolist(), scale, plan.multi, out)
     return out

@@ -13,10 +13,6 @@ from pathlib import Path
 # main thread cost ~15 ms instead of ~0.5 ms (measured: the engine
 # equivalence tests took 58 s with spinning, 16 s without).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-# Engines run eagerly unless a test asks for the compiled step (enforce_eager=False):
-# compiling every short-lived test engine would cost minutes. Servers started in
-# subprocesses inherit this.
-os.environ.setdefault("PAGEFLEET_ENFORCE_EAGER", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

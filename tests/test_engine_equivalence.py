@@ -1,8 +1,9 @@
 """Greedy tokens from pagefleet equal transformers' on tiny checkpoints of all four
 architectures, under prefix sharing, forced preemption and forced chunking.
 
-The compiled step (torch.compile + paged FlexAttention) runs the batch, prefix-cache and
-chunked-prefill cases on the Llama checkpoint, with the same exact checks as eager.
+Without enforce_eager, decode rows read their KV blocks in place through the compiled paged
+FlexAttention: the batch, prefix-cache and chunked-prefill cases run that way on the Llama
+checkpoint too, with the same exact checks.
 
 Every case here asserts exact equality: on these fp32 checkpoints no near-tie flips under
 a different batch composition, chunk split or recompute, so the DESIGN.md top-5
@@ -115,8 +116,9 @@ def check_chunked_prefill(llm, checkpoint):
     assert llm.engine.stats().num_steps > max(map(len, prompts)) // budget
 
 
-# ---- the compiled step: same checks; the pool shape matches test_flex_paged_attention's, so
-# the kernels compiled there (or here) serve both.
+# ---- the compiled decode attention (paged FlexAttention): same checks. The pool shape (32 MiB of
+# the tiny checkpoint) matches test_flex_paged_attention's, so the one kernel compiled there (or
+# here) serves all of them.
 
 
 @pytest.fixture(scope="module")
@@ -124,18 +126,36 @@ def llama_checkpoint(tiny_checkpoint):
     return tiny_checkpoint(arch="llama")
 
 
-def test_compiled_batch_matches_transformers(llama_checkpoint):
-    # 64-token steps: the longer prompts are chunked too, and the engine compiles only the
-    # query buckets 16 and 64 (as test_flex_paged_attention does), which keeps CI's cold compile short.
-    llm = LLM(model=str(llama_checkpoint), dtype="float32", kv_cache_bytes=32 << 20, max_num_batched_tokens=64,
-              enforce_eager=False)
-    assert llm.engine.executor.runner.compiled is not None
+@pytest.fixture
+def flex_calls(monkeypatch):
+    """How many times the compiled decode attention ran (one per layer per step with decode rows)."""
+    from pagefleet.kernels import flex_paged_attention
+
+    calls = []
+    real = flex_paged_attention.flex_decode
+
+    def counted(*args):
+        calls.append(args[-2].rows.numel())
+        return real(*args)
+
+    monkeypatch.setattr(flex_paged_attention, "flex_decode", counted)
+    return calls
+
+
+def test_compiled_batch_matches_transformers(llama_checkpoint, flex_calls):
+    llm = LLM(model=str(llama_checkpoint), dtype="float32", kv_cache_bytes=32 << 20, enforce_eager=False)
+    assert llm.engine.executor.runner.decode_planner is not None
+    flex_calls.clear()  # the warm-up's
     check_batch_and_prefix_cached_rerun(llm, llama_checkpoint)
+    # Two runs of eight prompts, 11 decode steps each after the prompt step, every layer.
+    layers = load_model_config(str(llama_checkpoint)).num_layers
+    assert flex_calls == [8] * (2 * (MAX_NEW - 1) * layers)
 
 
-def test_compiled_chunked_prefill_matches(llama_checkpoint):
-    # 16-token steps chunk every prompt longer than 16 tokens; 16 is a bucket the test above compiled.
-    llm = LLM(model=str(llama_checkpoint), dtype="float32", kv_cache_bytes=32 << 20, max_num_batched_tokens=16,
+def test_compiled_chunked_prefill_matches(llama_checkpoint, flex_calls):
+    # 7-token steps: decode rows share steps with prefill chunks, which the twin serves.
+    llm = LLM(model=str(llama_checkpoint), dtype="float32", kv_cache_bytes=32 << 20, max_num_batched_tokens=7,
               enforce_eager=False)
-    assert llm.engine.executor.runner.compiled is not None
+    flex_calls.clear()
     check_chunked_prefill(llm, llama_checkpoint)
+    assert flex_calls and max(flex_calls) > 1

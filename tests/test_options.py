@@ -34,7 +34,8 @@ OTHER_VALUES = {
     "seed": ("7", 7),
     "load_format": ("dummy", "dummy"),
     "log_stats_interval": ("2.5", 2.5),
-    "enforce_eager": (None, False),  # --no-enforce-eager: the suite runs eager by default (conftest)
+    "cpu_omp_threads": ("3", 3),
+    "enforce_eager": (None, False),  # --no-enforce-eager
     "host": ("0.0.0.0", "0.0.0.0"),
     "port": ("9000", 9000),
     "workers": ("3", 3),

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 from pagefleet.worker.config import parse_dtype
@@ -11,13 +10,6 @@ from pagefleet.worker.options import check_choices, option, parse_bytes
 
 BLOCK_SIZES = (8, 16, 32, 64, 128)
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
-ENFORCE_EAGER_ENV = "PAGEFLEET_ENFORCE_EAGER"
-
-
-def _eager_by_default() -> bool:
-    # For machines without a C++ compiler, and for test suites that start many short-lived
-    # engines (and servers in subprocesses) where compiling each would cost more than it saves.
-    return os.environ.get(ENFORCE_EAGER_ENV, "0").strip().lower() in ("1", "true", "yes")
 
 
 @dataclass(slots=True)
@@ -47,11 +39,14 @@ class EngineArgs:
     log_stats_interval: float = option(10.0, metavar="SECONDS",
                                        help="seconds between engine stats lines (throughput, queue, KV usage, "
                                             "prefix hits) while busy; 0 turns them off")
-    enforce_eager: bool = option(default_factory=_eager_by_default,
-                                 help="run the model eagerly; otherwise, on CPU with one rank, the model step "
-                                      "is compiled with torch.compile (Inductor, needs a C++ compiler; cached "
-                                      "across starts under ~/.cache/pagefleet) around paged FlexAttention "
-                                      f"(default: ${ENFORCE_EAGER_ENV}, else off)")
+    enforce_eager: bool = option(True, help="run the model eagerly (the default); --no-enforce-eager: on CPU, "
+                                            "compile the decode attention with "
+                                            "torch.compile (paged FlexAttention reading KV blocks in place; "
+                                            "needs a C++ compiler, cached across starts under ~/.cache/pagefleet)")
+    cpu_omp_threads: int | None = option(None, metavar="N",
+                                         help="threads a one-rank CPU engine computes with (default: every "
+                                              "core but one, at least one; sets torch's thread count for "
+                                              "the whole process)")
 
     def __post_init__(self) -> None:
         check_choices(self)
@@ -62,6 +57,10 @@ class EngineArgs:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.cpu_omp_threads is not None and (not isinstance(self.cpu_omp_threads, int)
+                                                 or isinstance(self.cpu_omp_threads, bool)
+                                                 or self.cpu_omp_threads < 1):
+            raise ValueError(f"cpu_omp_threads must be an integer >= 1, got {self.cpu_omp_threads!r}")
         if self.log_stats_interval < 0:
             raise ValueError(f"log_stats_interval must be >= 0 (0 turns the stats line off), got "
                              f"{self.log_stats_interval}")

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from pagefleet.kernels import flex_paged_attention
+from pagefleet.kernels.flex_paged_attention import DecodePlan
 from pagefleet.kernels.ops import Kernels
 from pagefleet.kernels.reference import build_cos_sin_cache
 from pagefleet.worker.config import ModelConfig
@@ -32,9 +34,9 @@ class AttentionMetadata:
     block_table: torch.Tensor      # [B, max_blocks] int32
     query_start_loc: torch.Tensor  # [B + 1] int32
     seq_lens: torch.Tensor         # [B] int32: context length including this step's tokens
-    # True in the compiled step: attention is the pagefleet::flex_paged_attention op, which
-    # takes its block layout from compiled_step.attention_plan instead of the tensors above.
-    flex: bool = False
+    # On CPU without enforce_eager: the step's decode rows, which read their KV blocks in place
+    # through paged FlexAttention (built once per step, used by every layer).
+    decode_plan: DecodePlan | None = None
 
 
 class Attention(nn.Module):
@@ -65,13 +67,14 @@ class Attention(nn.Module):
             k = self.kernels.rms_norm(k, self.k_norm.weight, self.eps)
         q, k = self.kernels.rotary_embedding(positions, q, k, cos_sin)
         key_cache, value_cache = kv_cache
-        if meta.flex:
-            o = torch.ops.pagefleet.flex_paged_attention(q, k, v, key_cache, value_cache, meta.slot_mapping,
-                                                         self.scale)
-        else:
-            self.kernels.write_kv_cache(k, v, key_cache, value_cache, meta.slot_mapping)
+        self.kernels.write_kv_cache(k, v, key_cache, value_cache, meta.slot_mapping)
+        if meta.decode_plan is None:
             o = self.kernels.paged_attention(q, key_cache, value_cache, meta.block_table, meta.query_start_loc,
                                              meta.seq_lens, self.scale)
+        else:
+            o = flex_paged_attention.paged_attention(q, key_cache, value_cache, meta.block_table,
+                                                     meta.query_start_loc, meta.seq_lens, self.scale,
+                                                     meta.decode_plan)
         return self.o_proj(o.reshape(num_tokens, self.num_heads * self.head_dim))
 
 

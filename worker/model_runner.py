@@ -9,10 +9,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pagefleet.kernels.flex_paged_attention import query_buckets
+from pagefleet.kernels.compile_cache import compile_cache_dir
+from pagefleet.kernels.flex_paged_attention import DecodePlanner
 from pagefleet.kernels.ops import select_kernels
-from pagefleet.worker.compiled_step import CompiledModel, compile_cache_dir
 from pagefleet.worker.config import ModelConfig
+from pagefleet.worker.cpu_linear import pack_linear_weights
 from pagefleet.worker.cpu_malloc import keep_freed_memory
 from pagefleet.worker.engine_args import DEFAULT_GPU_MEMORY_UTILIZATION
 from pagefleet.worker.kv_cache_sizing import DEFAULT_CPU_KV_CACHE_BYTES, gpu_kv_budget, kv_bytes_per_block
@@ -41,9 +42,9 @@ class StepInput:
 
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, tp: TPGroup, device: torch.device, load_format: str = "safetensors",
-                 seed: int = 0, compile_max_tokens: int | None = None) -> None:
-        """compile_max_tokens: None runs the model eagerly; otherwise (CPU, one rank) the model
-        step is compiled for steps of up to that many tokens (max_num_batched_tokens)."""
+                 seed: int = 0, enforce_eager: bool = True) -> None:
+        """enforce_eager: False lets a CPU engine compile its decode attention (paged
+        FlexAttention, KV blocks read in place) with torch.compile."""
         self.cfg = cfg
         self.tp = tp
         self.device = device
@@ -53,14 +54,15 @@ class ModelRunner:
         self.kernels = select_kernels(device)
         logger.info("kernels on %s: %s", device, self.kernels.backend)
         self.model = load_model(cfg, tp, self.kernels, device, load_format, seed)
+        if device.type == "cpu":
+            logger.info("linear layers: %d weights packed for oneDNN", pack_linear_weights(self.model))
         attn = self.model.layers[0].self_attn
         self.num_kv_heads = attn.num_kv_heads
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.block_size = 0
-        # Compiled on CPU with one rank; CUDA keeps its Triton kernels eager for now, and
-        # tensor-parallel ranks keep their collectives out of the compiler.
-        self.compile_max_tokens = compile_max_tokens if device.type == "cpu" and tp.size == 1 else None
-        self.compiled: CompiledModel | None = None
+        # CUDA's Triton kernel already reads the blocks in place.
+        self.flex_decode = not enforce_eager and device.type == "cpu"
+        self.decode_planner: DecodePlanner | None = None
 
     def kv_bytes_per_block(self, block_size: int) -> int:
         elem = torch.empty((), dtype=self.cfg.dtype).element_size()
@@ -109,24 +111,18 @@ class ModelRunner:
                            torch.zeros(shape, dtype=self.cfg.dtype, device=self.device))
                           for _ in range(self.cfg.num_layers)]
         self.block_size = block_size
-        if self.compile_max_tokens is not None:
-            self.compiled = CompiledModel(self.model, num_blocks, block_size, self.compile_max_tokens, self.device)
+        if self.flex_decode:
+            self.decode_planner = DecodePlanner(num_blocks, block_size)
             self._warm_up(num_blocks)
 
     def _warm_up(self, num_blocks: int) -> None:
-        """Compile now rather than on the first requests: fresh prompts and decode rows (one and
-        several), then one prefill chunk per query bucket. Writes only K/V of blocks no request
-        holds yet."""
+        """Compile the decode attention now rather than on the first requests (one compile serves
+        every row count). Writes only K/V of blocks no request holds yet."""
         start = time.perf_counter()
-        bs = self.block_size
-        steps = [[(3, 3)], [(1, 4)], [(1, 4), (1, bs + 2), (5, 5), (bs + 3, bs + 3)]]
-        # A chunk of bucket - 1 new tokens after one cached token lands in each bucket.
-        steps += [[(bucket - 1, bucket)] for bucket in query_buckets(self.compile_max_tokens)[1:] if bucket > 2]
-        for seqs in steps:
-            longest = max(n for _, n in seqs)
-            if longest <= self.cfg.max_model_len and sum(-(-n // bs) for _, n in seqs) <= num_blocks:
-                self.execute(_synthetic_step(seqs, bs))  # else no request can need it either
-        logger.info("compiled the model step (torch.compile, Inductor %s) in %.1f s; compile cache %s",
+        seqs = [(1, 4), (1, self.block_size + 2), (5, 5)]
+        if sum(-(-n // self.block_size) for _, n in seqs) <= num_blocks:
+            self.execute(_synthetic_step(seqs, self.block_size))
+        logger.info("compiled the paged decode attention (torch.compile, Inductor %s) in %.1f s; compile cache %s",
                     self.device.type, time.perf_counter() - start, compile_cache_dir())
 
     def _tensors(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
@@ -139,6 +135,8 @@ class ModelRunner:
             query_start_loc=torch.tensor(step.query_start_loc, dtype=torch.int32, device=dev),
             seq_lens=torch.tensor(step.seq_lens, dtype=torch.int32, device=dev),
         )
+        if self.decode_planner is not None:
+            meta.decode_plan = self.decode_planner.plan(meta.block_table, step.query_start_loc, step.seq_lens)
         return (torch.tensor(step.input_ids, dtype=torch.int64, device=dev),
                 torch.tensor(step.positions, dtype=torch.int64, device=dev), meta,
                 torch.tensor(step.logits_indices, dtype=torch.int64, device=dev))
@@ -147,11 +145,7 @@ class ModelRunner:
     def execute(self, step: StepInput) -> torch.Tensor | None:
         """Forward one step; [S, vocab] fp32 logits of the sampling rows on rank 0, else None."""
         input_ids, positions, meta, logits_indices = self._tensors(step)
-        if self.compiled is None:
-            hidden = self.model(input_ids, positions, meta, self.kv_caches)
-        else:
-            meta.flex = True
-            hidden = self.compiled(input_ids, positions, meta, self.kv_caches, step.query_start_loc, step.seq_lens)
+        hidden = self.model(input_ids, positions, meta, self.kv_caches)
         return self.model.compute_logits(hidden.index_select(0, logits_indices))
 
 
