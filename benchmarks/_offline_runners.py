@@ -61,13 +61,14 @@ def max_len_for(workload: Workload) -> int:
     return max(len(p) + n for p, n in zip(workload.prompts, workload.output_lens))
 
 
-def run_pagefleet(ckpt: str, workload: Workload, config: dict, enforce_eager: bool = False) -> RunResult:
+def run_pagefleet(ckpt: str, workload: Workload, config: dict, enforce_eager: bool,
+                  cpu_omp_threads: int | None) -> RunResult:
     from pagefleet.worker import LLM, SamplingParams
 
     start = time.perf_counter()
     llm = LLM(model=ckpt, dtype="float32", device="cpu", block_size=BLOCK_SIZE, max_num_seqs=MAX_NUM_SEQS,
               max_num_batched_tokens=MAX_BATCH_TOKENS, kv_cache_bytes=kv_bytes_for(workload, config, 4),
-              max_model_len=max_len_for(workload), enforce_eager=enforce_eager)
+              max_model_len=max_len_for(workload), enforce_eager=enforce_eager, cpu_omp_threads=cpu_omp_threads)
     startup = time.perf_counter() - start
     llm.generate([{"prompt_token_ids": workload.prompts[0][:16]}],
                  SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
@@ -85,7 +86,8 @@ def run_pagefleet(ckpt: str, workload: Workload, config: dict, enforce_eager: bo
     single = time.perf_counter() - start
     if len(one[0].outputs[0].token_ids) != workload.single_output_len:
         raise RuntimeError("pagefleet's single-stream request came back short")
-    return RunResult(sum(lengths), sum(lengths), wall, startup_s=startup, single_stream_wall_s=single)
+    return RunResult(sum(lengths), sum(lengths), wall, startup_s=startup, single_stream_wall_s=single,
+                     extra={"torch_threads": torch.get_num_threads()})
 
 
 def run_pagefleet_serving(ckpt: str, workload: Workload, config: dict, metrics: bool) -> RunResult:

