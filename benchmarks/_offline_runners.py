@@ -2,7 +2,9 @@
 
 Every runner gets the same workload (prompt token ids and exact output
 lengths), does one untimed warm-up request, then times only the generation of
-the whole workload (model loading and cache allocation are outside the clock).
+the whole workload (model loading, compilation and cache allocation are outside
+the clock; pagefleet reports its start-up separately, and then times one
+single-stream request).
 `output_tokens` counts only the tokens the workload asked for; systems that
 must generate more (static batching pads every request to its batch's longest
 output) report the extra work as `generated_tokens`.
@@ -10,23 +12,27 @@ output) report the extra work as `generated_tokens`.
 
 from __future__ import annotations
 
-import resource
 import os
 import time
 from dataclasses import dataclass
 
 import torch
 
+from _proc_rss import tree_peak_rss_mib  # noqa: F401  (re-exported for offline_throughput.py)
+
 NUM_THREADS = 2
 BLOCK_SIZE = 16
-MAX_NUM_SEQS = 64
-MAX_BATCH_TOKENS = 2048
+# vLLM's CPU defaults: 4096-token steps keep two cores' matmuls busy.
+MAX_NUM_SEQS = 256
+MAX_BATCH_TOKENS = 4096
 
 
 @dataclass(slots=True)
 class Workload:
     prompts: list[list[int]]  # prompt token ids, one list per request
     output_lens: list[int]  # exact number of output tokens per request (ignore_eos)
+    single_prompt: list[int]  # the single-stream request, timed alone after the workload
+    single_output_len: int
 
 
 @dataclass(slots=True)
@@ -36,20 +42,8 @@ class RunResult:
     wall_s: float
     note: str | None = None
     extra: dict | None = None  # system-specific figures, copied into the result line
-
-
-def peak_rss_mib() -> float:
-    """This process's peak resident set size.
-
-    VmHWM first: getrusage's ru_maxrss survives execve, so a child started by
-    a parent that once held a model would report the parent's peak."""
-    try:
-        for line in open("/proc/self/status"):
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024.0  # kB
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # KiB on Linux
+    startup_s: float | None = None  # engine construction, compilation included
+    single_stream_wall_s: float | None = None  # the single-stream request alone
 
 
 def kv_bytes_for(workload: Workload, config: dict, dtype_bytes: int) -> int:
@@ -67,12 +61,15 @@ def max_len_for(workload: Workload) -> int:
     return max(len(p) + n for p, n in zip(workload.prompts, workload.output_lens))
 
 
-def run_pagefleet(ckpt: str, workload: Workload, config: dict) -> RunResult:
+def run_pagefleet(ckpt: str, workload: Workload, config: dict, enforce_eager: bool,
+                  cpu_omp_threads: int | None) -> RunResult:
     from pagefleet.worker import LLM, SamplingParams
 
+    start = time.perf_counter()
     llm = LLM(model=ckpt, dtype="float32", device="cpu", block_size=BLOCK_SIZE, max_num_seqs=MAX_NUM_SEQS,
               max_num_batched_tokens=MAX_BATCH_TOKENS, kv_cache_bytes=kv_bytes_for(workload, config, 4),
-              max_model_len=max_len_for(workload))
+              max_model_len=max_len_for(workload), enforce_eager=enforce_eager, cpu_omp_threads=cpu_omp_threads)
+    startup = time.perf_counter() - start
     llm.generate([{"prompt_token_ids": workload.prompts[0][:16]}],
                  SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
     prompts = [{"prompt_token_ids": ids} for ids in workload.prompts]
@@ -83,7 +80,14 @@ def run_pagefleet(ckpt: str, workload: Workload, config: dict) -> RunResult:
     lengths = [len(out.outputs[0].token_ids) for out in outputs]
     if lengths != workload.output_lens:
         raise RuntimeError("pagefleet did not generate the exact output lengths asked for")
-    return RunResult(sum(lengths), sum(lengths), wall)
+    start = time.perf_counter()
+    one = llm.generate([{"prompt_token_ids": workload.single_prompt}],
+                       SamplingParams(temperature=0.0, max_tokens=workload.single_output_len, ignore_eos=True))
+    single = time.perf_counter() - start
+    if len(one[0].outputs[0].token_ids) != workload.single_output_len:
+        raise RuntimeError("pagefleet's single-stream request came back short")
+    return RunResult(sum(lengths), sum(lengths), wall, startup_s=startup, single_stream_wall_s=single,
+                     extra={"torch_threads": torch.get_num_threads()})
 
 
 def run_pagefleet_serving(ckpt: str, workload: Workload, config: dict, metrics: bool) -> RunResult:

@@ -123,10 +123,22 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
                                            enable_gqa=gqa)
         out.index_copy_(0, q_rows, o.squeeze(2))
 
-    for b in range(num_seqs):
-        q_len = q_lens[b]
-        if q_len == 1:
-            continue
+    multi_token_attention(query, key_cache, value_cache, block_table, starts, lens, scale,
+                          [b for b in range(num_seqs) if q_lens[b] != 1], out)
+    return out
+
+
+def multi_token_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                          block_table: torch.Tensor, starts: list[int], lens: list[int], scale: float,
+                          seqs: list[int], out: torch.Tensor) -> None:
+    """The rows of ``paged_attention`` with several new tokens (prompts, prefill chunks), one
+    sequence at a time, written into ``out`` [T, Hq, D]; ``seqs`` are their indices and
+    ``starts``/``lens`` the step's query_start_loc and seq_lens as lists."""
+    device = query.device
+    block_size = key_cache.shape[1]
+    gqa = query.shape[1] != key_cache.shape[2]
+    for b in seqs:
+        q_len = starts[b + 1] - starts[b]
         ctx_len = lens[b]
         nblocks = (ctx_len + block_size - 1) // block_size
         table = block_table[b, :nblocks].long()
@@ -140,7 +152,6 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
             mask = torch.arange(ctx_len, device=device).unsqueeze(0) <= pos  # [q_len, L]
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
         out[starts[b]:starts[b + 1]] = o.transpose(0, 1)
-    return out
 
 
 def build_cos_sin_cache(head_dim: int, max_position: int, base: float,

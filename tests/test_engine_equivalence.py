@@ -1,6 +1,10 @@
 """Greedy tokens from pagefleet equal transformers' on tiny checkpoints of all four
 architectures, under prefix sharing, forced preemption and forced chunking.
 
+Without enforce_eager, decode rows read their KV blocks in place through the compiled paged
+FlexAttention: the batch, prefix-cache and chunked-prefill cases run that way on the Llama
+checkpoint too, with the same exact checks.
+
 Every case here asserts exact equality: on these fp32 checkpoints no near-tie flips under
 a different batch composition, chunk split or recompute, so the DESIGN.md top-5
 criterion (tests/hf_reference.assert_greedy_close) is not needed; the TP tests use it,
@@ -51,7 +55,11 @@ def assert_equal_to_reference(outs, refs, what):
 
 
 def test_batch_matches_transformers(checkpoint):
-    llm = LLM(model=str(checkpoint), dtype="float32", kv_cache_bytes=32 << 20)
+    check_batch_and_prefix_cached_rerun(LLM(model=str(checkpoint), dtype="float32", kv_cache_bytes=32 << 20),
+                                        checkpoint)
+
+
+def check_batch_and_prefix_cached_rerun(llm, checkpoint):
     prompts = prompts_for(llm.tokenizer)
     assert len(set(map(len, prompts))) == len(prompts)  # all lengths differ
     refs = reference(checkpoint, prompts)
@@ -97,7 +105,57 @@ def test_preemption_matches(checkpoint):
 
 def test_chunked_prefill_matches(checkpoint):
     # A 7-token budget chunks every prompt longer than 7 tokens across steps.
-    llm = LLM(model=str(checkpoint), dtype="float32", kv_cache_bytes=32 << 20, max_num_batched_tokens=7)
+    check_chunked_prefill(LLM(model=str(checkpoint), dtype="float32", kv_cache_bytes=32 << 20,
+                              max_num_batched_tokens=7), checkpoint)
+
+
+def check_chunked_prefill(llm, checkpoint):
     prompts = prompts_for(llm.tokenizer)
     assert_equal_to_reference(run(llm, prompts), reference(checkpoint, prompts), "chunked prefill")
-    assert llm.engine.stats().num_steps > max(map(len, prompts)) // 7
+    budget = llm.engine.args.max_num_batched_tokens
+    assert llm.engine.stats().num_steps > max(map(len, prompts)) // budget
+
+
+# ---- the compiled decode attention (paged FlexAttention): same checks. The pool shape (32 MiB of
+# the tiny checkpoint) matches test_flex_paged_attention's, so the one kernel compiled there (or
+# here) serves all of them.
+
+
+@pytest.fixture(scope="module")
+def llama_checkpoint(tiny_checkpoint):
+    return tiny_checkpoint(arch="llama")
+
+
+@pytest.fixture
+def flex_calls(monkeypatch):
+    """How many times the compiled decode attention ran (one per layer per step with decode rows)."""
+    from pagefleet.kernels import flex_paged_attention
+
+    calls = []
+    real = flex_paged_attention.flex_decode
+
+    def counted(*args):
+        calls.append(args[-2].rows.numel())
+        return real(*args)
+
+    monkeypatch.setattr(flex_paged_attention, "flex_decode", counted)
+    return calls
+
+
+def test_compiled_batch_matches_transformers(llama_checkpoint, flex_calls):
+    llm = LLM(model=str(llama_checkpoint), dtype="float32", kv_cache_bytes=32 << 20, enforce_eager=False)
+    assert llm.engine.executor.runner.decode_planner is not None
+    flex_calls.clear()  # the warm-up's
+    check_batch_and_prefix_cached_rerun(llm, llama_checkpoint)
+    # Two runs of eight prompts, 11 decode steps each after the prompt step, every layer.
+    layers = load_model_config(str(llama_checkpoint)).num_layers
+    assert flex_calls == [8] * (2 * (MAX_NEW - 1) * layers)
+
+
+def test_compiled_chunked_prefill_matches(llama_checkpoint, flex_calls):
+    # 7-token steps: decode rows share steps with prefill chunks, which the twin serves.
+    llm = LLM(model=str(llama_checkpoint), dtype="float32", kv_cache_bytes=32 << 20, max_num_batched_tokens=7,
+              enforce_eager=False)
+    flex_calls.clear()
+    check_chunked_prefill(llm, llama_checkpoint)
+    assert flex_calls and max(flex_calls) > 1

@@ -38,6 +38,8 @@ OTHER_VALUES = {
     "max_stop_strings": ("4", 4),
     "max_stop_string_chars": ("64", 64),
     "max_stop_token_ids": ("8", 8),
+    "cpu_omp_threads": ("3", 3),
+    "enforce_eager": (None, False),  # --no-enforce-eager
     "host": ("0.0.0.0", "0.0.0.0"),
     "port": ("9000", 9000),
     "workers": ("3", 3),

@@ -50,6 +50,14 @@ class EngineArgs:
     max_stop_strings: int = option(DEFAULT_MAX_STOP_STRINGS, help="stop strings per request")
     max_stop_string_chars: int = option(DEFAULT_MAX_STOP_STRING_CHARS, help="characters per stop string")
     max_stop_token_ids: int = option(DEFAULT_MAX_STOP_TOKEN_IDS, help="stop token ids per request")
+    enforce_eager: bool = option(True, help="run the model eagerly (the default); --no-enforce-eager: on CPU, "
+                                            "compile the decode attention with "
+                                            "torch.compile (paged FlexAttention reading KV blocks in place; "
+                                            "needs a C++ compiler, cached across starts under ~/.cache/pagefleet)")
+    cpu_omp_threads: int | None = option(None, metavar="N",
+                                         help="threads a one-rank CPU engine computes with (default: every "
+                                              "core but one, at least one; sets torch's thread count for "
+                                              "the whole process)")
 
     def __post_init__(self) -> None:
         check_choices(self)
@@ -64,6 +72,10 @@ class EngineArgs:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.cpu_omp_threads is not None and (not isinstance(self.cpu_omp_threads, int)
+                                                 or isinstance(self.cpu_omp_threads, bool)
+                                                 or self.cpu_omp_threads < 1):
+            raise ValueError(f"cpu_omp_threads must be an integer >= 1, got {self.cpu_omp_threads!r}")
         if self.log_stats_interval < 0:
             raise ValueError(f"log_stats_interval must be >= 0 (0 turns the stats line off), got "
                              f"{self.log_stats_interval}")

@@ -12,6 +12,7 @@ from typing import Protocol
 import torch
 
 from pagefleet.worker.config import ModelConfig
+from pagefleet.worker.cpu_threads import available_cores, cpu_compute_threads
 from pagefleet.worker.engine_args import EngineArgs
 from pagefleet.worker.model_runner import ModelRunner, StepInput
 from pagefleet.worker.tp_group import SINGLE
@@ -41,7 +42,10 @@ class UniProcExecutor:
     """One rank, in this process: failures surface as exceptions from ``execute`` itself."""
 
     def __init__(self, cfg: ModelConfig, args: EngineArgs, device: torch.device) -> None:
-        self.runner: ModelRunner | None = ModelRunner(cfg, SINGLE, device, args.load_format, args.seed)
+        if device.type == "cpu":
+            torch.set_num_threads(cpu_compute_threads(args.cpu_omp_threads, available_cores()))
+        self.runner: ModelRunner | None = ModelRunner(cfg, SINGLE, device, args.load_format, args.seed,
+                                                      args.enforce_eager)
 
     def kv_bytes_per_block(self, block_size: int) -> int:
         return self._runner().kv_bytes_per_block(block_size)

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagefleet.worker.cpu_linear import linear
 from pagefleet.worker.kv_cache_sizing import kv_heads_per_rank
 from pagefleet.worker.tp_group import TPGroup
 
@@ -35,6 +36,7 @@ class ColumnParallelLinear(nn.Module):
                                    requires_grad=False)
         self.bias = (nn.Parameter(torch.zeros(sum(out_sizes), dtype=dtype, device=device), requires_grad=False)
                      if bias else None)
+        self.packed_weight: torch.Tensor | None = None  # cpu_linear.pack_linear_weights, after loading
 
     def shard_rows(self, shard: int) -> tuple[int, int]:
         """Which rows of logical output ``shard``'s full checkpoint tensor this rank holds."""
@@ -48,7 +50,7 @@ class ColumnParallelLinear(nn.Module):
         dst.data[off:off + end - start].copy_(src[start:end])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.packed_weight)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -85,6 +87,7 @@ class RowParallelLinear(nn.Module):
                                    requires_grad=False)
         self.bias = (nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device), requires_grad=False)
                      if bias else None)
+        self.packed_weight: torch.Tensor | None = None
 
     def load(self, kind: str, shard: int, src: TensorSlice) -> None:
         if kind == "bias":
@@ -94,7 +97,7 @@ class RowParallelLinear(nn.Module):
         self.weight.data.copy_(src[:, start:start + self.in_per_rank])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = linear(x, self.weight, None, self.packed_weight)
         y = self.tp.all_reduce(y)
         if self.bias is not None:
             y = y + self.bias  # added once, after the sum
@@ -134,9 +137,14 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Same sharding as the embedding; logits are gathered on rank 0 only."""
 
+    def __init__(self, vocab_size: int, hidden: int, tp: TPGroup, dtype: torch.dtype,
+                 device: torch.device | str = "cpu") -> None:
+        super().__init__(vocab_size, hidden, tp, dtype, device)
+        self.packed_weight: torch.Tensor | None = None
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         # hidden: [S, H] -> [S, vocab] on rank 0, None elsewhere
-        local = F.linear(hidden, self.weight)
+        local = linear(hidden, self.weight, None, self.packed_weight)
         full = self.tp.gather_last_dim_to_first(local)
         return None if full is None else full[:, :self.vocab_size]
 

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from pagefleet.kernels import flex_paged_attention
+from pagefleet.kernels.flex_paged_attention import DecodePlan
 from pagefleet.kernels.ops import Kernels
 from pagefleet.kernels.reference import build_cos_sin_cache
 from pagefleet.worker.config import ModelConfig
@@ -32,6 +34,9 @@ class AttentionMetadata:
     block_table: torch.Tensor      # [B, max_blocks] int32
     query_start_loc: torch.Tensor  # [B + 1] int32
     seq_lens: torch.Tensor         # [B] int32: context length including this step's tokens
+    # On CPU without enforce_eager: the step's decode rows, which read their KV blocks in place
+    # through paged FlexAttention (built once per step, used by every layer).
+    decode_plan: DecodePlan | None = None
 
 
 class Attention(nn.Module):
@@ -63,8 +68,13 @@ class Attention(nn.Module):
         q, k = self.kernels.rotary_embedding(positions, q, k, cos_sin)
         key_cache, value_cache = kv_cache
         self.kernels.write_kv_cache(k, v, key_cache, value_cache, meta.slot_mapping)
-        o = self.kernels.paged_attention(q, key_cache, value_cache, meta.block_table, meta.query_start_loc,
-                                meta.seq_lens, self.scale)
+        if meta.decode_plan is None:
+            o = self.kernels.paged_attention(q, key_cache, value_cache, meta.block_table, meta.query_start_loc,
+                                             meta.seq_lens, self.scale)
+        else:
+            o = flex_paged_attention.paged_attention(q, key_cache, value_cache, meta.block_table,
+                                                     meta.query_start_loc, meta.seq_lens, self.scale,
+                                                     meta.decode_plan)
         return self.o_proj(o.reshape(num_tokens, self.num_heads * self.head_dim))
 
 
