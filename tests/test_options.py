@@ -20,7 +20,7 @@ SERVE_YAML = Path(__file__).resolve().parents[1] / "deploy" / "serve.yaml"
 # A value other than the default for each option: (the flag's text, the value it means).
 OTHER_VALUES = {
     "model": ("/ckpt", "/ckpt"),
-    "served_model_name": ("m", "m"),
+    "served_model_name": ("m", ["m"]),
     "dtype": ("bf16", "bfloat16"),
     "device": ("cpu", "cpu"),
     "block_size": ("32", 32),

@@ -63,6 +63,10 @@ def test_two_replicas_models_health_tokenize(server, openai_client, ckpt_tokeniz
     assert len(worker_stats()) == 2
     models = openai_client.models.list().data
     assert [m.id for m in models] == [ckpt.name]
+    # served under the --model argument as given too, as vLLM serves it (vllm bench serve --model DIR)
+    r = openai_client.completions.create(model=str(ckpt), prompt=PROMPTS[0], max_tokens=2,
+                                         extra_body={"ignore_eos": True})
+    assert (r.model, r.usage.completion_tokens) == (ckpt.name, 2)
     assert httpx.get(f"{base}/health").status_code == 200
     r = httpx.post(f"{base}/tokenize", json={"prompt": PROMPTS[0]})
     assert r.json()["tokens"] == ckpt_tokenizer.encode(PROMPTS[0])
