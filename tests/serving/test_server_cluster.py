@@ -268,7 +268,8 @@ def test_bench_random_completions_writes_report_json_and_png(server, tmp_path):
     # each prompt as the 24 tokens the dataset built
     assert saved["output_lens"] == [6] * 6 and saved["total_output_tokens"] == 36
     assert saved["input_lens"] == [24] * 6 and saved["total_input_tokens"] == 144
-    assert all(len(itl) == 5 for itl in saved["itls"])  # one chunk per token after the first
+    # at most one chunk per token after the first (fewer when a stream lags the engine)
+    assert all(1 <= len(itl) <= 5 for itl in saved["itls"])
     assert 0 < saved["median_ttft_ms"] < saved["median_e2el_ms"]
     assert saved["max_concurrent_requests"] == 3  # the first three start together and overlap
     assert png_size(png) == (1430, 550)  # 13 x 5 inches at 110 dpi
