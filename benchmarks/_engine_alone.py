@@ -31,7 +31,7 @@ def run(engine: LLMEngine, prompts: list[list[int]], output_len: int, concurrenc
     last_chunk: dict[int, float] = {}
     waiting = list(range(len(prompts)))[::-1]
     running: set[int] = set()
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     while waiting or running:
         while waiting and len(running) < concurrency:
             i = waiting.pop()
@@ -54,13 +54,15 @@ def run(engine: LLMEngine, prompts: list[list[int]], output_len: int, concurrenc
             if delta.finished:
                 r.latency, r.success = now - r.start_time, True
                 running.discard(i)
+    cpu_s = time.process_time() - cpu_started  # every thread of this process
     m = compute_metrics(results, time.perf_counter() - started, PERCENTILES)
     if m.total_output != output_len * len(prompts):
         raise RuntimeError(f"the engine made {m.total_output} tokens, not {output_len} x {len(prompts)}")
     return {"completed": m.completed, "failed": m.failed, "duration_s": round(m.duration, 3),
             "output_tok_s": round(m.output_throughput, 2),
             "ttft_p50_ms": round(m.ms["ttft"].median, 2), "ttft_p99_ms": round(m.ms["ttft"].percentiles[99.0], 2),
-            "tpot_mean_ms": round(m.ms["tpot"].mean, 3), "itl_p50_ms": round(m.ms["itl"].median, 3)}
+            "tpot_mean_ms": round(m.ms["tpot"].mean, 3), "itl_p50_ms": round(m.ms["itl"].median, 3),
+            "cpu_ms_per_token": {"engine": round(1000 * cpu_s / m.total_output, 3)}}
 
 
 def main() -> None:

@@ -13,7 +13,9 @@ EOS ignored), at each concurrency (1, 4, 16):
                    driven by the same `pagefleet bench` command
 
 Each line: output tok/s, TTFT p50/p99, TPOT mean, ITL p50, the machine and its load average
-before the run. Then one line per concurrency with the overhead of the Ray path (TTFT p50 and
+before the run, and the server's CPU time per output token by process role (engine thread,
+worker, ingress, proxy, ...; benchmarks/_proc_cpu.py): on a shared machine wall-clock figures
+carry the neighbours' load, CPU per token does not. Then one line per concurrency with the overhead of the Ray path (TTFT p50 and
 TPOT over the engine alone, tok/s as a fraction of it and of vllm-serve's), and, with vLLM
 installed, one line for `vllm bench serve --model CKPT` run against pagefleet (every request
 must complete).
@@ -37,6 +39,8 @@ import time
 from pathlib import Path
 
 import httpx
+
+from _proc_cpu import per_token_ms, tree_cpu_s
 
 HERE = Path(__file__).resolve().parent
 BIN = Path(sys.executable).parent
@@ -139,20 +143,25 @@ def start_vllm(venv: str, ckpt: str, workdir: Path) -> Server:
     return Server(argv, f"http://127.0.0.1:{port}", workdir / "vllm-serve.log", env)
 
 
-def bench(base: str, ckpt: str, concurrency: int, n: int, args, workdir: Path, tag: str) -> dict:
+def bench(base: str, ckpt: str, concurrency: int, n: int, args, workdir: Path, tag: str,
+          server_pid: int | None = None) -> dict:
     result = workdir / f"{tag}-c{concurrency}.json"
     argv = [str(BIN / "pagefleet"), "bench", "--base-url", base, "--tokenizer", ckpt, "--dataset", "random",
             "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
             "--ignore-eos", "--num-prompts", str(n), "--max-concurrency", str(concurrency), "--seed",
             str(concurrency), "--disable-tqdm", "--percentiles", "50,99", "--save-result", str(result)]
+    cpu_before = tree_cpu_s(server_pid) if server_pid else {}
     done = subprocess.run(argv, capture_output=True, text=True, timeout=1800)
     if done.returncode != 0:
         raise RuntimeError(f"pagefleet bench failed: {done.stderr[-2000:]}")
     r = json.loads(result.read_text())
-    return {"completed": r["completed"], "failed": r["failed"], "duration_s": round(r["duration"], 3),
-            "output_tok_s": round(r["output_throughput"], 2), "ttft_p50_ms": round(r["median_ttft_ms"], 2),
-            "ttft_p99_ms": round(r["p99_ttft_ms"], 2), "tpot_mean_ms": round(r["mean_tpot_ms"], 3),
-            "itl_p50_ms": round(r["median_itl_ms"], 3)}
+    out = {"completed": r["completed"], "failed": r["failed"], "duration_s": round(r["duration"], 3),
+           "output_tok_s": round(r["output_throughput"], 2), "ttft_p50_ms": round(r["median_ttft_ms"], 2),
+           "ttft_p99_ms": round(r["p99_ttft_ms"], 2), "tpot_mean_ms": round(r["mean_tpot_ms"], 3),
+           "itl_p50_ms": round(r["median_itl_ms"], 3)}
+    if server_pid:  # the server's CPU per output token, by process role (the client's is not counted)
+        out["cpu_ms_per_token"] = per_token_ms(cpu_before, tree_cpu_s(server_pid), r["total_output_tokens"])
+    return out
 
 
 def drive(system: str, server: Server, ckpt: str, args, workdir: Path, out: Path | None, info: dict) -> dict:
@@ -162,7 +171,7 @@ def drive(system: str, server: Server, ckpt: str, args, workdir: Path, out: Path
     for c in args.concurrency:
         before = load()
         line = {"system": system, "concurrency": c, "num_prompts": num_prompts(c),
-                **bench(server.base, ckpt, c, num_prompts(c), args, workdir, system),
+                **bench(server.base, ckpt, c, num_prompts(c), args, workdir, system, server.proc.pid),
                 "ready_s": round(ready_s, 1), "load_1m_before": before, "load_1m_after": load(), **info}
         emit(line, out)
         lines[c] = line
@@ -206,6 +215,13 @@ def overhead(c: int, engine: dict, served: dict, vllm: dict | None) -> dict:
             "ttft_p50_added_ms": round(served["ttft_p50_ms"] - engine["ttft_p50_ms"], 2),
             "tpot_added_ms": round(served["tpot_mean_ms"] - engine["tpot_mean_ms"], 3),
             "tok_s_vs_engine": round(served["output_tok_s"] / engine["output_tok_s"], 3)}
+    if "cpu_ms_per_token" in served and "cpu_ms_per_token" in engine:
+        cpu = served["cpu_ms_per_token"]
+        # CPU the server spends per token beyond its engine thread, against the engine alone's
+        line["engine_alone_cpu_ms_per_token"] = engine["cpu_ms_per_token"]["engine"]
+        line["served_engine_thread_cpu_ms_per_token"] = cpu.get("engine", 0.0)
+        line["path_cpu_ms_per_token"] = round(sum(v for k, v in cpu.items() if k not in ("engine",))
+                                              - cpu.get("engine", 0.0), 3)
     if vllm is not None:
         line["tok_s_vs_vllm_serve"] = round(served["output_tok_s"] / vllm["output_tok_s"], 3)
     return line
