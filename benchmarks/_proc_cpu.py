@@ -11,7 +11,6 @@ HZ = os.sysconf("SC_CLK_TCK")
 # (cmdline fragment, role): the first that matches names the process.
 ROLES = (("PagefleetWorker", "worker"), ("OpenAIIngress", "ingress"), ("ProxyActor", "proxy"),
          ("GlobalSchedulerActor", "scheduler"), ("ServeController", "controller"))
-ENGINE_THREAD = "pagefleet-engi"  # the engine loop's thread name, as /proc/.../comm cuts it (15 chars)
 
 
 def _cpu_s(stat_path: str) -> float:
@@ -41,9 +40,9 @@ def _role(pid: int) -> str:
 
 
 def tree_cpu_s(root: int) -> dict[str, float]:
-    """CPU seconds so far of ``root`` and its descendants, summed by role; ``engine`` is the
-    engine loop's thread alone (also counted in ``worker``). Everything unnamed (Ray's GCS,
-    raylet, dashboard, the CLI itself, vLLM's processes) is ``other``."""
+    """CPU seconds so far of ``root`` and its descendants, summed by role. Everything unnamed
+    (Ray's GCS, raylet, dashboard, the CLI itself, vLLM's processes) is ``other``. (Python
+    does not name OS threads, so the engine thread is not told apart from its replica.)"""
     children, totals, stack = _children(), {}, [root]
     while stack:
         pid = stack.pop()
@@ -51,10 +50,6 @@ def tree_cpu_s(root: int) -> dict[str, float]:
         try:
             role = _role(pid)
             totals[role] = totals.get(role, 0.0) + _cpu_s(f"/proc/{pid}/stat")
-            if role == "worker":
-                for tid in os.listdir(f"/proc/{pid}/task"):
-                    if open(f"/proc/{pid}/task/{tid}/comm").read().startswith(ENGINE_THREAD):
-                        totals["engine"] = totals.get("engine", 0.0) + _cpu_s(f"/proc/{pid}/task/{tid}/stat")
         except OSError:  # it exited meanwhile
             continue
     return totals

@@ -216,12 +216,15 @@ def overhead(c: int, engine: dict, served: dict, vllm: dict | None) -> dict:
             "tpot_added_ms": round(served["tpot_mean_ms"] - engine["tpot_mean_ms"], 3),
             "tok_s_vs_engine": round(served["output_tok_s"] / engine["output_tok_s"], 3)}
     if "cpu_ms_per_token" in served and "cpu_ms_per_token" in engine:
-        cpu = served["cpu_ms_per_token"]
-        # CPU the server spends per token beyond its engine thread, against the engine alone's
-        line["engine_alone_cpu_ms_per_token"] = engine["cpu_ms_per_token"]["engine"]
-        line["served_engine_thread_cpu_ms_per_token"] = cpu.get("engine", 0.0)
-        line["path_cpu_ms_per_token"] = round(sum(v for k, v in cpu.items() if k not in ("engine",))
-                                              - cpu.get("engine", 0.0), 3)
+        # The server's CPU per token (every process of it) beyond what the engine alone spends:
+        # the Ray path's cost in CPU, which on a CPU-bound machine caps tok/s at
+        # engine / (engine + path) of the engine's.
+        engine_ms = engine["cpu_ms_per_token"]["engine"]
+        served_ms = sum(served["cpu_ms_per_token"].values())
+        line["engine_alone_cpu_ms_per_token"] = engine_ms
+        line["served_cpu_ms_per_token"] = round(served_ms, 3)
+        line["path_cpu_ms_per_token"] = round(served_ms - engine_ms, 3)
+        line["cpu_bound_tok_s_ceiling_vs_engine"] = round(engine_ms / served_ms, 3)
     if vllm is not None:
         line["tok_s_vs_vllm_serve"] = round(served["output_tok_s"] / vllm["output_tok_s"], 3)
     return line
