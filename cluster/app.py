@@ -9,6 +9,7 @@ detached: see ``router.scheduler_actor``), which both deployments talk to.
 
 from __future__ import annotations
 
+import os
 from typing import Any, Mapping
 
 import ray
@@ -44,6 +45,7 @@ def build_app(args: Mapping[str, Any] | ServeOptions | None = None) -> Applicati
         kv_scheduler=kv_scheduler,
         num_replicas=serve_args.workers,
         num_cpus=serve_args.worker_num_cpus,
+        cpu_threads=opts.threads_per_engine(len(os.sched_getaffinity(0))),
         num_gpus_per_rank=gpus,
         request_router_config=RequestRouterConfig(
             request_router_class=ROUTER_CLASSES[serve_args.routing],

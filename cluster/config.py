@@ -34,6 +34,10 @@ class ServeArgs:
                                       f"and /version (default: ${API_KEY_ENV})")
     # Ray resources. worker_num_gpus None: one GPU per TP rank when the cluster has GPUs, else none.
     worker_num_cpus: float = option(1.0, aliases=("--worker-cpus",), help="Ray CPUs reserved per TP rank")
+    worker_cpu_threads: int | None = option(None, help="torch threads of each engine (default: this machine's "
+                                                       "cores shared evenly among the app's engine ranks, at "
+                                                       "least 1; Ray alone would give each worker_num_cpus "
+                                                       "threads, a single thread at the default)")
     worker_num_gpus: float | None = option(None, help="Ray GPUs per TP rank (default: 1 on a cluster with "
                                                       "GPUs, else 0)")
     ingress_num_cpus: float = option(0.5, help="Ray CPUs reserved per ingress replica")
@@ -82,6 +86,10 @@ class ServeArgs:
             raise ValueError(f"port must be in 1..65535, got {self.port!r}")
         if self.worker_num_cpus < 0 or self.ingress_num_cpus < 0 or (self.worker_num_gpus or 0) < 0:
             raise ValueError("CPU and GPU counts must be >= 0")
+        if self.worker_cpu_threads is not None and (not isinstance(self.worker_cpu_threads, int)
+                                                    or isinstance(self.worker_cpu_threads, bool)
+                                                    or self.worker_cpu_threads < 1):
+            raise ValueError(f"worker_cpu_threads must be an integer >= 1, got {self.worker_cpu_threads!r}")
         if self.max_prompt_chars is not None and self.max_prompt_chars < 1:
             raise ValueError(f"max_prompt_chars must be >= 1, got {self.max_prompt_chars}")
         if self.drain_timeout_s < 0:
@@ -110,6 +118,14 @@ class ServeOptions:
         return KVRoutingOptions(cost_weight=serve.routing_cost_weight, admission_queue_size=serve.admission_queue_size,
                                 admission_max_wait_s=serve.admission_max_wait_s,
                                 max_staleness_s=serve.routing_max_staleness_s)
+
+    def threads_per_engine(self, cores: int) -> int:
+        """Torch threads per engine on a machine of ``cores`` cores: the option when given, else the
+        cores shared evenly among every engine rank of the app (a small machine's engine keeps its
+        cores; a GPU node's ranks each keep a host thread)."""
+        if self.serve.worker_cpu_threads is not None:
+            return self.serve.worker_cpu_threads
+        return max(1, cores // (self.serve.workers * self.engine.tensor_parallel_size))
 
     def logical_cpus_needed(self) -> float:
         """CPUs the app reserves on a Ray cluster (Serve's controller and proxy take none)."""

@@ -132,7 +132,8 @@ def load_model_info(args: EngineArgs, serving: ServingLimits = ServingLimits()) 
         serving = ServingLimits(serving.max_prompts_per_request, cfg.max_model_len * longest_token_chars(tokenizer),
                                 serving.max_request_id_chars)
     return tokenizer, ModelInfo(served_model_name=cfg.served_model_name, limits=RequestLimits.of(cfg, args),
-                                serving=serving, block_size=args.block_size)
+                                serving=serving, block_size=args.block_size,
+                                more_names=cfg.served_model_names[1:], path_names=cfg.model_path_names)
 
 
 @serve.ingress()

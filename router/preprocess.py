@@ -39,10 +39,15 @@ class ServingLimits:
 class ModelInfo:
     """What the ingress knows about the served model (read from config.json, no weights)."""
 
-    served_model_name: str
+    served_model_name: str  # the name /v1/models lists first and responses report
     limits: RequestLimits
     serving: ServingLimits = field(default_factory=ServingLimits)
     block_size: int = 16  # the engines' KV block size: the ingress hashes prompts in these blocks
+    more_names: tuple[str, ...] = ()  # further names of --served-model-name, listed after the first
+    path_names: tuple[str, ...] = ()  # the checkpoint path as --model gave it: accepted, never listed
+
+    def accepts(self, name: str) -> bool:
+        return name == self.served_model_name or name in self.more_names or name in self.path_names
 
 
 def longest_token_chars(tokenizer: Any) -> int:
@@ -76,7 +81,7 @@ class PreparedPrompt:
 
 
 def check_model_name(requested: str | None, info: ModelInfo) -> None:
-    if requested is not None and requested != info.served_model_name:
+    if requested is not None and not info.accepts(requested):
         raise OpenAIError(f"The model `{requested}` does not exist. This server serves "
                           f"`{info.served_model_name}`.", status_code=404, param="model",
                           code="model_not_found")

@@ -237,10 +237,11 @@ class OpenAIService:
 
     def models(self) -> dict:
         # root names the model, never the checkpoint's path on the server
-        name = self.info.served_model_name
+        root = self.info.served_model_name
         return {"object": "list", "data": [{
             "id": name, "object": "model", "created": 0, "owned_by": "pagefleet",
-            "root": name, "parent": None, "max_model_len": self.info.limits.max_model_len}]}
+            "root": root, "parent": None, "max_model_len": self.info.limits.max_model_len}
+            for name in (root, *self.info.more_names)]}
 
 
 @dataclass(slots=True, weakref_slot=True)

@@ -20,7 +20,7 @@ SERVE_YAML = Path(__file__).resolve().parents[1] / "deploy" / "serve.yaml"
 # A value other than the default for each option: (the flag's text, the value it means).
 OTHER_VALUES = {
     "model": ("/ckpt", "/ckpt"),
-    "served_model_name": ("m", "m"),
+    "served_model_name": ("m", ["m"]),
     "dtype": ("bf16", "bfloat16"),
     "device": ("cpu", "cpu"),
     "block_size": ("32", 32),
@@ -46,6 +46,7 @@ OTHER_VALUES = {
     "api_key": ("k", "k"),
     "worker_num_cpus": ("0.5", 0.5),
     "worker_num_gpus": ("1", 1.0),
+    "worker_cpu_threads": ("2", 2),
     "ingress_num_cpus": ("0.25", 0.25),
     "ingress_replicas": ("2", 2),
     "routing": ("round_robin", "round_robin"),
@@ -149,3 +150,15 @@ def test_trust_remote_code_is_refused_however_it_comes_in(monkeypatch):
     monkeypatch.setattr(llm_module, "LLMEngine", lambda args: _Stub())
     with pytest.raises(ValueError, match=message):
         llm_module.LLM(model="/ckpt", trust_remote_code=True)
+
+
+def test_engine_threads_share_the_cores_among_the_apps_engine_ranks():
+    def threads(cores, **args):
+        return ServeOptions.from_dict(args).threads_per_engine(cores)
+
+    assert threads(2) == 2                                            # one engine keeps both cores
+    assert threads(16, workers=2, tensor_parallel_size=2) == 4
+    assert threads(2, workers=3) == 1                                 # never below one thread
+    assert threads(64, worker_cpu_threads=3) == 3                     # the option wins
+    with pytest.raises(ValueError, match="worker_cpu_threads must be an integer >= 1"):
+        ServeOptions.from_dict({"worker_cpu_threads": 0})

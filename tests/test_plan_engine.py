@@ -57,7 +57,7 @@ def _engine_weight_bytes_per_rank(name: str, tp: int) -> int:
     """Builds the engine's model for rank 0 of ``tp`` on the meta device (no memory) and sums
     its parameters, as ModelRunner.weight_bytes does."""
     m = find_model(name)
-    cfg = ModelConfig(path=Path("."), architecture="LlamaForCausalLM", served_model_name=m.name,
+    cfg = ModelConfig(path=Path("."), architecture="LlamaForCausalLM", served_model_names=(m.name,),
                       vocab_size=m.vocab_size, hidden_size=m.hidden_size, intermediate_size=m.intermediate_size,
                       num_layers=m.num_layers, num_heads=m.num_heads, num_kv_heads=m.num_kv_heads,
                       head_dim=m.head_dim, rms_norm_eps=1e-5, rope_theta=1e4, rope_scaling=None,

@@ -20,7 +20,7 @@ from pagefleet.worker.engine_args import EngineArgs
 from pagefleet.worker.engine_metrics import EngineMetrics, MetricsRecorder
 from pagefleet.worker.errors import EngineDeadError
 from pagefleet.worker.kv_events import KVEventBatch, KVSnapshot
-from pagefleet.worker.outputs import RequestOutputDelta
+from pagefleet.worker.outputs import RequestOutputDelta, merge_deltas
 from pagefleet.worker.sampling_params import SamplingParams
 from pagefleet.worker.stats import EngineStats
 
@@ -122,11 +122,19 @@ class AsyncLLMEngine:
         finished = False
         try:
             while not finished:
-                item = await q.get()
-                if isinstance(item, BaseException):
-                    raise item
-                finished = item.finished
-                yield item
+                # Everything queued since the last read goes out as one delta: a consumer slower
+                # than the engine gets one chunk per read, not a backlog of one per step.
+                items = [await q.get()]
+                while not q.empty():
+                    items.append(q.get_nowait())
+                error = next((i for i in items if isinstance(i, BaseException)), None)
+                deltas = [i for i in items if not isinstance(i, BaseException)]
+                if deltas:
+                    delta = merge_deltas(deltas)
+                    finished = delta.finished
+                    yield delta
+                if error is not None:
+                    raise error
         finally:
             if not finished:
                 self._send(AbortRequest(request_id))
@@ -198,6 +206,17 @@ class AsyncLLMEngine:
             loop, q = stream
             loop.call_soon_threadsafe(q.put_nowait, item)
 
+    def _deliver_step(self, deltas: list[RequestOutputDelta]) -> None:
+        """A step's deltas, one hand-off per event loop (each wakes that loop once), not one per
+        request."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutputDelta]]] = {}
+        for delta in deltas:
+            stream = self._streams.get(delta.request_id)
+            if stream is not None:
+                by_loop.setdefault(stream[0], []).append((stream[1], delta))
+        for loop, items in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, items)
+
     def _apply_commands(self) -> None:
         while True:
             try:
@@ -255,12 +274,16 @@ class AsyncLLMEngine:
                 self._publish_kv_events()
                 if deltas:  # a step that schedules nothing while work waits is no progress
                     self._last_progress = time.monotonic()
-                for delta in deltas:
-                    self._deliver(delta.request_id, delta)
+                self._deliver_step(deltas)
         except BaseException as e:  # the loop must never die silently
             logger.exception("engine loop died")
             self._error = e
             self._fail_open_streams(EngineDeadError(f"the engine loop died: {e!r}"))
+
+
+def _put_all(items: list[tuple[asyncio.Queue, RequestOutputDelta]]) -> None:
+    for q, delta in items:
+        q.put_nowait(delta)
 
 
 def _resolve(loop: asyncio.AbstractEventLoop, future: asyncio.Future, compute: Callable) -> None:

@@ -23,7 +23,7 @@ _DTYPE_ALIASES = {"half": "float16", "fp16": "float16", "float": "float32", "fp3
 class ModelConfig:
     path: Path
     architecture: str
-    served_model_name: str
+    served_model_names: tuple[str, ...]  # what /v1/models lists; the first is the name responses and metrics give
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -42,6 +42,13 @@ class ModelConfig:
     qk_norm: bool
     dtype: torch.dtype
     eos_token_ids: tuple[int, ...]
+    # The checkpoint directory as --model named it (as given, and absolute) when no name was chosen:
+    # vLLM serves a local model under that argument, so its clients send it. Accepted, never listed.
+    model_path_names: tuple[str, ...] = ()
+
+    @property
+    def served_model_name(self) -> str:
+        return self.served_model_names[0]
 
 
 def model_config_of(args: "EngineArgs") -> ModelConfig:
@@ -93,7 +100,7 @@ def _read_generation_eos(path: Path) -> list[int]:
 
 
 def load_model_config(model: str, *, dtype: str = "auto", max_model_len: int | None = None,
-                      served_model_name: str | None = None) -> ModelConfig:
+                      served_model_name: str | list[str] | None = None) -> ModelConfig:
     path = resolve_model_path(model)
     cfg = json.loads((path / "config.json").read_text())
     archs = cfg.get("architectures") or []
@@ -123,10 +130,16 @@ def load_model_config(model: str, *, dtype: str = "auto", max_model_len: int | N
     cfg_eos = cfg.get("eos_token_id")
     if not eos and cfg_eos is not None:
         eos = [cfg_eos] if isinstance(cfg_eos, int) else list(cfg_eos)
+    local = Path(model).expanduser().is_dir()
+    if isinstance(served_model_name, str):
+        served_model_name = [served_model_name]
+    names = tuple(served_model_name or [path.name if local else model])
+    path_names = () if served_model_name or not local else _path_names(model, path, names)
     return ModelConfig(
         path=path,
         architecture=arch,
-        served_model_name=served_model_name or (model if not Path(model).expanduser().is_dir() else path.name),
+        served_model_names=names,
+        model_path_names=path_names,
         vocab_size=cfg["vocab_size"],
         hidden_size=cfg["hidden_size"],
         intermediate_size=cfg["intermediate_size"],
@@ -146,6 +159,12 @@ def load_model_config(model: str, *, dtype: str = "auto", max_model_len: int | N
         dtype=resolve_dtype(dtype, cfg),
         eos_token_ids=tuple(eos),
     )
+
+
+def _path_names(model: str, path: Path, names: tuple[str, ...]) -> tuple[str, ...]:
+    """The --model argument as given and the directory's absolute path, less the served names."""
+    found = dict.fromkeys((model, str(path.resolve())))
+    return tuple(n for n in found if n not in names)
 
 
 def parse_dtype(name: str) -> str:

@@ -21,8 +21,11 @@ DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 class EngineArgs:
     model: str | None = option(None, help="Hugging Face checkpoint directory (`pagefleet serve` without one "
                                           "serves the built-in demo checkpoint, random weights)")
-    served_model_name: str | None = option(None, help="the model name clients send (default: the checkpoint "
-                                                      "directory's name)")
+    served_model_name: list[str] | None = option(None, nargs="+", parse=str, metavar="NAME",
+                                                 help="the model names clients may send; the first is the one "
+                                                      "/v1/models lists first and responses report (default: the "
+                                                      "checkpoint directory's name, with the --model argument as "
+                                                      "given also accepted, as vLLM accepts it)")
     dtype: str = option("auto", help="weights and activations: auto (the checkpoint's), float32, bfloat16, "
                                      "float16 (aliases: half, fp16, bf16, float, fp32)")
     device: str = option("auto", choices=("auto", "cpu", "cuda"), help="where the engine runs")
@@ -62,6 +65,13 @@ class EngineArgs:
     def __post_init__(self) -> None:
         check_choices(self)
         self.dtype = parse_dtype(self.dtype)
+        if isinstance(self.served_model_name, str):  # one name, as serve.yaml or a keyword may give it
+            self.served_model_name = [self.served_model_name]
+        if self.served_model_name is not None:
+            names = list(self.served_model_name)
+            if not names or not all(isinstance(n, str) and n.strip() for n in names):
+                raise ValueError(f"served_model_name must be one or more non-empty names, got {names!r}")
+            self.served_model_name = names
         if self.kv_cache_bytes is not None:
             self.kv_cache_bytes = parse_bytes(self.kv_cache_bytes)
         if self.trust_remote_code:

@@ -46,3 +46,28 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     num_cached_tokens: int
     finished: bool
+
+
+def merge_deltas(deltas: list[RequestOutputDelta]) -> RequestOutputDelta:
+    """One delta for consecutive deltas of one request, oldest first: what a consumer slower than
+    the engine missed, in one chunk. Per sequence its texts, token ids and logprobs are joined in
+    order and the latest finish is kept; the prompt and cache counts are the first delta's."""
+    if len(deltas) == 1:
+        return deltas[0]
+    merged: dict[int, CompletionOutput] = {}
+    for delta in deltas:
+        for seq in delta.sequences:
+            into = merged.get(seq.index)
+            if into is None:
+                merged[seq.index] = CompletionOutput(seq.index, seq.text, list(seq.token_ids),
+                                                     None if seq.logprobs is None else list(seq.logprobs),
+                                                     seq.finish_reason, seq.stop_reason)
+                continue
+            into.text += seq.text
+            into.token_ids.extend(seq.token_ids)
+            if seq.logprobs is not None:
+                into.logprobs = (into.logprobs or []) + seq.logprobs
+            into.finish_reason, into.stop_reason = seq.finish_reason, seq.stop_reason
+    first = deltas[0]
+    return RequestOutputDelta(first.request_id, [merged[i] for i in sorted(merged)], first.num_prompt_tokens,
+                              first.num_cached_tokens, deltas[-1].finished)

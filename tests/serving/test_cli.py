@@ -26,7 +26,7 @@ def test_vllm_named_flags_reach_the_engine_args():
                  "--kv-cache-bytes", "512MiB", "--api-key", "k", "--seed", "7", "--no-enable-prefix-caching")
     args = opts.engine
     assert (opts.serve.host, opts.serve.port, opts.serve.workers, opts.serve.api_key) == ("0.0.0.0", 9000, 3, "k")
-    assert (args.model, args.served_model_name, args.tensor_parallel_size, args.dtype) == ("/ckpt", "m", 2, "float16")
+    assert (args.model, args.served_model_name, args.tensor_parallel_size, args.dtype) == ("/ckpt", ["m"], 2, "float16")
     assert (args.max_model_len, args.block_size, args.max_num_seqs, args.max_num_batched_tokens) == (512, 32, 8, 256)
     assert (args.kv_cache_bytes, args.seed, args.enable_prefix_caching) == (512 * 2**20, 7, False)
     assert _opts("/ckpt2").engine.model == "/ckpt2"

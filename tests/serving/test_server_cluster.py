@@ -63,6 +63,10 @@ def test_two_replicas_models_health_tokenize(server, openai_client, ckpt_tokeniz
     assert len(worker_stats()) == 2
     models = openai_client.models.list().data
     assert [m.id for m in models] == [ckpt.name]
+    # served under the --model argument as given too, as vLLM serves it (vllm bench serve --model DIR)
+    r = openai_client.completions.create(model=str(ckpt), prompt=PROMPTS[0], max_tokens=2,
+                                         extra_body={"ignore_eos": True})
+    assert (r.model, r.usage.completion_tokens) == (ckpt.name, 2)
     assert httpx.get(f"{base}/health").status_code == 200
     r = httpx.post(f"{base}/tokenize", json={"prompt": PROMPTS[0]})
     assert r.json()["tokens"] == ckpt_tokenizer.encode(PROMPTS[0])
@@ -264,7 +268,8 @@ def test_bench_random_completions_writes_report_json_and_png(server, tmp_path):
     # each prompt as the 24 tokens the dataset built
     assert saved["output_lens"] == [6] * 6 and saved["total_output_tokens"] == 36
     assert saved["input_lens"] == [24] * 6 and saved["total_input_tokens"] == 144
-    assert all(len(itl) == 5 for itl in saved["itls"])  # one chunk per token after the first
+    # at most one chunk per token after the first (fewer when a stream lags the engine)
+    assert all(1 <= len(itl) <= 5 for itl in saved["itls"])
     assert 0 < saved["median_ttft_ms"] < saved["median_e2el_ms"]
     assert saved["max_concurrent_requests"] == 3  # the first three start together and overlap
     assert png_size(png) == (1430, 550)  # 13 x 5 inches at 110 dpi

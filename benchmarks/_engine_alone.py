@@ -1,0 +1,92 @@
+"""The engine alone, driven the way `pagefleet bench --max-concurrency C` drives a server.
+
+serving.py runs this in a process of its own (the engine's default torch threads, as a worker
+replica has them) so its figures are what the Ray path is measured against. It builds an
+``LLMEngine`` with `pagefleet serve`'s default options, keeps C requests in flight (the next
+one is added as soon as one finishes, before the next step), stamps each step's deltas when the
+step returns, and reduces the stamps with ``pagefleet bench``'s own metric code, so TTFT, TPOT,
+ITL and output tok/s mean exactly what they mean for the servers. One JSON line per concurrency.
+
+    python _engine_alone.py CKPT INPUT_LEN OUTPUT_LEN C:N [C:N ...]
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+import time
+
+from pagefleet.cluster.bench_metrics import RequestResult, compute_metrics
+from pagefleet.worker.engine import LLMEngine
+from pagefleet.worker.engine_args import EngineArgs
+from pagefleet.worker.sampling_params import SamplingParams
+
+PERCENTILES = [50.0, 99.0]
+
+
+def run(engine: LLMEngine, prompts: list[list[int]], output_len: int, concurrency: int) -> dict:
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    results = [RequestResult() for _ in prompts]
+    last_chunk: dict[int, float] = {}
+    waiting = list(range(len(prompts)))[::-1]
+    running: set[int] = set()
+    started, cpu_started = time.perf_counter(), time.process_time()
+    while waiting or running:
+        while waiting and len(running) < concurrency:
+            i = waiting.pop()
+            results[i].start_time = time.perf_counter()
+            results[i].prompt_len = len(prompts[i])
+            engine.add_request(str(i), prompts[i], params)
+            running.add(i)
+        deltas = engine.step()
+        now = time.perf_counter()
+        for delta in deltas:
+            i, r = int(delta.request_id), results[int(delta.request_id)]
+            new = sum(len(s.token_ids) for s in delta.sequences)
+            if new:
+                if r.output_tokens == 0:
+                    r.ttft = now - r.start_time
+                else:
+                    r.itl.append(now - last_chunk[i])
+                last_chunk[i] = now
+                r.output_tokens += new
+            if delta.finished:
+                r.latency, r.success = now - r.start_time, True
+                running.discard(i)
+    cpu_s = time.process_time() - cpu_started  # every thread of this process
+    m = compute_metrics(results, time.perf_counter() - started, PERCENTILES)
+    if m.total_output != output_len * len(prompts):
+        raise RuntimeError(f"the engine made {m.total_output} tokens, not {output_len} x {len(prompts)}")
+    return {"completed": m.completed, "failed": m.failed, "duration_s": round(m.duration, 3),
+            "output_tok_s": round(m.output_throughput, 2),
+            "ttft_p50_ms": round(m.ms["ttft"].median, 2), "ttft_p99_ms": round(m.ms["ttft"].percentiles[99.0], 2),
+            "tpot_mean_ms": round(m.ms["tpot"].mean, 3), "itl_p50_ms": round(m.ms["itl"].median, 3),
+            "cpu_ms_per_token": {"engine": round(1000 * cpu_s / m.total_output, 3)}}
+
+
+def main() -> None:
+    ckpt, input_len, output_len = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    plan = [tuple(int(x) for x in arg.split(":")) for arg in sys.argv[4:]]
+    engine = LLMEngine(EngineArgs(model=ckpt, log_stats_interval=0))
+    vocab = engine.model_config.vocab_size
+    special = set(engine.tokenizer.all_special_ids)
+    rng = random.Random(0)
+
+    def prompt() -> list[int]:
+        out: list[int] = []
+        while len(out) < input_len:
+            t = rng.randrange(vocab)
+            if t not in special:
+                out.append(t)
+        return out
+
+    run(engine, [prompt() for _ in range(2)], 4, 2)  # warm-up, untimed
+    for concurrency, num_prompts in plan:
+        line = {"system": "engine-alone", "concurrency": concurrency, "num_prompts": num_prompts,
+                **run(engine, [prompt() for _ in range(num_prompts)], output_len, concurrency)}
+        print(json.dumps(line), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,60 @@
+"""CPU seconds spent by a process tree, by role: where a server's cycles go, whatever the load.
+
+On a loaded machine wall-clock latency measures the neighbours as much as the server; CPU
+time per output token does not. Linux only (reads /proc)."""
+
+from __future__ import annotations
+
+import os
+
+HZ = os.sysconf("SC_CLK_TCK")
+# (cmdline fragment, role): the first that matches names the process.
+ROLES = (("PagefleetWorker", "worker"), ("OpenAIIngress", "ingress"), ("ProxyActor", "proxy"),
+         ("GlobalSchedulerActor", "scheduler"), ("ServeController", "controller"))
+
+
+def _cpu_s(stat_path: str) -> float:
+    text = open(stat_path).read()
+    fields = text[text.rindex(")") + 2:].split()
+    return (int(fields[11]) + int(fields[12])) / HZ  # utime + stime
+
+
+def _children() -> dict[int, list[int]]:
+    out: dict[int, list[int]] = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                text = open(f"/proc/{name}/stat").read()
+            except OSError:
+                continue
+            out.setdefault(int(text[text.rindex(")") + 2:].split()[1]), []).append(int(name))
+    return out
+
+
+def _role(pid: int) -> str:
+    try:
+        cmd = open(f"/proc/{pid}/cmdline").read()
+    except OSError:
+        return "other"
+    return next((role for fragment, role in ROLES if fragment in cmd), "other")
+
+
+def tree_cpu_s(root: int) -> dict[str, float]:
+    """CPU seconds so far of ``root`` and its descendants, summed by role. Everything unnamed
+    (Ray's GCS, raylet, dashboard, the CLI itself, vLLM's processes) is ``other``. (Python
+    does not name OS threads, so the engine thread is not told apart from its replica.)"""
+    children, totals, stack = _children(), {}, [root]
+    while stack:
+        pid = stack.pop()
+        stack.extend(children.get(pid, []))
+        try:
+            role = _role(pid)
+            totals[role] = totals.get(role, 0.0) + _cpu_s(f"/proc/{pid}/stat")
+        except OSError:  # it exited meanwhile
+            continue
+    return totals
+
+
+def per_token_ms(before: dict[str, float], after: dict[str, float], tokens: int) -> dict[str, float]:
+    return {role: round(1000 * (after.get(role, 0.0) - before.get(role, 0.0)) / tokens, 3)
+            for role in sorted(after)}

