@@ -9,7 +9,6 @@ detached: see ``router.scheduler_actor``), which both deployments talk to.
 
 from __future__ import annotations
 
-import os
 from typing import Any, Mapping
 
 import ray
@@ -24,6 +23,7 @@ from pagefleet.router.ingress import INGRESS_DEPLOYMENT_NAME, OpenAIIngress
 from pagefleet.router.preprocess import ServingLimits
 from pagefleet.router.request_router import ROUTER_CLASSES
 from pagefleet.router.scheduler_actor import start_scheduler
+from pagefleet.worker.cpu_threads import available_cores
 from pagefleet.worker.deployment import worker_deployment
 
 APP_NAME = "pagefleet"
@@ -34,7 +34,7 @@ ROUTING_STATS_PERIOD_S = 1.0
 
 def build_app(args: Mapping[str, Any] | ServeOptions | None = None) -> Application:
     opts = args if isinstance(args, ServeOptions) else ServeOptions.from_dict(args)
-    engine_args = or_demo_model(opts.engine)
+    engine_args = or_demo_model(opts.engine_args_for_this_machine(available_cores()))
     serve_args = opts.serve
     gpus = serve_args.worker_num_gpus
     if gpus is None:
@@ -45,7 +45,6 @@ def build_app(args: Mapping[str, Any] | ServeOptions | None = None) -> Applicati
         kv_scheduler=kv_scheduler,
         num_replicas=serve_args.workers,
         num_cpus=serve_args.worker_num_cpus,
-        cpu_threads=opts.threads_per_engine(len(os.sched_getaffinity(0))),
         num_gpus_per_rank=gpus,
         request_router_config=RequestRouterConfig(
             request_router_class=ROUTER_CLASSES[serve_args.routing],

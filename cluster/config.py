@@ -10,6 +10,7 @@ fields, with the same names (vLLM's, with underscores) and defaults.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
@@ -18,6 +19,7 @@ from pagefleet.router.http_guards import DEFAULT_MAX_BODY_BYTES
 from pagefleet.router.kv_routing import KVRoutingOptions
 from pagefleet.router.preprocess import DEFAULT_MAX_PROMPTS, DEFAULT_MAX_REQUEST_ID_CHARS
 from pagefleet.router.routing_policy import POLICIES
+from pagefleet.worker.cpu_threads import cpu_compute_threads
 from pagefleet.worker.engine_args import EngineArgs
 from pagefleet.worker.options import check_choices, from_namespace, option, parse_bytes, split_mapping
 
@@ -34,10 +36,6 @@ class ServeArgs:
                                       f"and /version (default: ${API_KEY_ENV})")
     # Ray resources. worker_num_gpus None: one GPU per TP rank when the cluster has GPUs, else none.
     worker_num_cpus: float = option(1.0, aliases=("--worker-cpus",), help="Ray CPUs reserved per TP rank")
-    worker_cpu_threads: int | None = option(None, help="torch threads of each engine (default: this machine's "
-                                                       "cores shared evenly among the app's engine ranks, at "
-                                                       "least 1; Ray alone would give each worker_num_cpus "
-                                                       "threads, a single thread at the default)")
     worker_num_gpus: float | None = option(None, help="Ray GPUs per TP rank (default: 1 on a cluster with "
                                                       "GPUs, else 0)")
     ingress_num_cpus: float = option(0.5, help="Ray CPUs reserved per ingress replica")
@@ -86,10 +84,6 @@ class ServeArgs:
             raise ValueError(f"port must be in 1..65535, got {self.port!r}")
         if self.worker_num_cpus < 0 or self.ingress_num_cpus < 0 or (self.worker_num_gpus or 0) < 0:
             raise ValueError("CPU and GPU counts must be >= 0")
-        if self.worker_cpu_threads is not None and (not isinstance(self.worker_cpu_threads, int)
-                                                    or isinstance(self.worker_cpu_threads, bool)
-                                                    or self.worker_cpu_threads < 1):
-            raise ValueError(f"worker_cpu_threads must be an integer >= 1, got {self.worker_cpu_threads!r}")
         if self.max_prompt_chars is not None and self.max_prompt_chars < 1:
             raise ValueError(f"max_prompt_chars must be >= 1, got {self.max_prompt_chars}")
         if self.drain_timeout_s < 0:
@@ -119,13 +113,15 @@ class ServeOptions:
                                 admission_max_wait_s=serve.admission_max_wait_s,
                                 max_staleness_s=serve.routing_max_staleness_s)
 
-    def threads_per_engine(self, cores: int) -> int:
-        """Torch threads per engine on a machine of ``cores`` cores: the option when given, else the
-        cores shared evenly among every engine rank of the app (a small machine's engine keeps its
-        cores; a GPU node's ranks each keep a host thread)."""
-        if self.serve.worker_cpu_threads is not None:
-            return self.serve.worker_cpu_threads
-        return max(1, cores // (self.serve.workers * self.engine.tensor_parallel_size))
+    def engine_args_for_this_machine(self, cores: int) -> EngineArgs:
+        """The engine options each worker replica gets: ``cpu_omp_threads`` left unset becomes
+        this machine's share for one engine rank (``cpu_compute_threads`` over every rank of the
+        app), so replicas sharing a node do not oversubscribe its cores."""
+        engine = self.engine
+        if engine.cpu_omp_threads is not None:
+            return engine
+        ranks = self.serve.workers * engine.tensor_parallel_size
+        return dataclasses.replace(engine, cpu_omp_threads=cpu_compute_threads(None, cores, ranks))
 
     def logical_cpus_needed(self) -> float:
         """CPUs the app reserves on a Ray cluster (Serve's controller and proxy take none)."""

@@ -143,7 +143,6 @@ def test_one_slow_step_is_progress_not_a_stall(tiny_checkpoint):
     """A step longer than the stall limit (a cold compile, a big model on CPU) keeps the engine
     healthy; a step past the step timeout, or work with no step at all, does not."""
     import threading
-    import time
 
     from pagefleet.worker.async_engine import EngineDeadError
 

@@ -46,7 +46,6 @@ OTHER_VALUES = {
     "api_key": ("k", "k"),
     "worker_num_cpus": ("0.5", 0.5),
     "worker_num_gpus": ("1", 1.0),
-    "worker_cpu_threads": ("2", 2),
     "ingress_num_cpus": ("0.25", 0.25),
     "ingress_replicas": ("2", 2),
     "routing": ("round_robin", "round_robin"),
@@ -152,13 +151,11 @@ def test_trust_remote_code_is_refused_however_it_comes_in(monkeypatch):
         llm_module.LLM(model="/ckpt", trust_remote_code=True)
 
 
-def test_engine_threads_share_the_cores_among_the_apps_engine_ranks():
+def test_served_engines_share_the_cores_among_the_apps_engine_ranks():
     def threads(cores, **args):
-        return ServeOptions.from_dict(args).threads_per_engine(cores)
+        return ServeOptions.from_dict(args).engine_args_for_this_machine(cores).cpu_omp_threads
 
-    assert threads(2) == 2                                            # one engine keeps both cores
-    assert threads(16, workers=2, tensor_parallel_size=2) == 4
+    assert threads(2) == 1                                            # one core left to Ray and the ingress
+    assert threads(17, workers=2, tensor_parallel_size=2) == 4
     assert threads(2, workers=3) == 1                                 # never below one thread
-    assert threads(64, worker_cpu_threads=3) == 3                     # the option wins
-    with pytest.raises(ValueError, match="worker_cpu_threads must be an integer >= 1"):
-        ServeOptions.from_dict({"worker_cpu_threads": 0})
+    assert threads(64, cpu_omp_threads=3) == 3                        # the option wins

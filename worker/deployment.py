@@ -56,13 +56,7 @@ class WorkerReplica:
     are published to it from this replica's event loop (``KVEventPublisher``)."""
 
     def __init__(self, engine_args: EngineArgs, engine_factory: Callable[[EngineArgs], Any] = _default_engine,
-                 kv_scheduler: Any = None, cpu_threads: int | None = None) -> None:
-        """``cpu_threads``: torch threads of this process (None: as Ray set them, one per
-        reserved CPU)."""
-        if cpu_threads is not None:
-            import torch
-
-            torch.set_num_threads(cpu_threads)
+                 kv_scheduler: Any = None) -> None:
         self.engine = engine_factory(engine_args)
         self.replica_id = _replica_id()
         self.num_requests_total = 0
@@ -166,9 +160,8 @@ def worker_deployment_options(engine_args: EngineArgs, *, num_replicas: int = 1,
 
 
 def worker_deployment(engine_args: EngineArgs, *, engine_factory: Callable[[EngineArgs], Any] | None = None,
-                      kv_scheduler: Any = None, cpu_threads: int | None = None, **options: Any) -> Application:
+                      kv_scheduler: Any = None, **options: Any) -> Application:
     """Bind ``WorkerReplica`` into a Serve deployment (options: ``worker_deployment_options``);
-    ``kv_scheduler``: the global scheduler actor the replicas publish KV events to;
-    ``cpu_threads``: torch threads of each replica (None: Ray's, one per reserved CPU)."""
+    ``kv_scheduler``: the global scheduler actor the replicas publish KV events to."""
     deployment = serve.deployment(WorkerReplica, **worker_deployment_options(engine_args, **options))
-    return deployment.bind(engine_args, engine_factory or _default_engine, kv_scheduler, cpu_threads)
+    return deployment.bind(engine_args, engine_factory or _default_engine, kv_scheduler)

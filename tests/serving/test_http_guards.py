@@ -12,8 +12,7 @@ from fastapi.testclient import TestClient
 from pagefleet.router.http_guards import MAX_JSON_DEPTH, BodyLimits
 from pagefleet.router.openai_app import build_openai_app
 from pagefleet.router.preprocess import ModelInfo, ServingLimits
-from pagefleet.router.service import INLINE_TEXT_CHARS, OpenAIService
-from serving_fakes import MAX_MODEL_LEN
+from pagefleet.router.service import INLINE_TEXT_CHARS
 
 JSON = {"Content-Type": "application/json"}
 

@@ -97,25 +97,6 @@ def test_closing_the_worker_stream_closes_the_engine_stream():
     assert replica.engine.closed == ["r2"]
 
 
-def test_worker_replica_sets_its_engine_threads_before_building_the_engine():
-    import torch
-
-    before = torch.get_num_threads()
-    seen = []
-
-    def factory(args):
-        seen.append(torch.get_num_threads())
-        return FakeEngine(args)
-
-    try:
-        WorkerReplica(EngineArgs(), engine_factory=factory, cpu_threads=before + 1)
-        assert seen == [before + 1]
-    finally:
-        torch.set_num_threads(before)
-    WorkerReplica(EngineArgs(), engine_factory=factory)  # None: the process keeps what Ray set
-    assert seen == [before + 1, before]
-
-
 def test_deployment_options_single_rank_and_tensor_parallel():
     opts = worker_deployment_options(EngineArgs(max_num_seqs=8), num_replicas=2, num_cpus=0.5)
     assert opts["num_replicas"] == 2
