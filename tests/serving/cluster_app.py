@@ -34,7 +34,6 @@ def worker_stats() -> dict[str, ReplicaStats]:
 
 def start_app(ray_address: str, port: int, ckpt: Path, workdir: Path) -> str:
     """`serve run` the shipped serve.yaml with only sizes changed; returns the base URL."""
-    from ray import serve
 
     config = yaml.safe_load(SERVE_YAML.read_text())
     config["http_options"]["port"] = port
@@ -50,14 +49,7 @@ def start_app(ray_address: str, port: int, ckpt: Path, workdir: Path) -> str:
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while True:
-        status = serve.status().applications.get(APP)
-        if status is not None and status.status == "RUNNING":
-            break
-        assert status is None or status.status in ("DEPLOYING", "NOT_STARTED"), status
-        assert time.monotonic() < deadline, f"app not RUNNING: {status}"
-        time.sleep(1)
+    cluster_helpers.wait_until_running(APP)
     assert httpx.get(f"{base}/health", timeout=30).status_code == 200
     return base
 

@@ -7,6 +7,7 @@ import json
 import os
 import platform
 import socket
+import time
 
 from pagefleet.worker.stats import ReplicaStats
 
@@ -17,6 +18,17 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def wait_until_running(app: str, timeout_s: float = 300) -> None:
+    """Until Serve reports ``app`` RUNNING; fails at once if it leaves DEPLOYING any other way."""
+    from ray import serve
+
+    deadline = time.monotonic() + timeout_s
+    while (status := serve.status().applications.get(app)) is None or status.status != "RUNNING":
+        assert status is None or status.status in ("DEPLOYING", "NOT_STARTED"), status
+        assert time.monotonic() < deadline, f"app not RUNNING: {status}"
+        time.sleep(1)
 
 
 def worker_actors(app: str | None = None) -> list:

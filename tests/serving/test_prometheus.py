@@ -21,6 +21,7 @@ import httpx
 import pytest
 import yaml
 
+from cluster_helpers import wait_until_running
 from conftest import free_port
 from pagefleet.worker.stats import ReplicaStats
 
@@ -118,11 +119,7 @@ def app(ray_cluster, serve_http_port, tiny_checkpoint, tmp_path_factory):
     done = subprocess.run([serve_cli, "run", "--address", ray_cluster, "--non-blocking", str(path)],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    deadline = time.monotonic() + 300
-    while (status := serve.status().applications.get(APP)) is None or status.status != "RUNNING":
-        assert status is None or status.status in ("DEPLOYING", "NOT_STARTED"), status
-        assert time.monotonic() < deadline, f"app not RUNNING: {status}"
-        time.sleep(1)
+    wait_until_running(APP)
     base = f"http://127.0.0.1:{serve_http_port}"
     yield base, ckpt.name, replica_ids()
     serve.delete(APP)

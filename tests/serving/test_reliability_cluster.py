@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from cluster_helpers import free_port, record_figure, worker_actors, worker_stats
+from cluster_helpers import free_port, record_figure, wait_until_running, worker_actors, worker_stats
 
 APP = "pagefleet-rel"
 PREFIX = "/pf"
@@ -52,14 +52,7 @@ def server(ray_cluster, tiny_checkpoint):
                      "max_request_body_bytes": BODY_LIMIT, "drain_timeout_s": 20.0})
     serve.run(app, name=APP, route_prefix=PREFIX, blocking=False)
     base = f"http://127.0.0.1:{port}{PREFIX}"
-    deadline = time.monotonic() + 300
-    while True:
-        status = serve.status().applications.get(APP)
-        if status is not None and status.status == "RUNNING":
-            break
-        assert status is None or status.status in ("DEPLOYING", "NOT_STARTED"), status
-        assert time.monotonic() < deadline, f"app not RUNNING: {status}"
-        time.sleep(1)
+    wait_until_running(APP)
     assert httpx.get(f"{base}/health", timeout=30).status_code == 200
     yield base, ckpt.name
     serve.shutdown()
