@@ -20,7 +20,6 @@ import torch
 
 from _proc_rss import tree_peak_rss_mib  # noqa: F401  (re-exported for offline_throughput.py)
 
-NUM_THREADS = 2
 BLOCK_SIZE = 16
 # vLLM's CPU defaults: 4096-token steps keep two cores' matmuls busy.
 MAX_NUM_SEQS = 256

@@ -47,13 +47,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from _machine import machine
 
 DEFAULT_SYSTEMS = ("pagefleet-eager", "pagefleet-flex", "vllm-cpu", "hf-static-8", "hf-static-32", "hf-cb")
 ENGINE_SYSTEMS = ("pagefleet-eager", "pagefleet-flex")  # the ones --cpu-threads applies to
@@ -84,21 +85,7 @@ def machine_info() -> dict:
     import torch
     import transformers
 
-    cpu_model = platform.processor() or "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu_model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {
-        "cpu": cpu_model,
-        "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "python": platform.python_version(),
-    }
+    return {**machine(), "torch": torch.__version__, "transformers": transformers.__version__}
 
 
 # ---------------------------------------------------------------- child side

@@ -43,7 +43,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import random
 import socket
 import sys
@@ -55,6 +54,7 @@ from pathlib import Path
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads, here and in the replicas
 
 import httpx  # noqa: E402
+from _machine import machine_with_load as machine  # noqa: E402
 
 POLICIES = ("round_robin", "kv", "least_loaded", "pow2", "prefix")
 TENANTS = 16
@@ -281,17 +281,6 @@ def summarize(policy: str, normal: Phase, overload: Phase, oracle: float, routin
         line["mirror"] = {"updates": mirror.updates, "entries": mirror.entries, "resyncs": mirror.resyncs,
                           "failed_polls": mirror.failed_polls}
     return line
-
-
-def machine() -> dict:
-    cpu = platform.processor() or "unknown"
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                   if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return {"cpu": cpu, "cores": len(os.sched_getaffinity(0)), "python": platform.python_version(),
-            "loadavg_1m": round(os.getloadavg()[0], 2)}
 
 
 def main() -> None:

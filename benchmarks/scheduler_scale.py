@@ -36,14 +36,13 @@ import gc
 import json
 import os
 import pickle
-import platform
 import random
 import resource
 import time
 from collections import deque
 from itertools import accumulate
-from pathlib import Path
 
+from _machine import machine_with_load as machine
 from pagefleet.router.global_scheduler import GlobalScheduler, RouteRequest
 from pagefleet.worker.block_hash import HASH_SIZE, ROOT_HASH
 from pagefleet.worker.kv_events import KVEventBatch, KVSnapshot, pack_token_ids
@@ -58,17 +57,6 @@ PROMPT_BLOCKS = 128  # 2k tokens
 def rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def machine() -> dict:
-    cpu = platform.processor() or "unknown"
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                   if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return {"cpu": cpu, "cores": len(os.sched_getaffinity(0)), "python": platform.python_version(),
-            "loadavg_1m": round(os.getloadavg()[0], 2)}
 
 
 class Fleet:

@@ -40,6 +40,7 @@ from pathlib import Path
 
 import httpx
 
+from _machine import machine
 from _proc_cpu import per_token_ms, tree_cpu_s
 
 HERE = Path(__file__).resolve().parent
@@ -63,12 +64,6 @@ def free_port() -> int:
 
 def load() -> float:
     return round(os.getloadavg()[0], 2)
-
-
-def machine() -> dict:
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), "unknown")
-    return {"cpu": cpu, "cores": len(os.sched_getaffinity(0)), "python": sys.version.split()[0]}
 
 
 def checkpoint(model: str | None) -> str:
