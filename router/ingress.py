@@ -70,9 +70,9 @@ class HandleWorkerClient:
         self.follower = follower
         self.metrics = metrics or RouterMetrics()
 
-    def check_room(self) -> None:
+    def check_room(self, arriving: int) -> None:
         if self.kv is not None:
-            self.kv.check_room()
+            self.kv.check_room(arriving)
 
     async def route(self, job: Job) -> list[str] | None:
         if self.kv is None:
@@ -83,12 +83,20 @@ class HandleWorkerClient:
                                        job.params.n)
         if decision is None:
             return None
-        # The blocks this request may hold count in the ingress's own load until the job is gone,
-        # however it ends (finished, failed, refused later, or never sent).
+        # The blocks this request may hold count in the ingress's own load until its stream ends
+        # (``generate``) or, if it is never sent (refused later, failed), until the job is gone.
         weakref.finalize(job, self.kv.ended_later, job.request_id)
         return decision.ranking
 
     async def generate(self, job: Job) -> AsyncIterator[RequestOutputDelta]:
+        try:
+            async for delta in self._attempts(job):
+                yield delta
+        finally:
+            if self.kv is not None:  # its blocks and its slot leave this ingress's count now
+                self.kv.finished(job.request_id)
+
+    async def _attempts(self, job: Job) -> AsyncIterator[RequestOutputDelta]:
         request = WorkerRequest(job.request_id, job.token_ids, job.params, job.block_hashes, job.extra_keys,
                                 job.ranking)
         for attempt in range(1, MAX_ATTEMPTS + 1):

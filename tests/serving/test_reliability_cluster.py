@@ -257,8 +257,8 @@ def _overload(base, model, offered, rounds):
     def one(i):
         start = time.monotonic()
         try:
-            r = httpx.post(f"{base}/v1/completions", headers=AUTH, timeout=120,
-                           json={"model": model, "prompt": f"load {i}", "max_tokens": 24, "ignore_eos": True})
+            r = http.post(f"{base}/v1/completions", headers=AUTH, timeout=120,
+                          json={"model": model, "prompt": f"load {i}", "max_tokens": 24, "ignore_eos": True})
         except httpx.TimeoutException:
             return "timeout", time.monotonic() - start, None
         return r.status_code, time.monotonic() - start, r
@@ -270,10 +270,14 @@ def _overload(base, model, offered, rounds):
     def probe():
         while not stop.is_set():
             start = time.monotonic()
-            code = httpx.get(f"{base}/health", timeout=30).status_code
+            code = http.get(f"{base}/health", timeout=30).status_code
             health.append((code, time.monotonic() - start))
             time.sleep(0.2)
 
+    # One connection pool for every request, as a load generator has: a new httpx client per
+    # request costs ~25 ms of this process's CPU (its SSL context), which each request's time
+    # to refusal would include.
+    http = httpx.Client(limits=httpx.Limits(max_connections=offered + 1, max_keepalive_connections=offered + 1))
     prober = threading.Thread(target=probe)
     prober.start()
     try:
@@ -283,6 +287,7 @@ def _overload(base, model, offered, rounds):
     finally:
         stop.set()
         prober.join()
+        http.close()
     return results, health
 
 
@@ -292,16 +297,17 @@ def test_overload_is_refused_fast_with_retry_after(server, rounds):
     from ray import serve
 
     base, model = server
+    _ok(base, model)  # the ingress's handle to the workers exists (made on the first request)
     ingress = serve.get_deployment_handle("OpenAIIngress", APP)
     before = ingress.admission_counters.remote().result()
     ingress_rss = _ingress_rss_bytes()
     offered = 3 * CAPACITY
     results, health = _overload(base, model, offered, rounds)
     after = ingress.admission_counters.remote().result()
-    # who refused: the ingress's admission queue (full, or too long to wait in), or Serve's
-    # queue of worker replicas behind it (the rest)
+    # who refused: the ingress's admission control (its queue full or too long to wait in, or
+    # every worker slot and the queue held), or Serve's queue of worker replicas behind it (the rest)
     by_admission = {k: getattr(after, f"rejected_{k}") - getattr(before, f"rejected_{k}")
-                    for k in ("queue_full", "expected_wait", "waited_too_long")}
+                    for k in ("queue_full", "expected_wait", "waited_too_long", "workers_full")}
     codes = [c for c, _, _ in results]
     refused = [(t, r) for c, t, r in results if c == 429]
     assert "timeout" not in codes
