@@ -80,14 +80,15 @@ def body_schemas(info: ModelInfo) -> dict[str, dict]:
         "Only {'type': 'text'} is supported (422 otherwise)")
     chat["allOf"] = [_requires_true("top_logprobs", "logprobs"),
                      _excludes("continue_final_message", "add_generation_prompt")]
-    for name in ("CompletionRequest", "ChatCompletionRequest"):
+    # null: as many as fit in the context; the completions default is 16, the chat default null.
+    completion_tokens = {"type": "integer", "minimum": 1, "maximum": limits.max_model_len - 1}
+    for name, model in (("CompletionRequest", CompletionRequest), ("ChatCompletionRequest", ChatCompletionRequest)):
         schemas[name].setdefault("allOf", []).append(_requires_true("stream_options", "stream"))
-        schemas[name]["properties"]["max_tokens"] = _nullable(
-            {"type": "integer", "minimum": 1, "maximum": limits.max_model_len - 1})
-    schemas["ChatCompletionRequest"]["properties"]["max_completion_tokens"] = _nullable(
-        {"type": "integer", "minimum": 1, "maximum": limits.max_model_len - 1})
+        schemas[name]["properties"]["max_tokens"] = {
+            **_nullable(completion_tokens), "default": model.model_fields["max_tokens"].default}
+    chat["properties"]["max_completion_tokens"] = _nullable(completion_tokens, "Takes the place of max_tokens")
 
-    # A content part must be text; a message's content adds up with the others' to the prompt.
+    # Only text parts (422 for others), and their text is required (400).
     schemas["ContentPart"] = {"type": "object", "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
                               "required": ["type", "text"]}
 
