@@ -21,7 +21,7 @@ from http import HTTPStatus
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 logger = logging.getLogger(__name__)
@@ -39,6 +39,19 @@ _TYPES = {
 }
 
 
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """The body of every 4xx and 5xx (OpenAI's error shape); the OpenAPI schema documents it from here."""
+
+    error: ErrorDetail
+
+
 class OpenAIError(Exception):
     """A request failure that the client should see as ``{"error": {...}}``."""
 
@@ -54,11 +67,12 @@ class OpenAIError(Exception):
                                        else "invalid_request_error")
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        return ErrorResponse(error=ErrorDetail(message=self.message, type=self.type, param=self.param,
+                                               code=self.code)).model_dump()
 
 
-def bad_request(message: str, param: str | None = None) -> OpenAIError:
-    return OpenAIError(message, status_code=400, param=param)
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> OpenAIError:
+    return OpenAIError(message, status_code=400, param=param, code=code)
 
 
 def unsupported(message: str, param: str) -> OpenAIError:
@@ -127,7 +141,9 @@ def install_error_handlers(app: FastAPI) -> None:
 
     async def on_http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         message = exc.detail if isinstance(exc.detail, str) else HTTPStatus(exc.status_code).phrase
-        return error_response(OpenAIError(message, status_code=exc.status_code))
+        response = error_response(OpenAIError(message, status_code=exc.status_code))
+        response.headers.update(exc.headers or {})  # a 405's Allow, which RFC 9110 requires
+        return response
 
     async def on_unexpected(_: Request, exc: Exception) -> JSONResponse:
         return error_response(internal_error(exc))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import re
+from decimal import Decimal
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +21,8 @@ from starlette.requests import Request
 
 from pagefleet.router.errors import OpenAIError, bad_request
 
+# Whole numbers up to this size become ints (a seed is the widest integer a request holds).
+_WIDEST_INT = 2**64
 MAX_JSON_DEPTH = 32  # the deepest request pagefleet reads is 4 levels (messages[i].content[j].text)
 DEFAULT_MAX_BODY_BYTES = 8 * 2**20
 # Bodies up to this size are parsed on the event loop (well under a millisecond); larger ones on a thread.
@@ -77,7 +80,7 @@ def parse_json_object(raw: bytes) -> dict:
     surrogates, invalid bytes) and for nesting deeper than ``MAX_JSON_DEPTH``."""
     try:
         # Decoded strictly here: json.loads(bytes) would let UTF-8-encoded surrogates through.
-        data: Any = json.loads(raw.decode("utf-8"), parse_constant=_reject_constant)
+        data: Any = json.loads(raw.decode("utf-8"), parse_constant=_reject_constant, parse_float=_json_number)
     except RecursionError:
         raise bad_request(f"the JSON body is nested more than {MAX_JSON_DEPTH} levels deep") from None
     except (json.JSONDecodeError, UnicodeDecodeError, ValueError) as exc:
@@ -122,6 +125,17 @@ def _param(path: tuple) -> str | None:
     if not path:
         return None
     return ".".join(f"[{p}]" if isinstance(p, int) else str(p) for p in path)
+
+
+def _json_number(text: str) -> int | float:
+    """A JSON number written with a fraction or exponent: an int when its value is whole (``5.0``,
+    ``1e2``), as JSON Schema counts it, so a client's ``"max_tokens": 5.0`` is the integer 5."""
+    value = float(text)
+    if value.is_integer() and abs(value) <= _WIDEST_INT:
+        exact = Decimal(text)  # float(text) may have rounded 5.0000000000000001 to 5.0
+        if exact == exact.to_integral_value():
+            return int(exact)
+    return value
 
 
 def _reject_constant(name: str) -> Any:

@@ -14,6 +14,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
+from pagefleet.router import response_schema as out
 from pagefleet.router.auth import APIKeyMiddleware
 from pagefleet.router.errors import OpenAIError, from_validation_error, install_error_handlers
 from pagefleet.router.http_guards import (
@@ -25,6 +26,7 @@ from pagefleet.router.http_guards import (
 )
 from pagefleet.router.metrics import RouterMetrics
 from pagefleet.router.node_metrics import NodeMetricsReader
+from pagefleet.router.openapi_spec import install_schemas, route_docs
 from pagefleet.router.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from pagefleet.router.service import OpenAIService, PreparedRequest
 from pagefleet.router.sse import sse_stream
@@ -48,6 +50,11 @@ def build_openai_app(service: OpenAIService, *, api_key: str | None = None, body
     node's pagefleet series (from Ray's metrics agent) to ``GET /metrics``."""
     app = FastAPI(title="pagefleet", version=VERSION)
     install_error_handlers(app)
+    keyed = bool(api_key)
+    install_schemas(app, service.info, api_key=keyed)
+    # What each route can answer besides 200 (and 401 when a key is set).
+    generating = (400, 404, 413, 415, 422, 429, 500, 503)
+    reading = (400, 404, 413, 415, 500)
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key, routes_of=app)
 
@@ -71,7 +78,7 @@ def build_openai_app(service: OpenAIService, *, api_key: str | None = None, body
             return await asyncio.to_thread(_decode, raw, model)
         return _decode(raw, model)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", **route_docs(ok=out.ModelList, api_key=keyed))
     async def list_models() -> dict:
         return service.models()
 
@@ -82,29 +89,34 @@ def build_openai_app(service: OpenAIService, *, api_key: str | None = None, body
 
     # Under overload a refusal must cost next to nothing: ``accepting`` answers 429 (or 503 while
     # draining) before the body is read, parsed or tokenized.
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", **route_docs(request=CompletionRequest, ok=out.CompletionResponse,
+                                              chunk=out.CompletionResponse,
+                                              errors=generating, api_key=keyed))
     async def create_completion(request: Request) -> Response:
         with service.accepting():
             prepared = await service.completion(await _parse(request, CompletionRequest))
             await service.admit(prepared)
         return await respond(prepared)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", **route_docs(request=ChatCompletionRequest, ok=out.ChatCompletionResponse,
+                                                   chunk=out.ChatCompletionChunk, errors=generating, api_key=keyed))
     async def create_chat_completion(request: Request) -> Response:
         with service.accepting():
             prepared = await service.chat(await _parse(request, ChatCompletionRequest))
             await service.admit(prepared)
         return await respond(prepared)
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", **route_docs(request=TokenizeRequest, ok=out.TokenizeResponse, errors=reading,
+                                        api_key=keyed))
     async def tokenize(request: Request) -> dict:
         return await service.tokenize(await _parse(request, TokenizeRequest))
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", **route_docs(request=DetokenizeRequest, ok=out.DetokenizeResponse, errors=reading,
+                                          api_key=keyed))
     async def detokenize(request: Request) -> dict:
         return service.detokenize(await _parse(request, DetokenizeRequest))
 
-    @app.get("/health")
+    @app.get("/health", **route_docs(ok_media=None, errors=(503,)))
     async def health() -> Response:
         if service.draining:
             return JSONResponse(OpenAIError("the server is shutting down", status_code=503, code="draining").body(),
@@ -116,11 +128,11 @@ def build_openai_app(service: OpenAIService, *, api_key: str | None = None, body
             return JSONResponse(OpenAIError("no healthy worker replica", status_code=503).body(), status_code=503)
         return Response(status_code=200)
 
-    @app.get("/version")
+    @app.get("/version", **route_docs(ok=out.VersionResponse))
     async def version() -> dict:
         return {"version": VERSION}
 
-    @app.get("/metrics")
+    @app.get("/metrics", **route_docs(ok_media="text/plain", errors=(500,)))
     async def prometheus_metrics() -> Response:
         from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 

@@ -16,14 +16,15 @@ from typing import Any
 
 from pagefleet.router.errors import OpenAIError, bad_request, unsupported
 from pagefleet.router.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
-from pagefleet.worker.request_check import InvalidRequest, RequestLimits, check_request
+from pagefleet.worker.request_check import CONTEXT_LENGTH_EXCEEDED, InvalidRequest, RequestLimits, check_request
 from pagefleet.worker.sampling_params import SamplingParams
 
 
 DEFAULT_MAX_PROMPTS = 256
 DEFAULT_MAX_REQUEST_ID_CHARS = 128
 # A client's request_id is echoed in headers, logs and every chunk: visible ASCII only.
-_REQUEST_ID = re.compile(r"[\x21-\x7e]+")
+REQUEST_ID_CHARS = r"[\x21-\x7e]"
+_REQUEST_ID = re.compile(REQUEST_ID_CHARS + "+")
 
 
 @dataclass(slots=True, frozen=True)
@@ -71,7 +72,8 @@ def check_prompt_chars(num_chars: int, info: ModelInfo, param: str) -> None:
     limit = info.serving.max_prompt_chars
     if limit is not None and num_chars > limit:
         raise bad_request(f"a prompt has {num_chars} characters; this server reads at most {limit} before "
-                          f"tokenizing (max_prompt_chars; the context is {info.limits.max_model_len} tokens)", param)
+                          f"tokenizing (max_prompt_chars; the context is {info.limits.max_model_len} tokens)", param,
+                          CONTEXT_LENGTH_EXCEEDED)
 
 
 @dataclass(slots=True)
@@ -247,4 +249,4 @@ def as_bad_request(exc: InvalidRequest, req: CompletionRequest | ChatCompletionR
     message = str(exc)
     if param != exc.param and message.startswith(f"{exc.param} "):
         message = param + message[len(exc.param):]
-    return bad_request(message, param)
+    return bad_request(message, param, exc.code)

@@ -297,7 +297,7 @@ async def _counting(builder: ResponseBuilder, index: int,
     except OpenAIError:
         raise
     except InvalidRequest as exc:
-        raise bad_request(str(exc), exc.param) from exc
+        raise bad_request(str(exc), exc.param, exc.code) from exc
     except Exception as exc:
         raise internal_error(exc) from exc
     finally:

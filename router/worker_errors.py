@@ -38,7 +38,8 @@ def worker_failure(exc: BaseException) -> tuple[OpenAIError, bool]:
                                  "waiting for one as it may; retry later", retry_after), False
     cause = exc.cause if isinstance(exc, ray_exceptions.RayTaskError) and exc.cause is not None else exc
     if isinstance(cause, InvalidRequest):
-        return bad_request(str(cause.args[0]) if cause.args else "invalid request", cause.param), False
+        return bad_request(str(cause.args[0]) if cause.args else "invalid request", cause.param,
+                           cause.code), False
     if isinstance(cause, EngineDeadError) or isinstance(cause, _REPLICA_GONE):
         return unavailable("the worker replica serving this request failed; retry the request",
                            code="worker_failed"), True

@@ -24,12 +24,18 @@ DEFAULT_MAX_STOP_STRING_CHARS = 512
 DEFAULT_MAX_STOP_TOKEN_IDS = 128
 
 
-class InvalidRequest(ValueError):
-    """A request that can never be served; ``param`` names the offending field (OpenAI's ``param``)."""
+# OpenAI's error code for a prompt (plus the tokens asked for) longer than the context.
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 
-    def __init__(self, message: str, param: str | None = None) -> None:
+
+class InvalidRequest(ValueError):
+    """A request that can never be served; ``param`` names the offending field (OpenAI's ``param``),
+    ``code`` is OpenAI's error code where it has one."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
         self.param = param
+        self.code = code
 
 
 @dataclass(slots=True, frozen=True)
@@ -60,15 +66,17 @@ def check_request(prompt_token_ids: list[int], params: "SamplingParams", limits:
                              f"[0, {limits.vocab_size})", "prompt")
     if n >= limits.max_model_len:
         raise InvalidRequest(f"This model's maximum context length is {limits.max_model_len} tokens. However, "
-                             f"your prompt has {n} tokens, leaving no room for a completion.", "prompt")
+                             f"your prompt has {n} tokens, leaving no room for a completion.", "prompt",
+                             CONTEXT_LENGTH_EXCEEDED)
     if params.max_tokens is not None and n + params.max_tokens > limits.max_model_len:
         raise InvalidRequest(
             f"This model's maximum context length is {limits.max_model_len} tokens. However, you requested "
             f"{n + params.max_tokens} tokens ({n} in the prompt, {params.max_tokens} in the completion). "
-            "Please reduce the length of the prompt or completion.", "max_tokens")
+            "Please reduce the length of the prompt or completion.", "max_tokens", CONTEXT_LENGTH_EXCEEDED)
     if n + params.min_tokens > limits.max_model_len:
         raise InvalidRequest(f"min_tokens ({params.min_tokens}) does not fit beside the prompt ({n} tokens) "
-                             f"within the maximum context length of {limits.max_model_len} tokens", "min_tokens")
+                             f"within the maximum context length of {limits.max_model_len} tokens", "min_tokens",
+                             CONTEXT_LENGTH_EXCEEDED)
     if params.n > limits.max_num_seqs:
         raise InvalidRequest(f"n ({params.n}) must be <= max_num_seqs ({limits.max_num_seqs})", "n")
     if len(params.stop) > limits.max_stop_strings:

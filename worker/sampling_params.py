@@ -10,8 +10,8 @@ from pagefleet.worker.request_check import InvalidRequest
 MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI allows
 # Below this temperature sampling is greedy (as in vLLM): dividing logits by ~0 overflows.
 _GREEDY_EPS = 1e-5
-_MAX_TOP_K = 2**31 - 1
-_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+MAX_TOP_K = 2**31 - 1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
 @dataclass(slots=True)
@@ -64,8 +64,8 @@ class SamplingParams:
             raise bad("temperature", "must be >= 0")
         if not 0.0 < self.top_p <= 1.0:
             raise bad("top_p", "must be in (0, 1]")
-        if not isinstance(self.top_k, int) or not 0 <= self.top_k <= _MAX_TOP_K:
-            raise bad("top_k", f"must be -1, 0 (disabled) or a positive integer up to {_MAX_TOP_K}")
+        if not isinstance(self.top_k, int) or not 0 <= self.top_k <= MAX_TOP_K:
+            raise bad("top_k", f"must be -1, 0 (disabled) or a positive integer up to {MAX_TOP_K}")
         if not 0.0 <= self.min_p <= 1.0:
             raise bad("min_p", "must be in [0, 1]")
         if not -2.0 <= self.presence_penalty <= 2.0:
@@ -83,7 +83,7 @@ class SamplingParams:
         if self.logprobs is not None and (not isinstance(self.logprobs, int)
                                           or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}]")
-        if self.seed is not None and (not isinstance(self.seed, int) or not _INT64_MIN <= self.seed <= _INT64_MAX):
+        if self.seed is not None and (not isinstance(self.seed, int) or not INT64_MIN <= self.seed <= INT64_MAX):
             raise bad("seed", "must be an integer that fits in a signed 64-bit integer")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", "must be non-empty strings")

@@ -1,0 +1,141 @@
+"""The shapes of the 200 responses, as pydantic models: the OpenAPI schema documents them from here.
+
+``responses`` builds these bodies as plain dicts (fast, no validation per token); these
+models only describe them, and the schemathesis test checks every 200 body the server
+sends against them.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict
+
+
+class _Shape(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class PromptTokensDetails(_Shape):
+    cached_tokens: int
+
+
+class Usage(_Shape):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class CompletionLogprobs(_Shape):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class CompletionChoice(_Shape):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: Literal["stop", "length", "abort"] | None
+    stop_reason: str | int | None
+
+
+class CompletionResponse(_Shape):
+    """The whole response of ``/v1/completions``, and each of its stream chunks."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None  # always in a whole response; in chunks only with include_usage
+
+
+class TopLogprob(_Shape):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(_Shape):
+    content: list[ChatTokenLogprob]
+
+
+class AssistantMessage(_Shape):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(_Shape):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None
+    finish_reason: Literal["stop", "length", "abort"] | None
+    stop_reason: str | int | None
+
+
+class ChatCompletionResponse(_Shape):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class TokenizeResponse(_Shape):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(_Shape):
+    prompt: str
+
+
+class ModelCard(_Shape):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    root: str
+    parent: None
+    max_model_len: int
+
+
+class ModelList(_Shape):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class VersionResponse(_Shape):
+    version: str
+
+
+class ChatDelta(_Shape):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(_Shape):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None
+    finish_reason: Literal["stop", "length", "abort"] | None
+    stop_reason: str | int | None = None  # sent with the choice's last chunk
+
+
+class ChatCompletionChunk(_Shape):
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None  # null in every chunk but the last with include_usage
