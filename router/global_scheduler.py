@@ -18,14 +18,7 @@ Routing: a worker's cost for a request is
 where load is the blocks it has committed (held by running sequences, still
 to be taken by its unfinished ones up to their ``max_tokens``) plus blocks
 predicted for requests just routed to it. A worker has room when its free
-blocks, less what is committed or predicted, cover all the blocks the request
-takes over its life, cached prefix included: a worker's free count includes
-its cached blocks that no running request holds (they stay cached until
-evicted), and a request that reuses such a prefix takes those blocks out of
-the free count as surely as new ones; the view cannot tell which cached blocks
-are idle, so counting the prefix as free of charge would admit requests the
-worker can only fit by preempting others later. A prediction counts the same
-whole size until the worker's own counters (exact) replace it.
+blocks, less what is committed or predicted, cover the request's new blocks.
 Workers without room rank only when no worker has room, and then the
 request is not admitted (admission control holds it at the router).
 Predicted blocks end when the worker reports the request taken in; predicted
@@ -315,7 +308,7 @@ class GlobalScheduler:
         for slot, cached in matched.items():
             v = slots.get(slot)
             if v is not None:
-                rows.append(((v.room_blocks is not None and v.room_blocks < need),
+                rows.append(((v.room_blocks is not None and v.room_blocks < need - cached),
                              weight * (num_keys - cached) + v.load_blocks, v.load_blocks, v.queued, v.worker_id,
                              cached))
         best = heapq.nsmallest(self.max_ranked, rows)
@@ -331,7 +324,7 @@ class GlobalScheduler:
         if admitted or force:
             view = self.workers[first.worker_id]
             self._add_prediction(_Prediction(req.request_id, view.worker_id, view.slot, now + self.prediction_ttl_s,
-                                             keys[first.cached_blocks:], need))
+                                             keys[first.cached_blocks:], max(need - first.cached_blocks, 0)))
         return RouteDecision([s.worker_id for s in scores], admitted, reason, first.cached_blocks, scores)
 
     # ---- predictions -------------------------------------------------------------------------
