@@ -276,8 +276,7 @@ def summarize(policy: str, normal: Phase, overload: Phase, oracle: float, routin
                              "admitted_after_waiting": admission.admitted_after_waiting,
                              "refused_queue_full": admission.rejected_queue_full,
                              "refused_expected_wait": admission.rejected_expected_wait,
-                             "refused_after_waiting": admission.rejected_waited_too_long,
-                             "refused_workers_full": admission.rejected_workers_full}
+                             "refused_after_waiting": admission.rejected_waited_too_long}
     if mirror is not None:
         line["mirror"] = {"updates": mirror.updates, "entries": mirror.entries, "resyncs": mirror.resyncs,
                           "failed_polls": mirror.failed_polls}

@@ -20,7 +20,7 @@ from pagefleet.router.kv_routing import KVRoutingOptions
 from pagefleet.router.preprocess import DEFAULT_MAX_PROMPTS, DEFAULT_MAX_REQUEST_ID_CHARS
 from pagefleet.router.routing_policy import POLICIES
 from pagefleet.worker.cpu_threads import cpu_compute_threads
-from pagefleet.worker.engine_args import EngineArgs, worker_max_ongoing_requests
+from pagefleet.worker.engine_args import EngineArgs
 from pagefleet.worker.options import check_choices, from_namespace, option, parse_bytes, split_mapping
 
 API_KEY_ENV = "PAGEFLEET_API_KEY"
@@ -111,8 +111,7 @@ class ServeOptions:
         serve = self.serve
         return KVRoutingOptions(cost_weight=serve.routing_cost_weight, admission_queue_size=serve.admission_queue_size,
                                 admission_max_wait_s=serve.admission_max_wait_s,
-                                max_staleness_s=serve.routing_max_staleness_s,
-                                worker_slots=worker_max_ongoing_requests(self.engine))
+                                max_staleness_s=serve.routing_max_staleness_s)
 
     def engine_args_for_this_machine(self, cores: int) -> EngineArgs:
         """The engine options each worker replica gets: ``cpu_omp_threads`` left unset becomes

@@ -30,7 +30,7 @@ T = TypeVar("T")
 class AdmissionRejected(Exception):
     def __init__(self, message: str, reason: str, retry_after_s: int) -> None:
         super().__init__(message)
-        self.reason = reason  # "queue_full", "expected_wait", "waited_too_long" or "workers_full"
+        self.reason = reason  # "queue_full", "expected_wait" or "waited_too_long"
         self.retry_after_s = retry_after_s
 
 
@@ -41,7 +41,6 @@ class AdmissionCounters:
     rejected_queue_full: int = 0
     rejected_expected_wait: int = 0
     rejected_waited_too_long: int = 0
-    rejected_workers_full: int = 0  # the ingress held every worker slot and the queue's bound (kv_routing)
     wait_s_total: float = 0.0  # of the requests that waited, admitted or not
     longest_queue: int = 0
 

@@ -70,9 +70,9 @@ class HandleWorkerClient:
         self.follower = follower
         self.metrics = metrics or RouterMetrics()
 
-    def check_room(self, arriving: int) -> None:
+    def check_room(self) -> None:
         if self.kv is not None:
-            self.kv.check_room(arriving)
+            self.kv.check_room()
 
     async def route(self, job: Job) -> list[str] | None:
         if self.kv is None:

@@ -43,9 +43,6 @@ class KVRoutingOptions:
     admission_queue_size: int = 64  # 0: admission control off (route even when no worker has room)
     admission_max_wait_s: float = 2.0
     max_staleness_s: float = 1.0  # route by load instead when the view copy is older than this
-    # Requests one worker replica takes at once (its Serve max_ongoing_requests; None: no bound
-    # known). With it, ``check_room`` refuses a newcomer that could only end in Serve's full queue.
-    worker_slots: int | None = None
 
 
 @dataclass(slots=True)
@@ -125,34 +122,14 @@ class KVRoutingClient:
             if not self._inflight[worker]:
                 del self._inflight[worker]
 
-    def check_room(self, arriving: int = 0) -> None:
+    def check_room(self) -> None:
         """Raises OpenAIError 429 when admission control would refuse a request arriving now
-        without letting it wait: the queue is full, or would take too long to reach it, or this
-        ingress already holds as many requests as the workers take plus the queue's bound.
-
-        ``arriving``: requests this ingress accepted that are not routed yet (being read,
-        tokenized, or waiting in the admission queue). A burst is refused here, before its
-        bodies are read, instead of after every request of it has been parsed and tokenized,
-        when Serve's queue in front of the workers would refuse the same requests."""
-        if self.admission is None:
-            return
-        try:
-            self.admission.check_room()
-            self._check_held(arriving)
-        except AdmissionRejected as exc:
-            raise self._refused(exc) from exc
-
-    def _check_held(self, arriving: int) -> None:
-        slots, workers = self.options.worker_slots, len(self.mirror.core.workers)
-        if slots is None or not workers:
-            return
-        self._settle()
-        bound = workers * slots + self.options.admission_queue_size
-        if arriving + len(self._routed) >= bound:
-            self.admission.counters.rejected_workers_full += 1
-            raise AdmissionRejected(f"all {workers} workers are busy ({slots} requests each) and "
-                                    f"{self.options.admission_queue_size} more are already waiting; retry later",
-                                    "workers_full", self.admission.retry_after_s)
+        without letting it wait (the queue is full, or would take too long to reach it)."""
+        if self.admission is not None:
+            try:
+                self.admission.check_room()
+            except AdmissionRejected as exc:
+                raise self._refused(exc) from exc
 
     async def _admit(self, req: RouteRequest) -> RouteDecision | None:
         async def attempt() -> RouteDecision | None:
@@ -168,13 +145,9 @@ class KVRoutingClient:
         self.metrics.inc("admission_rejections", reason=exc.reason)
         return too_many_requests(str(exc), exc.retry_after_s)
 
-    def _settle(self) -> None:
-        """Apply the ends noticed by finalizers (see ``ended_later``)."""
+    def _decide(self, req: RouteRequest, force: bool) -> RouteDecision | None:
         while self._ended:
             self.finished(self._ended.popleft())
-
-    def _decide(self, req: RouteRequest, force: bool) -> RouteDecision | None:
-        self._settle()
         started = time.perf_counter()
         now = self.clock()
         core = self.mirror.core

@@ -48,8 +48,7 @@ ROUTER_METRICS: dict[str, MetricSpec] = {
     "admission_rejections": MetricSpec(
         "pagefleet_router_admission_rejections", "counter",
         "kv routing: requests answered 429 by admission control, by reason (queue_full, expected_wait, "
-        "waited_too_long, workers_full: every worker slot and the queue held by this ingress; "
-        "worker_queue_full: Serve's queue of a worker replica).",
+        "waited_too_long; worker_queue_full: Serve's queue of a worker replica).",
         tag_keys=("model_name", "reason")),
 }
 

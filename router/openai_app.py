@@ -83,28 +83,25 @@ def build_openai_app(service: OpenAIService, *, api_key: str | None = None, body
         return service.models()
 
     async def respond(prepared: PreparedRequest) -> Response:
+        await service.admit(prepared)
         if prepared.stream:
             return _event_stream(service.stream_chunks(prepared))
         return JSONResponse(await service.run_to_completion(prepared))
 
-    # Under overload a refusal must cost next to nothing: ``accepting`` answers 429 (or 503 while
+    # Under overload a refusal must cost next to nothing: check_open answers 429 (or 503 while
     # draining) before the body is read, parsed or tokenized.
     @app.post("/v1/completions", **route_docs(request=CompletionRequest, ok=out.CompletionResponse,
                                               chunk=out.CompletionResponse,
                                               errors=generating, api_key=keyed))
     async def create_completion(request: Request) -> Response:
-        with service.accepting():
-            prepared = await service.completion(await _parse(request, CompletionRequest))
-            await service.admit(prepared)
-        return await respond(prepared)
+        service.check_open()
+        return await respond(await service.completion(await _parse(request, CompletionRequest)))
 
     @app.post("/v1/chat/completions", **route_docs(request=ChatCompletionRequest, ok=out.ChatCompletionResponse,
                                                    chunk=out.ChatCompletionChunk, errors=generating, api_key=keyed))
     async def create_chat_completion(request: Request) -> Response:
-        with service.accepting():
-            prepared = await service.chat(await _parse(request, ChatCompletionRequest))
-            await service.admit(prepared)
-        return await respond(prepared)
+        service.check_open()
+        return await respond(await service.chat(await _parse(request, ChatCompletionRequest)))
 
     @app.post("/tokenize", **route_docs(request=TokenizeRequest, ok=out.TokenizeResponse, errors=reading,
                                         api_key=keyed))

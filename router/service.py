@@ -12,7 +12,6 @@ every worker stream under it, which aborts those requests.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -38,10 +37,9 @@ TOKENIZER_THREADS = 2
 
 
 class WorkerClient(Protocol):
-    def check_room(self, arriving: int) -> None:
+    def check_room(self) -> None:
         """Raises OpenAIError (429) when admission control would turn away any request arriving
-        now (checked before the request is read, so a refusal costs next to nothing).
-        ``arriving``: requests accepted before this one and not routed yet."""
+        now (checked before the request is read, so a refusal costs next to nothing)."""
 
     async def route(self, job: Job) -> list[str] | None:
         """Where the job should run, best first (None: the request router decides alone).
@@ -61,7 +59,6 @@ class OpenAIService:
         self.client = client
         self.draining = False  # shutting down: in-flight requests finish, new ones get 503
         self.num_in_flight = 0
-        self.num_arriving = 0  # accepted by ``accepting`` and not routed yet
         self._tokenizer_pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="pagefleet-tokenize")
 
     # ---- /v1/completions, /v1/chat/completions --------------------------------------
@@ -119,19 +116,12 @@ class OpenAIService:
             return fn(*args)
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, fn, *args)
 
-    @contextlib.contextmanager
-    def accepting(self):
-        """Around a generation request from its arrival until it is routed (``admit``): raises
-        503 while draining and 429 when admission control refuses a newcomer, before the body
-        is read; while inside, the request counts as arriving."""
+    def check_open(self) -> None:
+        """Raises 503 while draining and 429 when admission control is refusing every newcomer:
+        called before a request's body is read."""
         self._check_open()
         if self.client is not None:  # a service built without workers (tokenize only) admits nothing
-            self.client.check_room(self.num_arriving)
-        self.num_arriving += 1
-        try:
-            yield
-        finally:
-            self.num_arriving -= 1
+            self.client.check_room()
 
     def _check_open(self) -> None:
         if self.draining:

@@ -14,7 +14,7 @@ from typing import Any, AsyncIterator, Callable
 from ray import serve
 from ray.serve import Application
 
-from pagefleet.worker.engine_args import EngineArgs, worker_max_ongoing_requests
+from pagefleet.worker.engine_args import EngineArgs
 from pagefleet.worker.kv_events import KVEventBatch, KVSnapshot, unpack_hashes
 from pagefleet.worker.kv_publisher import KVEventPublisher
 from pagefleet.worker.outputs import RequestOutputDelta
@@ -144,7 +144,9 @@ def worker_deployment_options(engine_args: EngineArgs, *, num_replicas: int = 1,
     options: dict[str, Any] = {
         "name": name,
         "num_replicas": num_replicas,
-        "max_ongoing_requests": worker_max_ongoing_requests(engine_args),
+        # Requests beyond this wait in Serve's router queue, where they can still go to another
+        # replica, rather than in one engine's waiting queue.
+        "max_ongoing_requests": 2 * engine_args.max_num_seqs,
         "health_check_period_s": 5.0,
         "health_check_timeout_s": 30.0,
         "ray_actor_options": {"num_cpus": num_cpus, "num_gpus": num_gpus_per_rank},

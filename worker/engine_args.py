@@ -96,10 +96,3 @@ class EngineArgs:
                 raise ValueError("give kv_cache_bytes or gpu_memory_utilization, not both")
             if not 0.0 < self.gpu_memory_utilization <= 1.0:
                 raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-
-
-def worker_max_ongoing_requests(args: EngineArgs) -> int:
-    """Requests one worker replica takes at once (Serve's max_ongoing_requests): a batch running
-    and one more waiting in the engine. Beyond this they wait in Serve's router queue, where they
-    can still go to another replica, rather than in one engine's waiting queue."""
-    return 2 * args.max_num_seqs

@@ -51,7 +51,6 @@ class FakeWorkerClient:
         self.routed: list = []  # every Job asked about, before it runs
         self.refuse: Exception | None = None  # raised by route (admission control saying no)
         self.refuse_early: Exception | None = None  # raised by check_room (the admission queue full)
-        self.arriving_seen: list[int] = []  # what check_room was told, call by call
         self.aborted: list[str] = []
         self.healthy = True
         self.fail_after_steps: int | None = None
@@ -63,8 +62,7 @@ class FakeWorkerClient:
     def expected_tokens(self, prompt_ids: list[int], params: SamplingParams, index: int) -> list[int]:
         return [fake_token(prompt_ids, s, index, self.vocab_size) for s in range(params.max_tokens)]
 
-    def check_room(self, arriving: int) -> None:
-        self.arriving_seen.append(arriving)
+    def check_room(self) -> None:
         if self.refuse_early is not None:
             raise self.refuse_early
 

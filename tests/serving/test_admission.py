@@ -219,39 +219,3 @@ def test_a_view_with_no_worker_yet_routes_without_a_ranking_and_admission_off_fo
         assert client.mirror.core.workers["w0"].predicted_blocks == 4  # forced: counted where it went
 
     asyncio.run(run())
-
-
-def test_an_ingress_holding_every_worker_slot_and_the_queue_refuses_newcomers_at_once():
-    # two workers taking 2 requests each, a queue of 1: this ingress holds at most 5 requests
-    client, _ = kv_client(KVRoutingOptions(admission_queue_size=1, worker_slots=2), free=64)
-    client.check_room(arriving=4)  # 4 being read or tokenized, none routed: room for one more
-    with pytest.raises(OpenAIError) as info:
-        client.check_room(arriving=5)
-    err = info.value
-    assert (err.status_code, err.code, err.retry_after_s) == (429, "rate_limit_exceeded", 2)
-    assert "all 2 workers are busy (2 requests each) and 1 more are already waiting" in err.message
-
-    async def route(n):
-        for i in range(n):
-            await client.route(f"r{i}", b"", 40, 24, 1)
-    asyncio.run(route(3))
-    client.check_room(arriving=1)  # 3 routed + 1 arriving = 4 < 5
-    with pytest.raises(OpenAIError):
-        client.check_room(arriving=2)
-    client.finished("r0")  # a stream ended
-    client.check_room(arriving=2)
-    client.ended_later("r1")  # a job dropped unsent: noticed by a finalizer, applied at the check
-    client.check_room(arriving=3)
-    with pytest.raises(OpenAIError):
-        client.check_room(arriving=4)  # r2 + 4 arriving = 5
-    assert (client.admission.counters.rejected_workers_full, client.counters.rejected) == (3, 3)
-
-
-def test_no_slot_bound_without_known_workers_or_a_slot_count():
-    client, _ = kv_client(KVRoutingOptions(admission_queue_size=1, worker_slots=2), workers=())
-    client.check_room(arriving=100)  # no worker known yet: nothing to count against
-    client, _ = kv_client(KVRoutingOptions(admission_queue_size=1, worker_slots=None))
-    client.check_room(arriving=100)  # no slot count given (only Serve's queue bounds them)
-    client, _ = kv_client(KVRoutingOptions(admission_queue_size=0, worker_slots=2))
-    client.check_room(arriving=100)  # admission control off
-    assert client.counters.rejected == 0

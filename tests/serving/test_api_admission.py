@@ -57,22 +57,3 @@ def test_a_full_admission_queue_refuses_before_the_body_is_read(client, fake):
     assert client.post("/tokenize", json={"model": MODEL, "prompt": "hi"}).status_code == 200  # only generation
     fake.refuse_early = None
     assert client.post("/v1/completions", json={"model": MODEL, "prompt": "hello", "max_tokens": 1}).status_code == 200
-
-
-def test_a_request_counts_as_arriving_from_acceptance_until_it_is_routed(client, fake, service):
-    for _ in range(2):  # one after the other: nobody else is arriving
-        assert client.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 1}).status_code == 200
-    assert client.post("/v1/completions", content=b"{bad", headers={"Content-Type": "application/json"}
-                       ).status_code == 400
-    assert fake.arriving_seen == [0, 0, 0] and service.num_arriving == 0  # a 400 leaves the count too
-    with service.accepting(), service.accepting():  # two accepted, not yet routed
-        with service.accepting():
-            pass
-    assert fake.arriving_seen[3:] == [0, 1, 2] and service.num_arriving == 0
-    fake.refuse_early = too_many_requests("full", 1)
-    try:
-        with service.accepting():
-            raise AssertionError("a refused request is not accepted")
-    except Exception as exc:  # the 429 itself
-        assert getattr(exc, "status_code", None) == 429
-    assert service.num_arriving == 0
