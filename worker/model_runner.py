@@ -42,9 +42,9 @@ class StepInput:
 
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, tp: TPGroup, device: torch.device, load_format: str = "safetensors",
-                 seed: int = 0, enforce_eager: bool = True) -> None:
-        """enforce_eager: False lets a CPU engine compile its decode attention (paged
-        FlexAttention, KV blocks read in place) with torch.compile."""
+                 seed: int = 0, enforce_eager: bool = False) -> None:
+        """enforce_eager: True keeps a CPU engine from compiling its decode attention (paged
+        FlexAttention, KV blocks read in place, with torch.compile)."""
         self.cfg = cfg
         self.tp = tp
         self.device = device
