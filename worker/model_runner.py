@@ -60,8 +60,9 @@ class ModelRunner:
         self.num_kv_heads = attn.num_kv_heads
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.block_size = 0
-        # CUDA's Triton kernel already reads the blocks in place.
-        self.flex_decode = not enforce_eager and device.type == "cpu"
+        # Only in place of the twin's attention: the Triton kernel (CUDA, or PAGEFLEET_KERNELS=triton)
+        # already reads the blocks in place.
+        self.flex_decode = not enforce_eager and device.type == "cpu" and self.kernels.backend == "torch"
         self.decode_planner: DecodePlanner | None = None
 
     def kv_bytes_per_block(self, block_size: int) -> int:
