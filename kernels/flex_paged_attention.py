@@ -123,10 +123,11 @@ def _decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
 def compile_settings() -> Iterator[None]:
     """Around every call of a compiled function of the engine.
 
-    backed_size_oblivious: a size of 1 (one row, one token) is no specialisation of its own, so
-    a graph compiles once for every size. Recompiles: each engine in a process (tests start
-    dozens) adds its own pool size; past the limit dynamo would quietly run eagerly, and eager
-    flex_attention over the whole pool is slow. So allow many, and fail loudly past that."""
+    backed_size_oblivious: a size of 1 (one row, one block) is no specialisation of its own, so
+    a graph compiles once for every size. Recompiles: each model shape (heads, head size, block
+    size, dtype) in a process compiles its own; past the limit dynamo would quietly run eagerly,
+    and eager flex_attention over the whole pool is slow. So allow many, and fail loudly past
+    that."""
     with fx_config.patch(backed_size_oblivious=True), \
             torch._dynamo.config.patch(recompile_limit=64, fail_on_recompile_limit_hit=True):
         yield
@@ -141,10 +142,11 @@ def _compiled_decode():
     if "TORCHINDUCTOR_VEC_ISA_OK" not in os.environ:
         torch._inductor.config.cpp.vec_isa_ok = True
     use_compile_cache()
-    # Only the row count B is dynamic (marked per call): the pool, heads and block size are
-    # one engine's constants. Keeping the other sizes static also steers clear of a torch 2.13
-    # bug: the CPU template renames its size symbols by plain string replacement, so with many
-    # symbols "ks4" also rewrites "ks41".
+    # Only the sizes flex_decode marks are dynamic: the row count and the pool's block count, so
+    # that one compile serves every batch and every engine's pool (tests start dozens of engines,
+    # each with its own pool). Heads, head size and block size stay static: a model's constants.
+    # Few symbols also steer clear of a torch 2.13 bug: the CPU template renames its size symbols
+    # by plain string replacement, so with many symbols "ks4" also rewrites "ks41".
     return torch.compile(_decode, dynamic=False)
 
 
@@ -160,8 +162,10 @@ def flex_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch
     q = q.view(rows, num_kv_heads, num_heads // num_kv_heads, head_dim)
     args = (q, key_cache, value_cache, plan.full_kv_num, plan.full_kv_indices, plan.last_kv_num,
             plan.last_kv_indices, plan.last_len)
-    for i in (0, 3, 4, 5, 6, 7):
+    for i in (0, 3, 4, 5, 6, 7):  # rows
         torch._dynamo.maybe_mark_dynamic(args[i], 0)
+    for tensor, dim in ((key_cache, 0), (value_cache, 0), (args[4], 3), (args[6], 3)):  # pool blocks
+        torch._dynamo.maybe_mark_dynamic(tensor, dim)
     with compile_settings():
         out = _compiled_decode()(*args, scale)
     return out.view(rows, num_heads, head_dim)

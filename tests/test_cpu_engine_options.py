@@ -1,5 +1,5 @@
-"""The CPU engine's own options: its compute thread count and enforce_eager's default, and the
-synthetic step that warms up the compiled decode attention (no compiling here)."""
+"""The CPU engine's own options: its compute thread count and enforce_eager's default (compiled),
+and the synthetic step that warms up the compiled decode attention."""
 
 from __future__ import annotations
 
@@ -33,9 +33,12 @@ def test_engine_sets_the_process_thread_count(tiny_checkpoint):
         torch.set_num_threads(before)
 
 
-def test_eager_unless_asked():
-    assert EngineArgs().enforce_eager is True
-    assert EngineArgs(enforce_eager=False).enforce_eager is False
+def test_compiled_unless_asked(tiny_checkpoint):
+    assert EngineArgs().enforce_eager is False
+    assert EngineArgs(enforce_eager=True).enforce_eager is True
+    eager = LLM(model=str(tiny_checkpoint(arch="llama")), dtype="float32", kv_cache_bytes=4 << 20,
+                enforce_eager=True)
+    assert eager.engine.executor.runner.decode_planner is None
 
 
 def test_warm_up_steps_use_fresh_blocks_in_order():

@@ -1,9 +1,10 @@
 """Greedy tokens from pagefleet equal transformers' on tiny checkpoints of all four
 architectures, under prefix sharing, forced preemption and forced chunking.
 
-Without enforce_eager, decode rows read their KV blocks in place through the compiled paged
-FlexAttention: the batch, prefix-cache and chunked-prefill cases run that way on the Llama
-checkpoint too, with the same exact checks.
+By default (no enforce_eager) decode rows read their KV blocks in place through the compiled
+paged FlexAttention, so every case below runs that way; the Llama batch, prefix-cache,
+preemption and chunked-prefill cases run again with enforce_eager (the twin's attention), with
+the same exact checks.
 
 Every case here asserts exact equality: on these fp32 checkpoints no near-tie flips under
 a different batch composition, chunk split or recompute, so the DESIGN.md top-5
@@ -88,13 +89,17 @@ def test_prefix_caching_off_matches(checkpoint):
 
 
 def test_preemption_matches(checkpoint):
+    check_preemption(checkpoint)
+
+
+def check_preemption(checkpoint, **kw):
     # 8 blocks of 16 tokens cannot hold all eight sequences (~27 blocks at the end): running
     # sequences crossing block boundaries force preemption by recompute, and recomputed
     # sequences must continue identically.
     cfg = load_model_config(str(checkpoint))
     per_block = 2 * cfg.num_layers * 16 * cfg.num_kv_heads * cfg.head_dim * 4  # fp32 K and V
     llm = LLM(model=str(checkpoint), dtype="float32", block_size=16, enable_prefix_caching=False,
-              kv_cache_bytes=8 * per_block, max_model_len=128)
+              kv_cache_bytes=8 * per_block, max_model_len=128, **kw)
     assert llm.engine.pool.num_blocks == 8
     prompts = prompts_for(llm.tokenizer)
     assert_equal_to_reference(run(llm, prompts, 24), reference(checkpoint, prompts, 24), "preemption")
@@ -116,9 +121,8 @@ def check_chunked_prefill(llm, checkpoint):
     assert llm.engine.stats().num_steps > max(map(len, prompts)) // budget
 
 
-# ---- the compiled decode attention (paged FlexAttention): same checks. The pool shape (32 MiB of
-# the tiny checkpoint) matches test_flex_paged_attention's, so the one kernel compiled there (or
-# here) serves all of them.
+# ---- which attention ran: the compiled decode attention by default, the twin with enforce_eager.
+# One compile serves every pool and batch size, so these share the kernel of the tests above.
 
 
 @pytest.fixture(scope="module")
@@ -128,7 +132,8 @@ def llama_checkpoint(tiny_checkpoint):
 
 @pytest.fixture
 def flex_calls(monkeypatch):
-    """How many times the compiled decode attention ran (one per layer per step with decode rows)."""
+    """How many rows each call of the compiled decode attention had (one call per layer per step
+    with decode rows)."""
     from pagefleet.kernels import flex_paged_attention
 
     calls = []
@@ -143,7 +148,7 @@ def flex_calls(monkeypatch):
 
 
 def test_compiled_batch_matches_transformers(llama_checkpoint, flex_calls):
-    llm = LLM(model=str(llama_checkpoint), dtype="float32", kv_cache_bytes=32 << 20, enforce_eager=False)
+    llm = LLM(model=str(llama_checkpoint), dtype="float32", kv_cache_bytes=32 << 20)
     assert llm.engine.executor.runner.decode_planner is not None
     flex_calls.clear()  # the warm-up's
     check_batch_and_prefix_cached_rerun(llm, llama_checkpoint)
@@ -154,8 +159,25 @@ def test_compiled_batch_matches_transformers(llama_checkpoint, flex_calls):
 
 def test_compiled_chunked_prefill_matches(llama_checkpoint, flex_calls):
     # 7-token steps: decode rows share steps with prefill chunks, which the twin serves.
-    llm = LLM(model=str(llama_checkpoint), dtype="float32", kv_cache_bytes=32 << 20, max_num_batched_tokens=7,
-              enforce_eager=False)
+    llm = LLM(model=str(llama_checkpoint), dtype="float32", kv_cache_bytes=32 << 20, max_num_batched_tokens=7)
     flex_calls.clear()
     check_chunked_prefill(llm, llama_checkpoint)
     assert flex_calls and max(flex_calls) > 1
+
+
+def test_eager_batch_matches_transformers(llama_checkpoint, flex_calls):
+    llm = LLM(model=str(llama_checkpoint), dtype="float32", kv_cache_bytes=32 << 20, enforce_eager=True)
+    assert llm.engine.executor.runner.decode_planner is None
+    check_batch_and_prefix_cached_rerun(llm, llama_checkpoint)
+    assert flex_calls == []
+
+
+def test_eager_preemption_matches(llama_checkpoint, flex_calls):
+    check_preemption(llama_checkpoint, enforce_eager=True)
+    assert flex_calls == []
+
+
+def test_eager_chunked_prefill_matches(llama_checkpoint, flex_calls):
+    check_chunked_prefill(LLM(model=str(llama_checkpoint), dtype="float32", kv_cache_bytes=32 << 20,
+                              max_num_batched_tokens=7, enforce_eager=True), llama_checkpoint)
+    assert flex_calls == []

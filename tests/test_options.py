@@ -17,7 +17,8 @@ from pagefleet.worker.options import default_of, flag_name, option_fields
 
 SERVE_YAML = Path(__file__).resolve().parents[1] / "deploy" / "serve.yaml"
 
-# A value other than the default for each option: (the flag's text, the value it means).
+# A value other than the default for each option: (the flag's text, the value it means). A
+# boolean's text is None: its flag alone (--x) means True, --no-x False.
 OTHER_VALUES = {
     "model": ("/ckpt", "/ckpt"),
     "served_model_name": ("m", ["m"]),
@@ -39,7 +40,7 @@ OTHER_VALUES = {
     "max_stop_string_chars": ("64", 64),
     "max_stop_token_ids": ("8", 8),
     "cpu_omp_threads": ("3", 3),
-    "enforce_eager": (None, False),  # --no-enforce-eager
+    "enforce_eager": (None, True),  # --enforce-eager
     "host": ("0.0.0.0", "0.0.0.0"),
     "port": ("9000", 9000),
     "workers": ("3", 3),
@@ -96,7 +97,7 @@ def test_option_means_the_same_as_flag_yaml_arg_and_keyword(name):
     text, value = OTHER_VALUES[name]
     flag = flag_name(next(f for f in dataclasses.fields(EngineArgs) + dataclasses.fields(ServeArgs)
                           if f.name == name))
-    argv = [f"--no-{flag[2:]}"] if text is None else [flag, text]
+    argv = ([flag] if value else [f"--no-{flag[2:]}"]) if text is None else [flag, text]
     assert getattr(_part(_cli(*argv), name), name) == value
     as_yaml = yaml.safe_load(yaml.safe_dump({name: value if text is None else yaml.safe_load(text)}))
     assert getattr(_part(ServeOptions.from_dict(as_yaml), name), name) == value

@@ -53,10 +53,12 @@ class EngineArgs:
     max_stop_strings: int = option(DEFAULT_MAX_STOP_STRINGS, help="stop strings per request")
     max_stop_string_chars: int = option(DEFAULT_MAX_STOP_STRING_CHARS, help="characters per stop string")
     max_stop_token_ids: int = option(DEFAULT_MAX_STOP_TOKEN_IDS, help="stop token ids per request")
-    enforce_eager: bool = option(True, help="run the model eagerly (the default); --no-enforce-eager: on CPU, "
-                                            "compile the decode attention with "
-                                            "torch.compile (paged FlexAttention reading KV blocks in place; "
-                                            "needs a C++ compiler, cached across starts under ~/.cache/pagefleet)")
+    enforce_eager: bool = option(False, help="run the model eagerly, compiling nothing. Default: a one-rank CPU "
+                                             "engine compiles its decode attention with torch.compile (paged "
+                                             "FlexAttention reading KV blocks in place; needs a C++ compiler; "
+                                             "one compile serves every pool and batch size, cached across "
+                                             "starts under ~/.cache/pagefleet/inductor). CUDA and "
+                                             "tensor-parallel engines run the same either way")
     cpu_omp_threads: int | None = option(None, metavar="N",
                                          help="threads a one-rank CPU engine computes with (default: every "
                                               "core but one, at least one; sets torch's thread count for "

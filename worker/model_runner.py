@@ -42,9 +42,9 @@ class StepInput:
 
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, tp: TPGroup, device: torch.device, load_format: str = "safetensors",
-                 seed: int = 0, enforce_eager: bool = True) -> None:
-        """enforce_eager: False lets a CPU engine compile its decode attention (paged
-        FlexAttention, KV blocks read in place) with torch.compile."""
+                 seed: int = 0, enforce_eager: bool = False) -> None:
+        """enforce_eager: True keeps a CPU engine from compiling its decode attention (paged
+        FlexAttention, KV blocks read in place, with torch.compile)."""
         self.cfg = cfg
         self.tp = tp
         self.device = device
@@ -60,8 +60,9 @@ class ModelRunner:
         self.num_kv_heads = attn.num_kv_heads
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.block_size = 0
-        # CUDA's Triton kernel already reads the blocks in place.
-        self.flex_decode = not enforce_eager and device.type == "cpu"
+        # Only in place of the twin's attention: the Triton kernel (CUDA, or PAGEFLEET_KERNELS=triton)
+        # already reads the blocks in place.
+        self.flex_decode = not enforce_eager and device.type == "cpu" and self.kernels.backend == "torch"
         self.decode_planner: DecodePlanner | None = None
 
     def kv_bytes_per_block(self, block_size: int) -> int:
