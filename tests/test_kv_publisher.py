@@ -74,7 +74,7 @@ async def settle(publisher):
 def test_batches_queued_behind_a_slow_call_go_out_merged_and_in_order():
     async def run():
         worker, link = Worker(), Link()
-        pub = KVEventPublisher(link, worker.snapshot)
+        pub = KVEventPublisher(link, worker.snapshot, min_interval_s=0.0)
         pub.start()
         pub.put(worker.step())  # batch 0 goes out at once ...
         await settle(pub)
@@ -96,7 +96,7 @@ def test_batches_queued_behind_a_slow_call_go_out_merged_and_in_order():
 def test_overflow_drops_the_oldest_and_the_gap_brings_a_snapshot():
     async def run():
         worker, link = Worker(), Link()
-        pub = KVEventPublisher(link, worker.snapshot, max_pending=3)
+        pub = KVEventPublisher(link, worker.snapshot, max_pending=3, min_interval_s=0.0)
         pub.start()
         pub.put(worker.step())
         await settle(pub)
@@ -123,7 +123,7 @@ def test_overflow_drops_the_oldest_and_the_gap_brings_a_snapshot():
 def test_a_failed_call_is_a_gap_that_heals_once_the_scheduler_answers():
     async def run():
         worker, link = Worker(), Link()
-        pub = KVEventPublisher(link, worker.snapshot, backoff_s=0.0)
+        pub = KVEventPublisher(link, worker.snapshot, backoff_s=0.0, min_interval_s=0.0)
         pub.start()
         pub.put(worker.step())
         await settle(pub)
@@ -144,11 +144,38 @@ def test_a_failed_call_is_a_gap_that_heals_once_the_scheduler_answers():
 def test_put_before_start_is_sent_on_start():
     async def run():
         worker, link = Worker(), Link()
-        pub = KVEventPublisher(link, worker.snapshot)
+        pub = KVEventPublisher(link, worker.snapshot, min_interval_s=0.0)
         pub.put(worker.step())
         pub.start()
         await settle(pub)
         assert link.calls == [(0, 0)]
+        await pub.close()
+
+    asyncio.run(run())
+
+
+def test_calls_are_at_least_the_minimum_interval_apart_and_what_comes_between_goes_out_merged():
+    async def run():
+        worker, link = Worker(), Link()
+        loop = asyncio.get_running_loop()
+        sent_at = []
+        publish = link.publish
+
+        async def timed(batch):
+            sent_at.append(loop.time())
+            return await publish(batch)
+        link.publish = timed
+        pub = KVEventPublisher(link, worker.snapshot, min_interval_s=0.2)
+        pub.start()
+        pub.put(worker.step())  # nothing sent before: goes out at once
+        await asyncio.sleep(0.01)
+        for _ in range(3):
+            pub.put(worker.step())  # 1..3 within the interval: held, then one call
+            await asyncio.sleep(0.01)
+        await settle(pub)
+        assert link.calls == [(0, 0), (1, 3)]
+        assert sent_at[1] - sent_at[0] >= 0.2
+        assert link.core.keys_of("w") == worker.keys()
         await pub.close()
 
     asyncio.run(run())

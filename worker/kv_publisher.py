@@ -2,9 +2,11 @@
 
 The engine thread hands each step's batch to ``put`` (a bounded deque append
 and a wake-up of the event loop: nothing that can wait). A task on the
-replica's event loop sends them in order, one call in flight at a time; batches
-that pile up meanwhile go out merged into one (``merge_batches``), so a slow
-scheduler gets fewer, larger calls. When even the deque overflows, the oldest
+replica's event loop sends them in order, one call in flight at a time and at
+most one every ``min_interval_s``; batches that pile up meanwhile go out merged
+into one (``merge_batches``), so a slow scheduler gets fewer, larger calls, and
+a fast engine (a single stream steps every few tens of milliseconds) does not
+cost the scheduler, its followers and Ray a call per step. When even the deque overflows, the oldest
 batches are dropped: their numbers go missing, the scheduler sees the gap and
 asks for a snapshot, which this publisher takes (on the engine thread) and
 sends in sequence with the batches. A failed call is not retried: it leaves a
@@ -43,11 +45,13 @@ class PublisherCounters:
 
 class KVEventPublisher:
     def __init__(self, link: SchedulerLink, take_snapshot: Callable[[], Awaitable[KVSnapshot]], *,
-                 max_pending: int = 256, call_timeout_s: float = 5.0, backoff_s: float = 1.0) -> None:
+                 max_pending: int = 256, call_timeout_s: float = 5.0, backoff_s: float = 1.0,
+                 min_interval_s: float = 0.05) -> None:
         self.link = link
         self.take_snapshot = take_snapshot
         self.call_timeout_s = call_timeout_s
         self.backoff_s = backoff_s
+        self.min_interval_s = min_interval_s
         self.counters = PublisherCounters()
         self._pending: deque[KVEventBatch] = deque(maxlen=max_pending)
         self._covered = -1  # batches up to this number are inside a snapshot already sent
@@ -84,11 +88,16 @@ class KVEventPublisher:
             self._task = None
 
     async def _run(self) -> None:
-        assert self._wake is not None
+        assert self._wake is not None and self._loop is not None
+        last_call = float("-inf")
         while True:
             await self._wake.wait()
             self._wake.clear()
             while self._pending:
+                wait = last_call + self.min_interval_s - self._loop.time()
+                if wait > 0:
+                    await asyncio.sleep(wait)  # what is put meanwhile goes out with it, merged
+                last_call = self._loop.time()
                 await self._send_pending()
 
     async def _send_pending(self) -> None:
