@@ -20,6 +20,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from pagefleet.cluster.bench_metrics import percentile
+
 from cluster_helpers import free_port, record_figure, wait_until_running, worker_actors, worker_stats
 
 APP = "pagefleet-rel"
@@ -303,8 +305,7 @@ def _timed(call, *args) -> float:
 
 
 def _p99(times) -> float:
-    times = sorted(times)
-    return times[min(len(times) - 1, int(0.99 * len(times)))]
+    return percentile(sorted(times), 99)
 
 
 @pytest.mark.parametrize("rounds", [pytest.param(1, id="1-round"), pytest.param(5, id="5-rounds",
