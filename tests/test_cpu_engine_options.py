@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from pagefleet.worker import LLM
-from pagefleet.worker.cpu_threads import cpu_compute_threads
+from pagefleet.worker.cpu_threads import available_cores, cpu_compute_threads
+from pagefleet.worker.engine import LLMEngine
 from pagefleet.worker.engine_args import EngineArgs
 from pagefleet.worker.model_runner import _synthetic_step
 
@@ -29,6 +30,20 @@ def test_engine_sets_the_process_thread_count(tiny_checkpoint):
     try:
         LLM(model=str(tiny_checkpoint(arch="llama")), dtype="float32", kv_cache_bytes=4 << 20, cpu_omp_threads=3)
         assert torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_offline_llm_computes_on_every_core_unless_asked(tiny_checkpoint):
+    before = torch.get_num_threads()
+    try:
+        LLM(model=str(tiny_checkpoint(arch="llama")), dtype="float32", kv_cache_bytes=4 << 20, enforce_eager=True)
+        assert torch.get_num_threads() == available_cores()
+        torch.set_num_threads(1)
+        # The engine alone (what a server runs) leaves one core to other threads.
+        LLMEngine(EngineArgs(model=str(tiny_checkpoint(arch="llama")), dtype="float32", kv_cache_bytes=4 << 20,
+                             enforce_eager=True))
+        assert torch.get_num_threads() == cpu_compute_threads(None, available_cores())
     finally:
         torch.set_num_threads(before)
 

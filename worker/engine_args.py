@@ -61,8 +61,9 @@ class EngineArgs:
                                              "tensor-parallel engines run the same either way")
     cpu_omp_threads: int | None = option(None, metavar="N",
                                          help="threads a one-rank CPU engine computes with (default: every "
-                                              "core but one, at least one; sets torch's thread count for "
-                                              "the whole process)")
+                                              "core but one, at least one, left to the server's event "
+                                              "loops; the offline LLM, whose host work runs between steps, "
+                                              "every core. Sets torch's thread count for the whole process)")
 
     def __post_init__(self) -> None:
         check_choices(self)
