@@ -13,6 +13,11 @@ import torch.nn.functional as F
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # x: [T, H], weight: [H]. fp32 statistics, cast back before the weight, as transformers does.
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        # The same arithmetic in one fused pass of aten's own kernel (bit for bit the lines
+        # below in fp32: tests/test_kernels_reference.py).
+        # Half types keep the lines below: transformers rounds to them before the weight.
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
@@ -28,7 +33,7 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     # x: [T, 2*I] (gate | up) -> [T, I]
     gate, up = x.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    return F.silu(gate).mul_(up)
 
 
 def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
