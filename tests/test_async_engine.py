@@ -175,3 +175,14 @@ def test_one_slow_step_is_progress_not_a_stall(tiny_checkpoint):
     finally:
         release.set()
         eng.shutdown()
+
+
+def test_a_cpu_engine_computes_at_the_lowest_priority_and_nothing_else_does(engine):
+    import os
+    import threading
+
+    # The engine thread (and the OpenMP team it starts) yields the cores to the serving path's
+    # threads; the caller's thread keeps its own priority.
+    asyncio.run(collect(engine, "prio", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=2)))
+    assert os.getpriority(os.PRIO_PROCESS, engine._thread.native_id) == 19
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) != 19

@@ -8,14 +8,14 @@ import torch
 
 from pagefleet.worker import LLM
 from pagefleet.worker.cpu_threads import available_cores, cpu_compute_threads
-from pagefleet.worker.engine import LLMEngine
 from pagefleet.worker.engine_args import EngineArgs
 from pagefleet.worker.model_runner import _synthetic_step
 
 
-def test_compute_threads_leave_one_core_unless_asked():
-    assert [cpu_compute_threads(None, cores) for cores in (1, 2, 4, 64)] == [1, 1, 3, 63]
-    assert cpu_compute_threads(2, 2) == 2
+def test_compute_threads_take_every_core_shared_among_ranks_unless_asked():
+    assert [cpu_compute_threads(None, cores) for cores in (1, 2, 4, 64)] == [1, 2, 4, 64]
+    assert [cpu_compute_threads(None, 8, ranks) for ranks in (1, 2, 3, 16)] == [8, 4, 2, 1]
+    assert cpu_compute_threads(1, 2) == 1
     assert cpu_compute_threads(8, 2) == 8  # asked for: oversubscribing is the user's call
 
 
@@ -34,16 +34,12 @@ def test_engine_sets_the_process_thread_count(tiny_checkpoint):
         torch.set_num_threads(before)
 
 
-def test_offline_llm_computes_on_every_core_unless_asked(tiny_checkpoint):
+def test_an_engine_computes_on_every_core_unless_asked(tiny_checkpoint):
     before = torch.get_num_threads()
     try:
+        torch.set_num_threads(1)
         LLM(model=str(tiny_checkpoint(arch="llama")), dtype="float32", kv_cache_bytes=4 << 20, enforce_eager=True)
         assert torch.get_num_threads() == available_cores()
-        torch.set_num_threads(1)
-        # The engine alone (what a server runs) leaves one core to other threads.
-        LLMEngine(EngineArgs(model=str(tiny_checkpoint(arch="llama")), dtype="float32", kv_cache_bytes=4 << 20,
-                             enforce_eager=True))
-        assert torch.get_num_threads() == cpu_compute_threads(None, available_cores())
     finally:
         torch.set_num_threads(before)
 

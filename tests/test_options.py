@@ -156,7 +156,8 @@ def test_served_engines_share_the_cores_among_the_apps_engine_ranks():
     def threads(cores, **args):
         return ServeOptions.from_dict(args).engine_args_for_this_machine(cores).cpu_omp_threads
 
-    assert threads(2) == 1                                            # one core left to Ray and the ingress
+    assert threads(2) == 2                                            # every core, computing at the lowest priority
     assert threads(17, workers=2, tensor_parallel_size=2) == 4
+    assert threads(2, workers=2) == 1
     assert threads(2, workers=3) == 1                                 # never below one thread
     assert threads(64, cpu_omp_threads=3) == 3                        # the option wins

@@ -15,6 +15,7 @@ from typing import AsyncIterator, Callable
 
 from pagefleet.worker.block_hash import BlockHash
 from pagefleet.worker.config import ModelConfig
+from pagefleet.worker.cpu_threads import yield_cpu_to_serving_threads
 from pagefleet.worker.engine import LLMEngine
 from pagefleet.worker.engine_args import EngineArgs
 from pagefleet.worker.engine_metrics import EngineMetrics, MetricsRecorder
@@ -253,6 +254,8 @@ class AsyncLLMEngine:
             self._kv_sink(self.engine.drain_kv_events())
 
     def _run(self) -> None:
+        if self.engine.device.type == "cpu":
+            yield_cpu_to_serving_threads()
         try:
             while not self._stopped:
                 self._apply_commands()
@@ -302,3 +305,4 @@ def _resolve(loop: asyncio.AbstractEventLoop, future: asyncio.Future, compute: C
             future.set_exception(error)
 
     loop.call_soon_threadsafe(settle)
+

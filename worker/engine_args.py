@@ -61,9 +61,9 @@ class EngineArgs:
                                              "tensor-parallel engines run the same either way")
     cpu_omp_threads: int | None = option(None, metavar="N",
                                          help="threads a one-rank CPU engine computes with (default: every "
-                                              "core but one, at least one, left to the server's event "
-                                              "loops; the offline LLM, whose host work runs between steps, "
-                                              "every core. Sets torch's thread count for the whole process)")
+                                              "core; a served engine computes at the lowest priority, so "
+                                              "the server's threads still get a core at once. Sets torch's "
+                                              "thread count for the whole process)")
 
     def __post_init__(self) -> None:
         check_choices(self)

@@ -5,7 +5,6 @@ from __future__ import annotations
 from itertools import count
 from typing import Any, Sequence as Seq
 
-from pagefleet.worker.cpu_threads import available_cores
 from pagefleet.worker.engine import LLMEngine
 from pagefleet.worker.engine_args import EngineArgs
 from pagefleet.worker.outputs import CompletionOutput, RequestOutput
@@ -14,12 +13,6 @@ from pagefleet.worker.sampling_params import SamplingParams
 
 class LLM:
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
-        # Offline, the engine's host work (scheduling, sampling, detokenizing) runs between steps
-        # in this very thread, so no other thread needs a core while the model computes: a CPU
-        # engine computes on every core unless told otherwise. (A served engine leaves one core
-        # to its event loops; see cpu_threads.cpu_compute_threads.)
-        if kwargs.get("cpu_omp_threads") is None:
-            kwargs["cpu_omp_threads"] = available_cores()
         self.engine = LLMEngine(EngineArgs(model=model, **kwargs))
         self.tokenizer = self.engine.tokenizer
         self._ids = count()
