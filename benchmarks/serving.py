@@ -10,7 +10,10 @@ EOS ignored), at each concurrency (1, 4, 16):
   pagefleet-serve  `pagefleet serve` (local Ray, one worker replica, default options),
                    driven by `pagefleet bench --max-concurrency C`
   vllm-serve       `vllm serve` from vLLM's CPU backend, when its venv exists (--vllm-venv),
-                   driven by the same `pagefleet bench` command
+                   driven by the same `pagefleet bench` command; its defaults keep one core
+                   for its engine-core process (on 2 cores: one compute thread)
+  vllm-serve-allcores  the same with no core kept back (VLLM_CPU_NUM_OF_RESERVED_CPU=0), as
+                   pagefleet serve computes on every core
 
 Each line: output tok/s, TTFT p50/p99, TPOT mean, ITL p50, the machine and its load average
 before the run, and the server's CPU time per output token by process role (engine thread,
@@ -45,7 +48,7 @@ from _proc_cpu import per_token_ms, tree_cpu_s
 
 HERE = Path(__file__).resolve().parent
 BIN = Path(sys.executable).parent
-SYSTEMS = ("engine-alone", "pagefleet-serve", "vllm-serve")
+SYSTEMS = ("engine-alone", "pagefleet-serve", "vllm-serve", "vllm-serve-allcores")
 DEFAULT_VLLM_VENV = "/work/vllm-cpu-venv"
 KEYS = ("completed", "failed", "duration_s", "output_tok_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_mean_ms",
         "itl_p50_ms")
@@ -130,12 +133,15 @@ def vllm_argv(venv: str, *args: str) -> list[str]:
     return [str(Path(venv) / "bin" / "python"), str(HERE / "_vllm_cli.py"), *args]
 
 
-def start_vllm(venv: str, ckpt: str, workdir: Path) -> Server:
+def start_vllm(venv: str, ckpt: str, workdir: Path, all_cores: bool = False) -> Server:
     port = free_port()
     env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    if all_cores:
+        env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
     argv = vllm_argv(venv, "serve", ckpt, "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
                      "--seed", "0")
-    return Server(argv, f"http://127.0.0.1:{port}", workdir / "vllm-serve.log", env)
+    return Server(argv, f"http://127.0.0.1:{port}", workdir / f"vllm-serve{'-allcores' if all_cores else ''}.log",
+                  env)
 
 
 def bench(base: str, ckpt: str, concurrency: int, n: int, args, workdir: Path, tag: str,
@@ -205,7 +211,7 @@ def engine_alone(ckpt: str, args, out: Path | None, info: dict) -> dict:
     return lines
 
 
-def overhead(c: int, engine: dict, served: dict, vllm: dict | None) -> dict:
+def overhead(c: int, engine: dict, served: dict, vllm: dict | None, vllm_allcores: dict | None = None) -> dict:
     line = {"summary": "ray_path_overhead", "concurrency": c,
             "ttft_p50_added_ms": round(served["ttft_p50_ms"] - engine["ttft_p50_ms"], 2),
             "tpot_added_ms": round(served["tpot_mean_ms"] - engine["tpot_mean_ms"], 3),
@@ -222,6 +228,8 @@ def overhead(c: int, engine: dict, served: dict, vllm: dict | None) -> dict:
         line["cpu_bound_tok_s_ceiling_vs_engine"] = round(engine_ms / served_ms, 3)
     if vllm is not None:
         line["tok_s_vs_vllm_serve"] = round(served["output_tok_s"] / vllm["output_tok_s"], 3)
+    if vllm_allcores is not None:
+        line["tok_s_vs_vllm_serve_allcores"] = round(served["output_tok_s"] / vllm_allcores["output_tok_s"], 3)
     return line
 
 
@@ -253,16 +261,18 @@ def main() -> None:
                       **vllm_bench_client(args.vllm_venv, server.base, ckpt, workdir)}, args.out)
         finally:
             server.stop()
-    if "vllm-serve" in args.systems and have_vllm:
-        server = start_vllm(args.vllm_venv, ckpt, workdir)
-        try:
-            results["vllm-serve"] = drive("vllm-serve", server, ckpt, args, workdir, args.out, info)
-        finally:
-            server.stop()
+    for name in ("vllm-serve", "vllm-serve-allcores"):
+        if name in args.systems and have_vllm:
+            server = start_vllm(args.vllm_venv, ckpt, workdir, all_cores=name.endswith("allcores"))
+            try:
+                results[name] = drive(name, server, ckpt, args, workdir, args.out, info)
+            finally:
+                server.stop()
     if "engine-alone" in results and "pagefleet-serve" in results:
         for c in args.concurrency:
             vllm = results.get("vllm-serve", {}).get(c)
-            emit({**overhead(c, results["engine-alone"][c], results["pagefleet-serve"][c], vllm),
+            emit({**overhead(c, results["engine-alone"][c], results["pagefleet-serve"][c], vllm,
+                             results.get("vllm-serve-allcores", {}).get(c)),
                   "label": args.label}, args.out)
     print(f"logs and raw results: {workdir}", file=sys.stderr)
 
