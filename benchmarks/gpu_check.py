@@ -206,8 +206,8 @@ def check_bandwidth(run: Run) -> None:
         if run.out_of_time():
             run.emit("skipped", what=f"paged_attention_decode {config}", reason="time budget")
             break
-        _bandwidth(run, "paged_attention_decode", lambda c=config: paged_attention(
-            *batch.args(), d**-0.5, num_kv_splits=1, config=c), nbytes, iters, batch=batch_size, context=context,
+        _bandwidth(run, "paged_attention_decode", lambda c=config, a=batch.args(): paged_attention(
+            *a, d**-0.5, num_kv_splits=1, config=c), nbytes, iters, batch=batch_size, context=context,
             heads=f"{hq}/{hkv}x{d}", config=str(config), default=config == default)
 
     # Few sequences, long context: split-KV against one program per (sequence, KV head).
@@ -216,8 +216,8 @@ def check_bandwidth(run: Run) -> None:
                              block_size=16, dtype=dtype, device=dev, extra_blocks=0)
     nbytes = 2 * small_batch * long_context * hkv * d * dtype.itemsize
     for splits in (1, None):
-        _bandwidth(run, "paged_attention_decode_small_batch", lambda s=splits: paged_attention(
-            *batch.args(), d**-0.5, num_kv_splits=s), nbytes, iters, batch=small_batch, context=long_context,
+        _bandwidth(run, "paged_attention_decode_small_batch", lambda s=splits, a=batch.args(): paged_attention(
+            *a, d**-0.5, num_kv_splits=s), nbytes, iters, batch=small_batch, context=long_context,
             num_kv_splits="auto" if splits is None else splits)
     del batch
 
