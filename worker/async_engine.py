@@ -305,4 +305,3 @@ def _resolve(loop: asyncio.AbstractEventLoop, future: asyncio.Future, compute: C
             future.set_exception(error)
 
     loop.call_soon_threadsafe(settle)
-
