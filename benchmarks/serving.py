@@ -211,7 +211,8 @@ def engine_alone(ckpt: str, args, out: Path | None, info: dict) -> dict:
     return lines
 
 
-def overhead(c: int, engine: dict, served: dict, vllm: dict | None, vllm_allcores: dict | None = None) -> dict:
+def overhead(c: int, engine: dict, served: dict, peers: dict[str, dict]) -> dict:
+    """``peers``: the other servers' lines at this concurrency, by system name."""
     line = {"summary": "ray_path_overhead", "concurrency": c,
             "ttft_p50_added_ms": round(served["ttft_p50_ms"] - engine["ttft_p50_ms"], 2),
             "tpot_added_ms": round(served["tpot_mean_ms"] - engine["tpot_mean_ms"], 3),
@@ -226,10 +227,8 @@ def overhead(c: int, engine: dict, served: dict, vllm: dict | None, vllm_allcore
         line["served_cpu_ms_per_token"] = round(served_ms, 3)
         line["path_cpu_ms_per_token"] = round(served_ms - engine_ms, 3)
         line["cpu_bound_tok_s_ceiling_vs_engine"] = round(engine_ms / served_ms, 3)
-    if vllm is not None:
-        line["tok_s_vs_vllm_serve"] = round(served["output_tok_s"] / vllm["output_tok_s"], 3)
-    if vllm_allcores is not None:
-        line["tok_s_vs_vllm_serve_allcores"] = round(served["output_tok_s"] / vllm_allcores["output_tok_s"], 3)
+    for name, peer in peers.items():
+        line[f"tok_s_vs_{name.replace('-', '_')}"] = round(served["output_tok_s"] / peer["output_tok_s"], 3)
     return line
 
 
@@ -270,9 +269,9 @@ def main() -> None:
                 server.stop()
     if "engine-alone" in results and "pagefleet-serve" in results:
         for c in args.concurrency:
-            vllm = results.get("vllm-serve", {}).get(c)
-            emit({**overhead(c, results["engine-alone"][c], results["pagefleet-serve"][c], vllm,
-                             results.get("vllm-serve-allcores", {}).get(c)),
+            peers = {name: results[name][c] for name in ("vllm-serve", "vllm-serve-allcores")
+                     if c in results.get(name, {})}
+            emit({**overhead(c, results["engine-alone"][c], results["pagefleet-serve"][c], peers),
                   "label": args.label}, args.out)
     print(f"logs and raw results: {workdir}", file=sys.stderr)
 

@@ -14,9 +14,8 @@ import torch.nn.functional as F
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # x: [T, H], weight: [H]. fp32 statistics, cast back before the weight, as transformers does.
     if x.dtype == torch.float32 and weight.dtype == torch.float32:
-        # The same arithmetic in one fused pass of aten's own kernel (bit for bit the lines
-        # below in fp32: tests/test_kernels_reference.py).
-        # Half types keep the lines below: transformers rounds to them before the weight.
+        # aten's fused kernel: in fp32 bit for bit the lines below (tests/test_kernels_reference.py),
+        # in one pass. Half types keep the lines below: transformers rounds before the weight.
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import threading
 
 import pytest
 
@@ -178,9 +180,6 @@ def test_one_slow_step_is_progress_not_a_stall(tiny_checkpoint):
 
 
 def test_a_cpu_engine_computes_at_the_lowest_priority_and_nothing_else_does(engine):
-    import os
-    import threading
-
     # The engine thread (and the OpenMP team it starts) yields the cores to the serving path's
     # threads; the caller's thread keeps its own priority.
     asyncio.run(collect(engine, "prio", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=2)))
