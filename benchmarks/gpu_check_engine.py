@@ -1,5 +1,7 @@
 """The GPU check's engine section: offline throughput and single-stream per-token latency of a
-random-weight Llama-3-8B-shaped model in bf16, as fractions of the memory-bandwidth roofline.
+random-weight Llama-3-8B-shaped model in bf16, as fractions of the memory-bandwidth roofline,
+and where a single-stream decode step's time goes (the device's kernel time against the step's
+wall time, kernel launches per step, the costliest kernels: torch.profiler).
 Run through gpu_check.py, which passes its ``Run`` (device, peak bandwidth, time budget, emit)."""
 
 from __future__ import annotations
@@ -114,6 +116,10 @@ def check_engine(run) -> None:  # run: gpu_check.Run
                      per_token_latency_ms=round(latency * 1e3, 3),
                      roofline_ms=round(roofline_s * 1e3, 3) if roofline_s else None,
                      fraction_of_roofline=round(roofline_s / latency, 4) if roofline_s else None)
+            if choice == "auto":
+                run.emit("engine_step_profile", kernels=choice,
+                         **_step_profile(llm, SamplingParams, prompts[0]["prompt_token_ids"][:single_prompt], run,
+                                         steps=min(8, single_output - 2)))
 
 
 def _single_stream(llm, sampling_params_cls, prompt: list[int], output_len: int, name: str) -> float:
@@ -127,6 +133,41 @@ def _single_stream(llm, sampling_params_cls, prompt: list[int], output_len: int,
         engine.step()  # samples on the host: the step's GPU work is finished when it returns
         steps.append(time.perf_counter() - t0)
     return statistics.median(steps[1:])
+
+
+def _step_profile(llm, sampling_params_cls, prompt: list[int], run, steps: int) -> dict:
+    """``steps`` single-stream decode steps under torch.profiler: per step, the wall time, the
+    device's kernel time (the rest is the host: Python, launches, the sampler's sync) and the
+    kernel launches; the five kernels with the most device time."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    engine = llm.engine
+    engine.add_request("profiled", prompt, sampling_params_cls(temperature=0.0, max_tokens=steps + 2, ignore_eos=True))
+    engine.step()  # prefill
+    engine.step()  # a decode step outside the profile
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if run.device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        run.sync()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        run.sync()
+        wall = time.perf_counter() - t0
+    while engine.has_unfinished():
+        engine.step()
+    kernels: dict[str, list[float]] = {}
+    for event in prof.events():
+        if event.device_type == DeviceType.CUDA:
+            kernels.setdefault(event.name, []).append(event.time_range.elapsed_us())
+    device_us = sum(sum(v) for v in kernels.values())
+    top = sorted(kernels.items(), key=lambda kv: -sum(kv[1]))[:5]
+    return {"steps": steps, "wall_ms_per_step": round(wall / steps * 1e3, 3),
+            "device_kernel_ms_per_step": round(device_us / steps / 1e3, 3),
+            "device_busy_fraction": round(device_us / 1e6 / wall, 4) if wall else None,
+            "kernel_launches_per_step": round(sum(len(v) for v in kernels.values()) / steps, 1),
+            "top_kernels": [{"name": name[:80], "ms_per_step": round(sum(v) / steps / 1e3, 3),
+                             "launches_per_step": round(len(v) / steps, 1)} for name, v in top]}
 
 
 @contextlib.contextmanager

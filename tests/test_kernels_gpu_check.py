@@ -48,3 +48,7 @@ def test_gpu_check_dry_run_prints_every_result():
     (single,) = by_check["engine_single_stream"]
     assert single["per_token_latency_ms"] > 0
     assert {"roofline_ms", "fraction_of_roofline"} <= single.keys()
+    (profile,) = by_check["engine_step_profile"]
+    # on CPU no device kernel is seen: the whole step is host time
+    assert (profile["steps"], profile["device_kernel_ms_per_step"], profile["kernel_launches_per_step"]) == (4, 0, 0)
+    assert profile["wall_ms_per_step"] > 0 and profile["top_kernels"] == []
