@@ -46,6 +46,7 @@ def build_app(args: Mapping[str, Any] | ServeOptions | None = None) -> Applicati
         num_replicas=serve_args.workers,
         num_cpus=serve_args.worker_num_cpus,
         num_gpus_per_rank=gpus,
+        channels=serve_args.ingress_replicas,
         request_router_config=RequestRouterConfig(
             request_router_class=ROUTER_CLASSES[serve_args.routing],
             request_routing_stats_period_s=ROUTING_STATS_PERIOD_S,

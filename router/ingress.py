@@ -7,9 +7,11 @@ with its own copy of the global scheduler's view (``KVRoutingClient`` over a
 ``SchedulerMirror``, which a ``ViewFollower`` task keeps current from the
 scheduler actor's feed, off the requests' path) and hands the ranking to the
 request router inside the ``WorkerRequest``. Requests go to workers through a Serve
-handle, streamed one delta per engine step; closing a stream cancels the
-handle's response, which cancels the worker-side generator, which aborts the
-request in the engine.
+handle; their deltas come back on this ingress's delta channel to that replica
+(one Serve stream per replica carrying every request's deltas of a step:
+``router.delta_mux``), their errors on their own stream. Closing a request's
+stream cancels the handle's response, which cancels the worker-side generator,
+which aborts the request in the engine.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import Any, AsyncIterator
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
+from pagefleet.router.delta_mux import ChannelMux, read_deltas, watch
 from pagefleet.router.http_guards import BodyLimits
 from pagefleet.router.kv_mirror import MirrorCounters, SchedulerMirror, ViewFollower
 from pagefleet.router.kv_routing import KVRoutingClient, KVRoutingOptions, RoutingCounters
@@ -37,7 +40,7 @@ from pagefleet.worker.config import model_config_of
 from pagefleet.worker.engine_args import EngineArgs
 from pagefleet.worker.outputs import RequestOutputDelta
 from pagefleet.worker.request_check import RequestLimits
-from pagefleet.worker.worker_request import WorkerRequest
+from pagefleet.worker.worker_request import Placed, WorkerRequest
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +68,8 @@ class HandleWorkerClient:
                  health: WorkerHealth | None = None, metrics: RouterMetrics | None = None,
                  follower: ViewFollower | None = None) -> None:
         self._stream = handle.options(method_name="generate", stream=True)
+        self.mux = ChannelMux(handle.options(method_name="channel", stream=True).remote)
+        self._watchers: set[asyncio.Task] = set()
         self._health = health or WorkerHealth(handle.deployment_name)
         self.kv = kv
         self.follower = follower
@@ -98,32 +103,45 @@ class HandleWorkerClient:
 
     async def _attempts(self, job: Job) -> AsyncIterator[RequestOutputDelta]:
         request = WorkerRequest(job.request_id, job.token_ids, job.params, job.block_hashes, job.extra_keys,
-                                job.ranking)
-        for attempt in range(1, MAX_ATTEMPTS + 1):
-            response = None
-            started = finished = False
-            try:
-                response = self._stream.remote(request)  # may refuse at once: Serve's queue is full
-                async for delta in response:
-                    if not started and self.kv is not None:
-                        self.kv.record_realised(delta.num_cached_tokens)
-                    started = True
-                    finished = delta.finished
-                    yield delta
-                return
-            except Exception as exc:  # noqa: BLE001 — each becomes an OpenAI error (or a retry) below
-                error, retry = worker_failure(exc)
-                if error.status_code == 429:
-                    self.metrics.inc("admission_rejections", reason="worker_queue_full")
-                if not retry or started or attempt == MAX_ATTEMPTS:
-                    raise error from None
-                logger.warning("request %s: worker unavailable before its first output (%s); attempt %d of %d",
-                               job.request_id, type(exc).__name__, attempt + 1, MAX_ATTEMPTS)
-                request.ranking = None  # its first choice failed: let the request router pick again
-            finally:
-                if response is not None and not finished:
-                    with contextlib.suppress(Exception):  # a refused or failed call re-raises on cancel
-                        response.cancel()
+                                job.ranking, channel=self.mux.channel_id)
+        q = self.mux.register(job.request_id)  # before sending: its deltas may arrive before its Placed
+        try:
+            for attempt in range(1, MAX_ATTEMPTS + 1):
+                response = None
+                started = finished = False
+                if attempt > 1:
+                    q = self.mux.retry(job.request_id)
+                try:
+                    response = self._stream.remote(request)  # may refuse at once: Serve's queue is full
+                    placed = await response.__anext__()
+                    if not isinstance(placed, Placed):
+                        raise TypeError(f"a worker answered {type(placed).__name__}, not Placed")
+                    self.mux.placed(job.request_id, placed.replica_id)
+                    watcher = asyncio.ensure_future(watch(response, q))
+                    self._watchers.add(watcher)
+                    watcher.add_done_callback(self._watchers.discard)
+                    async for delta in read_deltas(q):
+                        if not started and self.kv is not None:
+                            self.kv.record_realised(delta.num_cached_tokens)
+                        started = True
+                        finished = delta.finished
+                        yield delta
+                    return
+                except Exception as exc:  # noqa: BLE001 — each becomes an OpenAI error (or a retry) below
+                    error, retry = worker_failure(exc)
+                    if error.status_code == 429:
+                        self.metrics.inc("admission_rejections", reason="worker_queue_full")
+                    if not retry or started or attempt == MAX_ATTEMPTS:
+                        raise error from None
+                    logger.warning("request %s: worker unavailable before its first output (%s); attempt %d of %d",
+                                   job.request_id, type(exc).__name__, attempt + 1, MAX_ATTEMPTS)
+                    request.ranking = None  # its first choice failed: let the request router pick again
+                finally:
+                    if response is not None and not finished:
+                        with contextlib.suppress(Exception):  # a refused or failed call re-raises on cancel
+                            response.cancel()
+        finally:
+            self.mux.release(job.request_id)
 
     async def check_health(self) -> None:
         await self._health.check()

@@ -15,6 +15,9 @@ blocks: ``choose_replicas`` only computes. Each choice is counted in
 ``pagefleet_router_decisions`` by policy and reason (kv's by the ingress,
 which knows the scheduler's reason).
 
+A replica's delta channel (``ChannelOpen``, ``worker.delta_channel``) goes to the replica it
+names and nowhere else, whatever the policy, and counts no sequences.
+
 Every router is FIFO (``FIFOMixin``): Serve gives each choice to the oldest
 pending request. It has to be: the handle calls of one HTTP request (a
 completions request with several prompts) share Serve's internal request id,
@@ -38,7 +41,7 @@ from pagefleet.router.routing_policy import (ReplicaLoad, pick_two, rank_replica
                                              routing_reason)
 from pagefleet.worker.kv_events import unpack_hashes
 from pagefleet.worker.stats import ReplicaStats
-from pagefleet.worker.worker_request import WorkerRequest
+from pagefleet.worker.worker_request import ChannelOpen, WorkerRequest
 
 _MODULE = "pagefleet.router.request_router"
 
@@ -50,8 +53,16 @@ def _worker_request(pending_request: Optional[PendingRequest]) -> WorkerRequest 
     return request if isinstance(request, WorkerRequest) else None
 
 
+def _channel_open(pending_request: Optional[PendingRequest]) -> ChannelOpen | None:
+    if pending_request is None or not pending_request.args:
+        return None
+    request = pending_request.args[0]
+    return request if isinstance(request, ChannelOpen) else None
+
+
 class _PagefleetRouter(FIFOMixin, RequestRouter):
-    """What every policy shares: loads in sequences, and turning an id ranking into tiers."""
+    """What every policy shares: loads in sequences, turning an id ranking into tiers, and
+    channels pinned to their replica. Each policy implements ``choose``."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -61,9 +72,20 @@ class _PagefleetRouter(FIFOMixin, RequestRouter):
         self._in_flight_seqs: Counter = Counter()  # replica -> sequences in flight from this router
         self.metrics = RouterMetrics()
 
+    async def choose_replicas(self, candidate_replicas: List[RunningReplica],
+                              pending_request: Optional[PendingRequest] = None) -> List[List[RunningReplica]]:
+        channel = _channel_open(pending_request)
+        if channel is not None:  # its replica or none (a replica that is gone is never a candidate)
+            return [[r] for r in candidate_replicas if r.replica_id.unique_id == channel.replica_id]
+        return await self.choose(candidate_replicas, pending_request)
+
+    async def choose(self, candidate_replicas: List[RunningReplica],
+                     pending_request: Optional[PendingRequest]) -> List[List[RunningReplica]]:
+        raise NotImplementedError
+
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
         request = _worker_request(pending_request)
-        n = request.params.n if request is not None else 1
+        n = request.params.n if request is not None else 0 if _channel_open(pending_request) else 1
         self._in_flight.setdefault((replica_id, pending_request.metadata.internal_request_id), []).append(n)
         self._in_flight_seqs[replica_id] += n
 
@@ -89,8 +111,8 @@ class _PagefleetRouter(FIFOMixin, RequestRouter):
 
 
 class LeastLoadedRouter(_PagefleetRouter):
-    async def choose_replicas(self, candidate_replicas: List[RunningReplica],
-                              pending_request: Optional[PendingRequest] = None) -> List[List[RunningReplica]]:
+    async def choose(self, candidate_replicas: List[RunningReplica],
+                     pending_request: Optional[PendingRequest]) -> List[List[RunningReplica]]:
         loads = self.loads(candidate_replicas)
         if loads:
             self.metrics.inc("routing_decisions", policy="least_loaded", reason=routing_reason(loads))
@@ -102,8 +124,8 @@ class PowerOfTwoRouter(_PagefleetRouter):
         super().__init__(*args, **kwargs)
         self.rng = random.Random()
 
-    async def choose_replicas(self, candidate_replicas: List[RunningReplica],
-                              pending_request: Optional[PendingRequest] = None) -> List[List[RunningReplica]]:
+    async def choose(self, candidate_replicas: List[RunningReplica],
+                     pending_request: Optional[PendingRequest]) -> List[List[RunningReplica]]:
         loads = self.loads(candidate_replicas)
         two = pick_two(loads, self.rng)
         if two:
@@ -117,8 +139,8 @@ class RoundRobinRouter(_PagefleetRouter):
         super().__init__(*args, **kwargs)
         self.turn = 0
 
-    async def choose_replicas(self, candidate_replicas: List[RunningReplica],
-                              pending_request: Optional[PendingRequest] = None) -> List[List[RunningReplica]]:
+    async def choose(self, candidate_replicas: List[RunningReplica],
+                     pending_request: Optional[PendingRequest]) -> List[List[RunningReplica]]:
         self.metrics.inc("routing_decisions", policy="round_robin", reason="turn")
         self.turn += 1
         return self.tiers(candidate_replicas,
@@ -132,8 +154,8 @@ class PrefixRouter(_PagefleetRouter):
         super().__init__(*args, **kwargs)
         self.table = PrefixTable()
 
-    async def choose_replicas(self, candidate_replicas: List[RunningReplica],
-                              pending_request: Optional[PendingRequest] = None) -> List[List[RunningReplica]]:
+    async def choose(self, candidate_replicas: List[RunningReplica],
+                     pending_request: Optional[PendingRequest]) -> List[List[RunningReplica]]:
         request = _worker_request(pending_request)
         hashes = unpack_hashes(request.block_hashes) if request is not None else []
         ranking, reason = self.table.rank(hashes, self.loads(candidate_replicas))
@@ -154,8 +176,8 @@ class KVRouter(_PagefleetRouter):
         super().__init__(*args, **kwargs)
         self.rng = random.Random()
 
-    async def choose_replicas(self, candidate_replicas: List[RunningReplica],
-                              pending_request: Optional[PendingRequest] = None) -> List[List[RunningReplica]]:
+    async def choose(self, candidate_replicas: List[RunningReplica],
+                     pending_request: Optional[PendingRequest]) -> List[List[RunningReplica]]:
         request = _worker_request(pending_request)
         if request is not None and request.ranking:
             return self.tiers(candidate_replicas, request.ranking)

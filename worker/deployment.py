@@ -3,7 +3,9 @@
 ``WorkerReplica`` is plain Python around one ``AsyncLLMEngine`` (injectable,
 as in Ray Serve LLM); ``worker_deployment`` binds it into a Serve deployment.
 The engine's step loop runs in its own thread, so this replica's event loop
-stays free for new requests, aborts, health checks and stats.
+stays free for new requests, aborts, health checks and stats. Callers that
+run many requests (the ingress) take their deltas on one ``channel`` per
+replica rather than on each request's stream (``worker.delta_channel``).
 """
 
 from __future__ import annotations
@@ -14,12 +16,13 @@ from typing import Any, AsyncIterator, Callable
 from ray import serve
 from ray.serve import Application
 
+from pagefleet.worker.delta_channel import DeltaChannel
 from pagefleet.worker.engine_args import EngineArgs
 from pagefleet.worker.kv_events import KVEventBatch, KVSnapshot, unpack_hashes
 from pagefleet.worker.kv_publisher import KVEventPublisher
 from pagefleet.worker.outputs import RequestOutputDelta
 from pagefleet.worker.stats import ReplicaStats
-from pagefleet.worker.worker_request import WorkerRequest
+from pagefleet.worker.worker_request import ChannelOpen, Ended, Placed, WorkerRequest
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +63,7 @@ class WorkerReplica:
         self.engine = engine_factory(engine_args)
         self.replica_id = _replica_id()
         self.num_requests_total = 0
+        self._channels: dict[str, DeltaChannel] = {}
         self._publisher: KVEventPublisher | None = None
         if kv_scheduler is not None:
             self._publisher = KVEventPublisher(_SchedulerLink(kv_scheduler), self.engine.kv_snapshot)
@@ -74,15 +78,53 @@ class WorkerReplica:
         if self._publisher is not None:
             self._publisher.start()
 
-    async def generate(self, request: WorkerRequest) -> AsyncIterator[RequestOutputDelta]:
-        """Streams one delta per engine step. When the caller cancels (a client hung up),
-        Serve cancels this generator and the engine aborts the request and frees its blocks."""
+    async def generate(self, request: WorkerRequest) -> AsyncIterator[RequestOutputDelta | Placed | Ended]:
+        """Streams one delta per engine step, or with ``request.channel`` puts them on that channel
+        and streams ``Placed`` then ``Ended`` (``worker_request``). When the caller cancels (a
+        client hung up), Serve cancels this generator and the engine aborts the request and frees
+        its blocks."""
         self._start_publishing()
         self.num_requests_total += 1
         hashes = unpack_hashes(request.block_hashes) if request.block_hashes else None
-        async for delta in self.engine.generate(request.request_id, request.prompt_token_ids, request.params,
-                                                request.extra_keys, hashes):
-            yield delta
+        deltas = self.engine.generate(request.request_id, request.prompt_token_ids, request.params,
+                                      request.extra_keys, hashes)
+        if request.channel is None:
+            async for delta in deltas:
+                yield delta
+            return
+        channel = self._channels.setdefault(request.channel, DeltaChannel())
+        channel.requests += 1
+        try:
+            yield Placed(self.replica_id)
+            sent = 0
+            async for delta in deltas:
+                channel.put(delta)
+                sent += 1
+            yield Ended(sent)
+        finally:
+            await deltas.aclose()  # at once, not when collected: a cancelled request is aborted now
+            channel.requests -= 1
+            self._drop_if_unused(request.channel)
+
+    async def channel(self, request: ChannelOpen) -> AsyncIterator[list[RequestOutputDelta]]:
+        """A caller's delta channel (``worker.delta_channel``): ``[]`` once attached, then every
+        delta of its requests, one list per wake-up. Refuses a call meant for another replica
+        (the request routers send it to ``request.replica_id`` alone)."""
+        if request.replica_id != self.replica_id:
+            raise ValueError(f"channel {request.channel_id} is for replica {request.replica_id}, "
+                             f"not {self.replica_id}")
+        batches = self._channels.setdefault(request.channel_id, DeltaChannel()).batches()
+        try:
+            async for batch in batches:
+                yield batch
+        finally:
+            await batches.aclose()  # detaches now, not when collected
+            self._drop_if_unused(request.channel_id)
+
+    def _drop_if_unused(self, channel_id: str) -> None:
+        channel = self._channels.get(channel_id)
+        if channel is not None and channel.unused:
+            del self._channels[channel_id]
 
     async def kv_snapshot(self) -> KVSnapshot:
         """Everything this replica's prefix cache holds, with the KV event number it is valid at."""
@@ -127,8 +169,9 @@ def _replica_id() -> str:
 
 def worker_deployment_options(engine_args: EngineArgs, *, num_replicas: int = 1, num_cpus: float = 1.0,
                               num_gpus_per_rank: float = 0.0, name: str = WORKER_DEPLOYMENT_NAME,
-                              **deployment_options: Any) -> dict[str, Any]:
-    """``serve.deployment`` options for ``num_replicas`` engines of ``engine_args``.
+                              channels: int = 1, **deployment_options: Any) -> dict[str, Any]:
+    """``serve.deployment`` options for ``num_replicas`` engines of ``engine_args``, whose
+    ``channels`` callers (the ingress replicas) each hold one delta channel on every replica.
 
     A tensor-parallel engine gets a placement group of one bundle per rank,
     STRICT_PACK so its ranks share a node (all-reduce stays on NVLink or
@@ -138,6 +181,8 @@ def worker_deployment_options(engine_args: EngineArgs, *, num_replicas: int = 1,
     """
     if num_replicas < 1:
         raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
+    if channels < 0:
+        raise ValueError(f"channels must be >= 0, got {channels}")
     if num_cpus < 0 or num_gpus_per_rank < 0:
         raise ValueError("num_cpus and num_gpus_per_rank must be >= 0")
     tp = engine_args.tensor_parallel_size
@@ -145,8 +190,9 @@ def worker_deployment_options(engine_args: EngineArgs, *, num_replicas: int = 1,
         "name": name,
         "num_replicas": num_replicas,
         # Requests beyond this wait in Serve's router queue, where they can still go to another
-        # replica, rather than in one engine's waiting queue.
-        "max_ongoing_requests": 2 * engine_args.max_num_seqs,
+        # replica, rather than in one engine's waiting queue. Each caller's delta channel is a
+        # call that lasts: it gets a place of its own, not a request's.
+        "max_ongoing_requests": 2 * engine_args.max_num_seqs + channels,
         "health_check_period_s": 5.0,
         "health_check_timeout_s": 30.0,
         "ray_actor_options": {"num_cpus": num_cpus, "num_gpus": num_gpus_per_rank},

@@ -1,4 +1,11 @@
-"""What the ingress sends a worker replica for one engine request (plain data, crosses Ray)."""
+"""What the ingress and a worker replica send each other (plain data, crosses Ray).
+
+A request goes to a replica as a ``WorkerRequest``. Without a ``channel`` its Serve stream
+carries its deltas, one item per engine step. With one (what the ingress does), the replica
+puts its deltas on that ingress's ``channel`` instead (one Serve stream per (ingress, replica)
+carrying every request's deltas of a step as one item: ``worker.delta_channel``), and the
+request's own stream carries only a ``Placed`` first and an ``Ended`` last, or an error.
+"""
 
 from __future__ import annotations
 
@@ -19,3 +26,30 @@ class WorkerRequest:
     # Replica ids the global scheduler ranked for this request, best first (None: no ranking,
     # the request router decides alone). Read by the request router; the worker ignores it.
     ranking: list[str] | None = None
+    # The caller's delta channel on the replica (None: deltas on the request's own stream).
+    channel: str | None = None
+
+
+@dataclass(slots=True)
+class Placed:
+    """A channel request's first item: which replica runs it (its deltas arrive on that replica's
+    channel)."""
+
+    replica_id: str
+
+
+@dataclass(slots=True)
+class Ended:
+    """A channel request's last item: the replica put ``num_deltas`` deltas on the channel, the
+    last one finished."""
+
+    num_deltas: int
+
+
+@dataclass(slots=True)
+class ChannelOpen:
+    """The argument of a replica's ``channel`` call: the request routers send it to ``replica_id``
+    and nowhere else; the replica refuses it if it is not that replica."""
+
+    channel_id: str
+    replica_id: str

@@ -100,7 +100,8 @@ def test_closing_the_worker_stream_closes_the_engine_stream():
 def test_deployment_options_single_rank_and_tensor_parallel():
     opts = worker_deployment_options(EngineArgs(max_num_seqs=8), num_replicas=2, num_cpus=0.5)
     assert opts["num_replicas"] == 2
-    assert opts["max_ongoing_requests"] == 16
+    assert opts["max_ongoing_requests"] == 16 + 1  # 2 x max_num_seqs requests, one ingress's delta channel
+    assert worker_deployment_options(EngineArgs(max_num_seqs=8), channels=3)["max_ongoing_requests"] == 16 + 3
     assert opts["ray_actor_options"] == {"num_cpus": 0.5, "num_gpus": 0.0}
     assert "placement_group_bundles" not in opts
     tp = worker_deployment_options(EngineArgs(tensor_parallel_size=4), num_cpus=1, num_gpus_per_rank=1)

@@ -12,10 +12,12 @@ from ray.serve.exceptions import BackPressureError
 from pagefleet.router.ingress import HandleWorkerClient
 from pagefleet.router.service import Job
 from pagefleet.router.worker_errors import worker_failure
+from pagefleet.worker.delta_channel import DeltaChannel
 from pagefleet.worker.errors import EngineDeadError
 from pagefleet.worker.outputs import CompletionOutput, RequestOutputDelta
 from pagefleet.worker.request_check import InvalidRequest
 from pagefleet.worker.sampling_params import SamplingParams
+from pagefleet.worker.worker_request import Ended, Placed
 
 
 def _as_ray_task_error(cause: Exception) -> Exception:
@@ -61,42 +63,83 @@ def test_anything_else_is_a_500_that_names_only_an_error_id(caplog):
 
 
 class _Response:
-    """A Serve DeploymentResponseGenerator stand-in: yields deltas, then raises ``fail``."""
+    """A Serve DeploymentResponseGenerator stand-in for a channel request: yields ``Placed``, puts
+    ``deltas`` on the caller's channel (a real ``DeltaChannel``), then raises ``fail`` or yields
+    ``Ended``."""
 
     def __init__(self, deltas, fail=None):
         self.deltas, self.fail, self.cancelled = deltas, fail, False
+        self.channel = None
+        self._items = self._run()
 
     def __aiter__(self):
-        return self._run()
+        return self
+
+    def __anext__(self):
+        return self._items.__anext__()
 
     async def _run(self):
+        yield Placed("w0")
         for d in self.deltas:
-            await asyncio.sleep(0)
-            yield d
+            self.channel.put(d)
+            while self.channel.pending:  # taken by the ingress's channel reader
+                await asyncio.sleep(0)
+            for _ in range(3):  # and handed to the request's reader
+                await asyncio.sleep(0)
         if self.fail is not None:
             raise self.fail
+        yield Ended(len(self.deltas))
 
     def cancel(self):
         self.cancelled = True
 
 
+class _ChannelStream:
+    def __init__(self, channel):
+        self._items = channel.batches()
+
+    def __aiter__(self):
+        return self
+
+    def __anext__(self):
+        return self._items.__anext__()
+
+    def cancel(self):
+        pass
+
+
 class _Handle:
+    """The worker deployment's handle: ``generate`` answers with the scripted responses in turn,
+    ``channel`` with the stream of the one replica's channel."""
+
     deployment_name = "PagefleetWorker"
 
     def __init__(self, responses):
         self.responses = list(responses)
         self.sent = []
+        self.channels: dict[str, DeltaChannel] = {}
 
-    def options(self, **kw):
-        return self
+    def options(self, method_name, stream):
+        return _Method(self, method_name)
 
-    def remote(self, request):
-        self.sent.append((request.request_id, request.ranking))
-        return self.responses.pop(0)
+
+class _Method:
+    def __init__(self, handle, name):
+        self.handle, self.name = handle, name
+
+    def remote(self, arg):
+        channel = self.handle.channels.setdefault(arg.channel if self.name == "generate" else arg.channel_id,
+                                                  DeltaChannel())
+        if self.name == "channel":
+            return _ChannelStream(channel)
+        self.handle.sent.append((arg.request_id, arg.ranking))
+        response = self.handle.responses.pop(0)
+        response.channel = channel
+        return response
 
 
 def _delta(token, finished):
-    return RequestOutputDelta("r", [CompletionOutput(0, "x", [token], None, "length" if finished else None)], 2, 0,
+    return RequestOutputDelta("r-0", [CompletionOutput(0, "x", [token], None, "length" if finished else None)], 2, 0,
                               finished)
 
 

@@ -1,0 +1,289 @@
+"""Delta channels: a worker replica puts every delta of a caller's requests on one stream per
+(caller, replica), one item per step, and the ingress hands each delta to its request."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+
+from pagefleet.router.delta_mux import ChannelMux, LostOutputError, read_deltas
+from pagefleet.router.request_router import KVRouter, RoundRobinRouter
+from pagefleet.worker.delta_channel import DeltaChannel
+from pagefleet.worker.deployment import WorkerReplica
+from pagefleet.worker.engine_args import EngineArgs
+from pagefleet.worker.outputs import CompletionOutput, RequestOutputDelta
+from pagefleet.worker.sampling_params import SamplingParams
+from pagefleet.worker.stats import EngineStats
+from pagefleet.worker.worker_request import ChannelOpen, Ended, Placed, WorkerRequest
+
+
+def _delta(request_id: str, token: int, finished: bool = False) -> RequestOutputDelta:
+    return RequestOutputDelta(request_id, [CompletionOutput(0, f"t{token}", [token], None,
+                                                            "length" if finished else None)], 1, 0, finished)
+
+
+class SteppedEngine:
+    """Every running request gets its next delta when the test sets that step's event."""
+
+    def __init__(self, args):
+        self.model_config = SimpleNamespace(served_model_name="m", max_model_len=64)
+        self.steps = [asyncio.Event() for _ in range(8)]
+        self.closed: list[str] = []
+
+    async def generate(self, request_id, prompt_token_ids, params, extra_keys=(), block_hashes=None):
+        try:
+            for step in range(params.max_tokens):
+                await self.steps[step].wait()
+                yield _delta(request_id, step, step == params.max_tokens - 1)
+        finally:
+            self.closed.append(request_id)
+
+    def stats(self):
+        return EngineStats(100, 90, 1, 2, 0, 0, 0, 5, 10, 20)
+
+    def check_health(self):
+        pass
+
+    def shutdown(self):
+        pass
+
+
+def _request(request_id: str, max_tokens: int, channel: str | None = "c1") -> WorkerRequest:
+    return WorkerRequest(request_id, [1, 2], SamplingParams(max_tokens=max_tokens), channel=channel)
+
+
+async def _settle() -> None:
+    for _ in range(10):
+        await asyncio.sleep(0)
+
+
+def test_one_item_per_step_carries_every_requests_delta():
+    async def run():
+        replica = WorkerReplica(EngineArgs(), engine_factory=SteppedEngine)
+        channel = replica.channel(ChannelOpen("c1", "local"))
+        assert await channel.__anext__() == []  # attached
+        a, b = replica.generate(_request("a", 2)), replica.generate(_request("b", 2))
+        assert (await a.__anext__(), await b.__anext__()) == (Placed("local"), Placed("local"))
+        ends = [asyncio.ensure_future(a.__anext__()), asyncio.ensure_future(b.__anext__())]
+        items = []
+        for step in range(2):
+            await _settle()
+            replica.engine.steps[step].set()
+            items.append(await channel.__anext__())
+        assert [[(d.request_id, d.sequences[0].token_ids) for d in item] for item in items] == \
+            [[("a", [0]), ("b", [0])], [("a", [1]), ("b", [1])]]
+        assert await asyncio.gather(*ends) == [Ended(2), Ended(2)]
+        for request_stream in (a, b):  # Serve reads each stream to its end
+            with pytest.raises(StopAsyncIteration):
+                await request_stream.__anext__()
+        assert replica._channels["c1"].requests == 0
+        await channel.aclose()
+        assert replica._channels == {}  # no reader, no request: nothing kept
+
+    asyncio.run(run())
+
+
+def test_without_a_channel_the_request_stream_carries_its_deltas():
+    async def run():
+        replica = WorkerReplica(EngineArgs(), engine_factory=SteppedEngine)
+        for step in replica.engine.steps:
+            step.set()
+        return [d.sequences[0].token_ids async for d in replica.generate(_request("a", 3, channel=None))]
+
+    assert asyncio.run(run()) == [[0], [1], [2]]
+
+
+def test_a_cancelled_channel_request_is_aborted_at_once_and_leaves_nothing():
+    async def run():
+        replica = WorkerReplica(EngineArgs(), engine_factory=SteppedEngine)
+        gen = replica.generate(_request("a", 3))
+        assert await gen.__anext__() == Placed("local")
+        replica.engine.steps[0].set()
+        pending = asyncio.ensure_future(gen.__anext__())
+        await _settle()
+        assert replica._channels["c1"].pending[0].sequences[0].token_ids == [0]  # queued, no reader yet
+        pending.cancel()  # what Serve does when the ingress cancels the request
+        with pytest.raises(asyncio.CancelledError):
+            await pending
+        return replica
+
+    replica = asyncio.run(run())
+    assert replica.engine.closed == ["a"] and replica._channels == {}
+
+
+def test_a_channel_meant_for_another_replica_is_refused():
+    async def run():
+        replica = WorkerReplica(EngineArgs(), engine_factory=SteppedEngine)
+        await replica.channel(ChannelOpen("c1", "other-replica")).__anext__()
+
+    with pytest.raises(ValueError, match="for replica other-replica, not local"):
+        asyncio.run(run())
+
+
+def test_a_new_reader_takes_over_and_gets_everything_not_yet_taken():
+    async def run():
+        channel = DeltaChannel()
+        first = channel.batches()
+        assert await first.__anext__() == []
+        channel.put(_delta("a", 0))
+        assert await first.__anext__() == [_delta("a", 0)]
+        channel.put(_delta("a", 1))  # the first reader's stream broke before it took this one
+        second = channel.batches()
+        assert await second.__anext__() == []
+        with pytest.raises(StopAsyncIteration):  # the old reader ends at its next wake-up
+            await first.__anext__()
+        channel.put(_delta("a", 2))
+        assert await second.__anext__() == [_delta("a", 1), _delta("a", 2)]
+        assert channel.attached
+
+    asyncio.run(run())
+
+
+class _Stream:
+    """A channel stream stand-in: [] once attached, then what the test puts."""
+
+    def __init__(self):
+        self.items: asyncio.Queue = asyncio.Queue()
+        self.items.put_nowait([])
+        self.cancelled = False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        item = await self.items.get()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def cancel(self):
+        self.cancelled = True
+
+
+def _mux():
+    opened: list[tuple[ChannelOpen, _Stream]] = []
+
+    def open_channel(request: ChannelOpen) -> _Stream:
+        opened.append((request, _Stream()))
+        return opened[-1][1]
+
+    return ChannelMux(open_channel, channel_id="c1"), opened
+
+
+def test_the_mux_opens_one_channel_per_replica_and_routes_each_delta_to_its_request():
+    async def run():
+        mux, opened = _mux()
+        qa, qb = mux.register("a"), mux.register("b")
+        mux.placed("a", "w0")
+        mux.placed("b", "w0")
+        await _settle()
+        assert [request for request, _ in opened] == [ChannelOpen("c1", "w0")]
+        opened[0][1].items.put_nowait([_delta("a", 0), _delta("b", 0), _delta("gone", 0)])
+        await _settle()
+        assert (qa.get_nowait(), qb.get_nowait()) == (_delta("a", 0), _delta("b", 0))
+        assert (mux.counters.batches, mux.counters.deltas, mux.counters.unclaimed) == (1, 3, 1)
+        with pytest.raises(ValueError, match="already running"):
+            mux.register("a")
+
+    asyncio.run(run())
+
+
+def test_deltas_before_placed_are_kept_and_a_failed_attempts_late_deltas_are_not():
+    async def run():
+        mux, opened = _mux()
+        mux.register("x")
+        mux.placed("x", "w0")  # w0's channel is read for another request's sake
+        q = mux.register("a")
+        await _settle()
+        w0 = opened[0][1]
+        w0.items.put_nowait([_delta("a", 0)])  # before a's Placed: from wherever a runs
+        await _settle()
+        assert q.get_nowait() == _delta("a", 0)
+        mux.placed("a", "w0")
+        q = mux.retry("a")  # w0 failed; the next attempt goes elsewhere
+        w0.items.put_nowait([_delta("a", 1)])  # w0's late delta, before the retry's Placed
+        mux.placed("a", "w1")
+        await _settle()
+        opened[1][1].items.put_nowait([_delta("a", 7)])
+        w0.items.put_nowait([_delta("a", 2)])  # and after it
+        await _settle()
+        assert q.get_nowait() == _delta("a", 7) and q.empty()
+        assert mux.counters.unclaimed == 2
+
+    asyncio.run(run())
+
+
+def test_a_broken_channel_is_opened_again_while_requests_run_there_and_not_after():
+    async def run():
+        mux, opened = _mux()
+        q = mux.register("a")
+        mux.placed("a", "w0")
+        await _settle()
+        opened[0][1].items.put_nowait(ConnectionError("stream broke"))
+        await asyncio.sleep(0.3)  # the reopen backoff
+        assert len(opened) == 2 and opened[0][1].cancelled
+        opened[1][1].items.put_nowait([_delta("a", 0, finished=True)])
+        await _settle()
+        assert q.get_nowait() == _delta("a", 0, finished=True)
+        mux.release("a")
+        opened[1][1].items.put_nowait(ConnectionError("the replica died"))
+        await asyncio.sleep(0.3)
+        assert len(opened) == 2 and mux._readers == {}  # nothing runs there: not opened again
+
+    asyncio.run(run())
+
+
+def test_read_deltas_merges_what_the_reader_missed_and_stops_at_the_finished_one():
+    async def run():
+        q: asyncio.Queue = asyncio.Queue()
+        for item in (_delta("a", 0), _delta("a", 1), Ended(3)):
+            q.put_nowait(item)
+        deltas = read_deltas(q)
+        got = [await deltas.__anext__()]
+        q.put_nowait(_delta("a", 2, finished=True))
+        got += [d async for d in deltas]
+        return [(d.sequences[0].token_ids, d.finished) for d in got]
+
+    assert asyncio.run(run()) == [([0, 1], False), ([2], True)]
+
+
+def test_read_deltas_raises_the_requests_error_after_its_deltas():
+    async def run():
+        q: asyncio.Queue = asyncio.Queue()
+        q.put_nowait(_delta("a", 0))
+        q.put_nowait(RuntimeError("engine died"))
+        got = []
+        with pytest.raises(RuntimeError, match="engine died"):
+            async for d in read_deltas(q):
+                got.append(d.sequences[0].token_ids)
+        return got
+
+    assert asyncio.run(run()) == [[0]]
+
+
+def test_read_deltas_gives_up_on_deltas_the_replica_sent_that_never_came():
+    async def run():
+        q: asyncio.Queue = asyncio.Queue()
+        q.put_nowait(_delta("a", 0))
+        q.put_nowait(Ended(2))
+        async for _ in read_deltas(q, lost_output_timeout_s=0.05):
+            pass
+
+    with pytest.raises(LostOutputError, match="sent 2 deltas, 1 arrived"):
+        asyncio.run(run())
+
+
+def _replica(unique_id: str):
+    return SimpleNamespace(replica_id=SimpleNamespace(unique_id=unique_id))
+
+
+@pytest.mark.parametrize("router_class", [KVRouter, RoundRobinRouter])
+def test_the_request_routers_send_a_channel_to_its_replica_alone(router_class):
+    router = object.__new__(router_class)  # choose_replicas reads nothing else for a channel
+    candidates = [_replica("w0"), _replica("w1"), _replica("w2")]
+    pending = SimpleNamespace(args=[ChannelOpen("c1", "w1")])
+    assert asyncio.run(router.choose_replicas(candidates, pending)) == [[candidates[1]]]
+    pending = SimpleNamespace(args=[ChannelOpen("c1", "w9")])  # gone: no replica, never another
+    assert asyncio.run(router.choose_replicas(candidates, pending)) == []
