@@ -18,9 +18,13 @@ Routing: a worker's cost for a request is
 where load is the blocks it has committed (held by running sequences, still
 to be taken by its unfinished ones up to their ``max_tokens``) plus blocks
 predicted for requests just routed to it. A worker has room when its free
-blocks, less what is committed or predicted, cover the request's new blocks.
-Workers without room rank only when no worker has room, and then the
-request is not admitted (admission control holds it at the router).
+blocks, less what is committed or predicted, cover what the request takes out
+of them: its new blocks, plus the blocks of its cached prefix that are idle
+(free but cached: reusing them takes them out of the free count too; a prefix
+some running sequence holds is shared at no cost). Which cached blocks are in
+use comes from the workers' events like the rest. Workers without room rank
+only when no worker has room, and then the request is not admitted (admission
+control holds it at the router).
 Predicted blocks end when the worker reports the request taken in; predicted
 prefix entries (so a burst with one prefix keeps to one worker) end after
 ``prediction_ttl_s``.
@@ -34,6 +38,7 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from pagefleet.router.kv_index import KVBlockIndex, pack_keys, routing_keys, unpack_keys
+from pagefleet.worker.block_hash import HASH_SIZE
 from pagefleet.worker.kv_events import KVEventBatch, KVSnapshot
 
 
@@ -80,6 +85,7 @@ class WorkerView:
     num_waiting: int = 0
     num_reserved_blocks: int = 0
     predicted_blocks: int = 0
+    in_use: set[int] = field(default_factory=set)  # routing keys it holds that a running sequence holds
     # Derived from the numbers above by ``refresh`` whenever they change (read once per decision):
     load_blocks: int = 0  # committed: in use + reserved by unfinished sequences + predicted
     room_blocks: int | None = None  # free - reserved - predicted; None until the worker reports
@@ -106,12 +112,13 @@ class WorkerState:
     num_running: int
     num_waiting: int
     num_reserved_blocks: int
+    in_use_keys: bytes = b""  # packed, as routing_keys
 
 
 @dataclass(slots=True)
 class SchedulerCounters:
     batches: int = 0
-    block_events: int = 0  # stored + removed hashes applied
+    block_events: int = 0  # stored + removed + acquired + released hashes applied
     stale_batches: int = 0  # duplicates or batches from before a snapshot
     gaps: int = 0
     snapshots_asked: int = 0
@@ -129,8 +136,9 @@ class _Prediction:
     worker_id: str
     slot: int
     expires: float
-    keys: list[int]
+    keys: list[int]  # the prompt's keys it will compute there
     blocks: int  # 0 once the worker confirmed it took the request
+    idle_keys: list[int] = field(default_factory=list)  # idle cached keys it will take; [] once confirmed
 
 
 class GlobalScheduler:
@@ -155,6 +163,7 @@ class GlobalScheduler:
         self._predictions: dict[str, _Prediction] = {}  # in expiry order
         self._predicted_mask: dict[int, int] = {}  # routing key -> slots predicted to hold it
         self._predicted_refs: dict[int, Counter] = {}  # slot -> routing key -> predictions saying so
+        self._soon_in_use: dict[int, Counter] = {}  # slot -> idle key -> unconfirmed predictions taking it
 
     # ---- workers -----------------------------------------------------------------------------
 
@@ -227,15 +236,27 @@ class GlobalScheduler:
             self.counters.gaps += 1
         if not view.synced:
             return self._ask_snapshot(view, now)
+        in_use = view.in_use
         if batch.cleared:
             self.index.clear(view.slot)
+            in_use.clear()
         if batch.removed:
-            self.index.remove(view.slot, routing_keys(batch.removed))
+            removed = routing_keys(batch.removed)
+            self.index.remove(view.slot, removed)
+            in_use.difference_update(removed)
         if batch.stored:
-            self.index.add(view.slot, routing_keys(batch.stored))
+            stored = routing_keys(batch.stored)
+            self.index.add(view.slot, stored)
+            in_use.update(stored)
+        # then the state each cached hash was left in
+        if batch.acquired:
+            in_use.update(routing_keys(batch.acquired))
+        if batch.released:
+            in_use.difference_update(routing_keys(batch.released))
         view.seq = batch.seq
         self.counters.batches += 1
-        self.counters.block_events += batch.num_removed + batch.num_stored
+        self.counters.block_events += (batch.num_removed + batch.num_stored
+                                       + (len(batch.acquired) + len(batch.released)) // HASH_SIZE)
         return False
 
     def _ask_snapshot(self, view: WorkerView, now: float) -> bool:
@@ -250,6 +271,7 @@ class GlobalScheduler:
         if view.synced and snap.seq <= view.seq:
             return  # older than what we hold
         self.index.replace(view.slot, routing_keys(snap.block_hashes))
+        view.in_use = set(routing_keys(snap.in_use_hashes))
         self._report(view, snap, now)
         view.seq = snap.seq
         view.synced = True
@@ -259,7 +281,8 @@ class GlobalScheduler:
     def worker_states(self) -> list[WorkerState]:
         """Every worker's view as plain data, for a new copy of the view to ``restore``."""
         return [WorkerState(v.worker_id, v.seq, v.synced, pack_keys(self.index.keys_of(v.slot)), v.num_free_blocks,
-                            v.num_total_blocks, v.num_running, v.num_waiting, v.num_reserved_blocks)
+                            v.num_total_blocks, v.num_running, v.num_waiting, v.num_reserved_blocks,
+                            pack_keys(v.in_use))
                 for v in self.workers.values()]
 
     def restore(self, states: list[WorkerState], now: float) -> None:
@@ -271,6 +294,7 @@ class GlobalScheduler:
         for state in states:
             view = self._view(state.worker_id, now)
             self.index.replace(view.slot, unpack_keys(state.routing_keys))
+            view.in_use = set(unpack_keys(state.in_use_keys))
             view.seq, view.synced, view.snapshot_asked_at = state.seq, state.synced, None
             view.reported = True
             view.num_free_blocks, view.num_total_blocks = state.num_free_blocks, state.num_total_blocks
@@ -305,10 +329,12 @@ class GlobalScheduler:
         rows = [((v.room_blocks is not None and v.room_blocks < need), full_cost + v.load_blocks, v.load_blocks,
                  v.queued, v.worker_id, 0) for v in views if v.slot not in matched]
         slots = self._by_slot if candidates is None else {v.slot: v for v in views}
+        idle_of: dict[str, list[int]] = {}
         for slot, cached in matched.items():
             v = slots.get(slot)
             if v is not None:
-                rows.append(((v.room_blocks is not None and v.room_blocks < need - cached),
+                idle = idle_of[v.worker_id] = self._idle_keys(v, keys, cached)
+                rows.append(((v.room_blocks is not None and v.room_blocks < need - cached + len(idle)),
                              weight * (num_keys - cached) + v.load_blocks, v.load_blocks, v.queued, v.worker_id,
                              cached))
         best = heapq.nsmallest(self.max_ranked, rows)
@@ -322,10 +348,21 @@ class GlobalScheduler:
         if not admitted:
             self.counters.decisions_without_room += 1
         if admitted or force:
+            # It will compute the rest of the prompt there and take the idle blocks of its prefix:
+            # both are predicted in use (a request close behind finds them taken, not idle).
             view = self.workers[first.worker_id]
+            idle = idle_of.get(first.worker_id, [])
             self._add_prediction(_Prediction(req.request_id, view.worker_id, view.slot, now + self.prediction_ttl_s,
-                                             keys[first.cached_blocks:], max(need - first.cached_blocks, 0)))
+                                             keys[first.cached_blocks:], max(need - first.cached_blocks, 0) + len(idle),
+                                             idle))
         return RouteDecision([s.worker_id for s in scores], admitted, reason, first.cached_blocks, scores)
+
+    def _idle_keys(self, view: WorkerView, keys: list[int], cached: int) -> list[int]:
+        """The keys of the first ``cached`` that the worker holds idle: held, not in use there,
+        and not about to be (taken by a request routed there and not yet started). A key
+        matched only by a prediction is being computed there: in use, shared at no cost."""
+        in_use, soon, slot, holds = view.in_use, self._soon_in_use.get(view.slot, ()), view.slot, self.index.holds
+        return [k for k in keys[:cached] if k not in in_use and k not in soon and holds(slot, k)]
 
     # ---- predictions -------------------------------------------------------------------------
 
@@ -337,6 +374,8 @@ class GlobalScheduler:
         view = self.workers[pred.worker_id]
         view.predicted_blocks += pred.blocks
         view.refresh()
+        if pred.idle_keys:
+            self._soon_in_use.setdefault(pred.slot, Counter()).update(pred.idle_keys)
         refs = self._predicted_refs.setdefault(pred.slot, Counter())
         first_time = set(pred.keys).difference(refs)
         refs.update(pred.keys)
@@ -351,6 +390,13 @@ class GlobalScheduler:
             view.predicted_blocks -= pred.blocks
             view.refresh()
         pred.blocks = 0
+        if pred.idle_keys:  # from now on the worker's own events say what it holds in use
+            soon = self._soon_in_use[pred.slot]
+            soon.subtract(pred.idle_keys)
+            for key in pred.idle_keys:
+                if soon.get(key) == 0:
+                    del soon[key]
+            pred.idle_keys = []
 
     def _end_prediction(self, pred: _Prediction) -> None:
         self._predictions.pop(pred.request_id, None)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import ray
 
@@ -45,6 +45,7 @@ class WorkerKVView:
     routing_keys: set[int]
     num_free_blocks: int
     num_total_blocks: int
+    in_use_keys: set[int] = field(default_factory=set)  # those a running sequence holds
 
 
 class GlobalSchedulerActor:
@@ -108,7 +109,7 @@ def worker_kv_view(core: GlobalScheduler, worker_id: str) -> WorkerKVView | None
     if view is None:
         return None
     return WorkerKVView(worker_id, view.seq, view.synced, core.keys_of(worker_id) or set(), view.num_free_blocks,
-                        view.num_total_blocks)
+                        view.num_total_blocks, set(view.in_use))
 
 
 def start_scheduler():

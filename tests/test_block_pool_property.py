@@ -61,6 +61,7 @@ class PoolMachine(RuleBasedStateMachine):
         self.pool = BlockPool(10, enable_caching=True, events=KVEventLog())  # small enough to force preemption
         self.source = KVEventSource("w", self.pool)
         self.view: set = set()
+        self.in_use: set = set()  # the consumer's view of which cached hashes are in use
         self.kv = KVCacheManager(self.pool, BLOCK)
         self.sched = Scheduler(self.kv, max_num_seqs=5, max_num_batched_tokens=12)
         self.seqs: list[Sequence] = []
@@ -110,6 +111,13 @@ class PoolMachine(RuleBasedStateMachine):
         self.view -= removed
         self.view.update(stored)
         assert self.view == set(self.pool.cached)
+        # which cached hashes a running sequence holds: stored ones are, then each hash's last state
+        acquired, released = set(unpack_hashes(batch.acquired)), set(unpack_hashes(batch.released))
+        assert not acquired & released and (acquired | released) <= self.view
+        if batch.cleared:
+            self.in_use.clear()
+        self.in_use = ((self.in_use - removed) | set(stored) | acquired) - released
+        assert self.in_use == {h for h, b in self.pool.cached.items() if b.ref_cnt > 0}
         assert batch.num_free_blocks == self.pool.num_free
 
     @invariant()

@@ -19,10 +19,11 @@ def hashes(tokens, salt=None):
 
 
 def batch(worker, seq, stored=(), removed=(), *, first_seq=None, cleared=False, free=100, total=100,
-          running=0, waiting=0, reserved=0, added=()):
+          running=0, waiting=0, reserved=0, added=(), acquired=(), released=()):
     return KVEventBatch(worker, seq if first_seq is None else first_seq, seq, cleared, pack_hashes(stored),
                         pack_hashes([b"\0" * 16] * len(stored)), bytes(4 * BS * len(stored)), pack_hashes(removed),
-                        free, total, running, waiting, reserved, list(added))
+                        free, total, running, waiting, reserved, list(added), pack_hashes(acquired),
+                        pack_hashes(released))
 
 
 def request(rid="r", tokens=PROMPT, num_blocks=6, salt=None):
@@ -174,6 +175,54 @@ def test_candidates_limit_the_ranking_and_unknown_ones_start_empty():
     d = gs.route(request(), now=0.0, candidates=["new"])
     assert d.ranking == ["new"] and d.admitted  # nothing known of it yet: it may take the request
     assert gs.route(RouteRequest("x", b"", 1), now=0.0, candidates=[]).reason == "no_workers"
+
+
+def test_an_idle_cached_prefix_counts_against_room_and_one_in_use_does_not():
+    gs = scheduler()
+    h = hashes(PROMPT)
+    # a holds the prompt's 4 blocks with 5 of 10 free; the request takes 6 blocks, 2 of them new
+    # (a's cost 4 x 0 + 5 used beats b's 4 x 4 + 0 whenever a has room)
+    gs.apply_batch(batch("a", 0, stored=h, free=5, total=10), now=0.0)
+    gs.apply_batch(batch("b", 0), now=0.0)
+    assert gs.workers["a"].in_use == set(routing_keys(pack_hashes(h)))  # stored: a running sequence holds them
+    assert gs.route(request("r1"), now=0.0).ranking[0] == "a"  # shared: 2 new blocks <= 5
+    gs.expire(10.0)  # r1's prediction ends
+    gs.apply_batch(batch("a", 1, free=5, total=10, released=h), now=10.0)  # now idle: reusing them takes 4 more
+    d = gs.route(request("r2"), now=10.0)
+    assert d.ranking == ["b"] and d.admitted  # a has no room for 2 + 4, so only b ranks
+    gs.expire(20.0)
+    gs.apply_batch(batch("a", 2, free=5, total=10, acquired=h[:3]), now=20.0)  # 3 in use again, the 4th idle
+    d = gs.route(request("r3"), now=20.0)
+    assert d.ranking[0] == "a" and gs.workers["a"].predicted_blocks == 2 + 1  # 2 new + the idle 4th
+
+
+def test_a_routed_request_takes_the_idle_prefix_so_the_next_one_shares_it():
+    gs = scheduler()
+    h = hashes(PROMPT)
+    gs.apply_batch(batch("a", 0, stored=h, free=12, released=h), now=0.0)  # 4 idle cached blocks
+    assert gs.workers["a"].in_use == set()
+    first = gs.route(request("r1"), now=0.0)
+    assert first.ranking[0] == "a" and gs.workers["a"].predicted_blocks == 6  # 2 new + 4 idle
+    # r1 will hold the prefix: r2 shares it, and needs room for its 2 new blocks only (12 - 6 >= 2)
+    second = gs.route(request("r2"), now=0.1)
+    assert second.ranking[0] == "a" and gs.workers["a"].predicted_blocks == 6 + 2
+    # r1 starts: its blocks leave the prediction, the worker's events say the prefix is in use
+    gs.apply_batch(batch("a", 1, free=4, added=["r1"], acquired=h), now=0.2)
+    assert gs.workers["a"].predicted_blocks == 2 and gs._soon_in_use[gs.workers["a"].slot] == {}
+    assert gs.workers["a"].room_blocks == 4 - 2
+
+
+def test_snapshots_and_restored_copies_carry_what_is_in_use():
+    gs = scheduler()
+    h = hashes(PROMPT)
+    gs.apply_batch(batch("a", 0, stored=h), now=0.0)
+    gs.apply_batch(batch("a", 3, first_seq=3, released=h), now=0.1)  # a gap: the view waits for a snapshot
+    gs.apply_snapshot(KVSnapshot("a", 3, pack_hashes(h), 90, 100, 1, 0, 0, [], pack_hashes(h[:1])), now=0.2)
+    keys = routing_keys(pack_hashes(h))
+    assert gs.workers["a"].in_use == {keys[0]}
+    copy = scheduler()
+    copy.restore(gs.worker_states(), now=0.3)
+    assert copy.workers["a"].in_use == {keys[0]} and copy.keys_of("a") == set(keys)
 
 
 def test_index_holder_encoding_round_trips():

@@ -29,12 +29,23 @@ def run_prompt(kv: KVCacheManager, s: Sequence) -> None:
     kv.commit_step()
 
 
-def apply(view: set, batch: KVEventBatch) -> None:
-    """What a consumer does with a batch."""
+def apply(view: set, batch: KVEventBatch, in_use: set | None = None) -> None:
+    """What a consumer does with a batch: the cached hashes, and (``in_use``) those in use."""
     if batch.cleared:
         view.clear()
     view.difference_update(unpack_hashes(batch.removed))
     view.update(unpack_hashes(batch.stored))
+    if in_use is not None:
+        if batch.cleared:
+            in_use.clear()
+        in_use.difference_update(unpack_hashes(batch.removed))
+        in_use.update(unpack_hashes(batch.stored))
+        in_use.update(unpack_hashes(batch.acquired))
+        in_use.difference_update(unpack_hashes(batch.released))
+
+
+def in_use_of(pool: BlockPool) -> set:
+    return {h for h, block in pool.cached.items() if block.ref_cnt > 0}
 
 
 def test_stored_blocks_carry_parent_and_tokens_in_order():
@@ -144,6 +155,7 @@ def test_log_stays_bounded_without_a_consumer():
 def test_merge_equals_applying_each_batch():
     pool, kv, source = make(num_blocks=10)
     view_each: set = set()
+    in_use_each: set = set()
     batches = []
     live = []
     for i in range(12):
@@ -157,16 +169,19 @@ def test_merge_equals_applying_each_batch():
                 kv.free(live.pop())
             pool.reset_prefix_cache()
         batch = source.drain(KVLoad(num_running=i))
-        apply(view_each, batch)
+        apply(view_each, batch, in_use_each)
         batches.append(batch)
     assert any(b.cleared for b in batches[2:]) and any(b.removed for b in batches[2:])
     merged = merge_batches(batches[2:])
     assert (merged.first_seq, merged.seq, merged.num_running) == (2, 11, 11)
     view_merged: set = set()
+    in_use_merged: set = set()
     for b in batches[:2]:
-        apply(view_merged, b)
-    apply(view_merged, merged)
+        apply(view_merged, b, in_use_merged)
+    apply(view_merged, merged, in_use_merged)
     assert view_merged == view_each == set(pool.cached)
+    assert in_use_merged == in_use_each == in_use_of(pool) != set()
+    assert any(b.released for b in batches)
     # each stored hash still travels with its own parent and tokens
     for i, (h, parent) in enumerate(zip(unpack_hashes(merged.stored), unpack_hashes(merged.stored_parents))):
         assert hash_block(parent, unpack_token_ids(merged.stored_token_ids)[i * BLOCK:(i + 1) * BLOCK]) == h
@@ -185,9 +200,49 @@ def test_snapshot_lines_up_with_the_batch_numbers():
     assert snap.seq == batch.seq == 1  # the pending changes went into batch 1, which the snapshot covers
     assert unpack_hashes(batch.stored) == block_hashes(b.token_ids, BLOCK)
     assert set(unpack_hashes(snap.block_hashes)) == set(pool.cached)
+    assert set(unpack_hashes(snap.in_use_hashes)) == in_use_of(pool) == set(pool.cached)  # a and b still run
     assert (snap.num_free_blocks, snap.num_total_blocks, snap.num_running) == (2, 8, 2)
     after = source.drain(KVLoad())
     assert (after.seq, after.stored, after.removed) == (2, b"", b"")
     assert pack_hashes([]) == b""
     with pytest.raises(ValueError, match="multiple of 16"):
         unpack_hashes(b"abc")
+
+
+def test_a_cached_prefix_reports_idle_when_released_and_in_use_when_reused_by_another():
+    pool, kv, source = make()
+    a = seq(0, list(range(9)))  # 2 full blocks cached
+    run_prompt(kv, a)
+    prefix = block_hashes(a.token_ids, BLOCK)
+    first = source.drain(KVLoad())
+    assert unpack_hashes(first.stored) == prefix and (first.acquired, first.released) == (b"", b"")  # stored: in use
+    kv.free(a)
+    released = source.drain(KVLoad())
+    assert set(unpack_hashes(released.released)) == set(prefix) and released.acquired == b""
+    b = seq(1, list(range(8)) + [50, 51, 52])  # reuses both idle blocks
+    run_prompt(kv, b)
+    reused = source.drain(KVLoad())
+    assert set(unpack_hashes(reused.acquired)) == set(prefix) and reused.released == b""
+    c = seq(2, list(range(8)) + [60])  # shares them while b holds them: no change of state
+    run_prompt(kv, c)
+    assert (source.drain(KVLoad()).acquired, source.drain(KVLoad()).released) == (b"", b"")
+    kv.free(b)
+    kv.free(c)
+    view, in_use = set(), set()
+    for batch in (first, released, reused):
+        apply(view, batch, in_use)
+    apply(view, source.drain(KVLoad()), in_use)
+    assert in_use == in_use_of(pool) == set() and view == set(pool.cached)
+
+
+def test_released_and_reused_before_a_drain_nets_to_the_last_state():
+    pool, kv, source = make()
+    a = seq(0, list(range(9)))
+    run_prompt(kv, a)
+    source.drain(KVLoad())
+    kv.free(a)
+    b = seq(1, list(range(9)))
+    run_prompt(kv, b)  # released, then acquired again before anyone drained
+    batch = source.drain(KVLoad())
+    prefix = set(block_hashes(a.token_ids, BLOCK))
+    assert set(unpack_hashes(batch.acquired)) == prefix and batch.released == b""

@@ -65,8 +65,9 @@ class BlockPool:
     """All blocks of the KV pool. A block with ref_cnt 0 is free; if it still has a
     hash it is also a cached prefix until the queue hands it out again (evicted).
 
-    With an ``events`` log, every change to the set of cached hashes is recorded
-    there (for the global scheduler); without one, nothing is recorded."""
+    With an ``events`` log, every change to the set of cached hashes, and to
+    whether a cached block is in use or idle, is recorded there (for the global
+    scheduler); without one, nothing is recorded."""
 
     def __init__(self, num_blocks: int, enable_caching: bool = True, events: KVEventLog | None = None) -> None:
         if num_blocks < 1:
@@ -118,6 +119,8 @@ class BlockPool:
         for block in blocks:
             if block.ref_cnt == 0:
                 self.free_queue.remove(block)
+                if block.block_hash is not None and self.events is not None:
+                    self.events.acquired(block.block_hash)
             block.ref_cnt += 1
 
     def free(self, blocks: list[KVBlock]) -> None:
@@ -129,6 +132,8 @@ class BlockPool:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self.free_queue.append(block)
+                if block.block_hash is not None and self.events is not None:
+                    self.events.released(block.block_hash)
 
     def cache(self, block: KVBlock, block_hash: BlockHash, parent_hash: BlockHash | None = None,
               token_ids: Sequence[int] = ()) -> bool:
@@ -139,7 +144,9 @@ class BlockPool:
         block.block_hash = block_hash
         self.cached[block_hash] = block
         if self.events is not None:
-            self.events.stored(block_hash, parent_hash, token_ids)
+            self.events.stored(block_hash, parent_hash, token_ids)  # in use: a sequence holds it
+            if block.ref_cnt == 0:
+                self.events.released(block_hash)
         return True
 
     def uncache(self, block: KVBlock) -> None:

@@ -9,6 +9,13 @@ cached hashes plus those the last batch reported (at most two entries per
 block), however long nobody drains it. ``KVSnapshot`` is the whole state at a
 sequence number, for a scheduler that missed batches (a gap in the numbers).
 
+Besides which hashes are cached, the log says which of them are in use (held by
+a running sequence) and which are idle (free, evictable): a request that reuses
+an idle cached prefix takes those blocks out of the free count, one that shares
+a prefix in use does not, so a scheduler that counts room exactly needs both.
+A stored hash is in use; ``acquired`` and ``released`` report the changes after
+that, as the state each hash was last left in.
+
 Hashes travel packed (16 bytes each, concatenated): one bytes object per
 batch instead of one per block, so a batch pickles and unpickles at C speed.
 """
@@ -43,6 +50,8 @@ class KVEventBatch:
     num_waiting: int = 0
     num_reserved_blocks: int = 0  # blocks unfinished sequences will still take to reach max_tokens
     added: list[str] = field(default_factory=list)  # requests taken in since the previous batch
+    acquired: bytes = b""  # cached hashes now in use again (idle before), packed
+    released: bytes = b""  # cached hashes now idle (no sequence holds them), packed
 
     @property
     def num_stored(self) -> int:
@@ -66,6 +75,7 @@ class KVSnapshot:
     num_waiting: int
     num_reserved_blocks: int
     added: list[str] = field(default_factory=list)  # as in a batch: requests taken in since the previous one
+    in_use_hashes: bytes = b""  # the cached hashes a running sequence holds (the rest are idle)
 
 
 @dataclass(slots=True)
@@ -100,34 +110,49 @@ class KVEventLog:
 
     The pool guarantees a hash is cached at most once at a time, so for each
     hash the calls alternate stored/removed; that is what makes coalescing exact.
+    In-use changes are kept as the state each hash was last left in (setting a
+    state the consumer already has is harmless), dropped with the hash.
     """
 
-    __slots__ = ("_stored", "_removed", "_cleared")
+    __slots__ = ("_stored", "_removed", "_in_use", "_cleared")
 
     def __init__(self, cleared: bool = True) -> None:
         self._stored: dict[BlockHash, tuple[BlockHash, Sequence[int]]] = {}
         self._removed: dict[BlockHash, None] = {}  # an ordered set
+        self._in_use: dict[BlockHash, bool] = {}  # hash -> in use (True) or idle (False) now
         self._cleared = cleared  # a new pool is empty: its first batch tells the scheduler so
 
     def __len__(self) -> int:
-        return len(self._stored) + len(self._removed)
+        return len(self._stored) + len(self._removed) + len(self._in_use)
 
     def stored(self, block_hash: BlockHash, parent: BlockHash | None, token_ids: Sequence[int]) -> None:
         if block_hash in self._removed:
-            del self._removed[block_hash]  # removed and back again: the consumer's view is already right
+            del self._removed[block_hash]  # removed and back again: the consumer still has the hash,
+            self._in_use[block_hash] = True  # maybe as idle; it is in use now
         else:
             self._stored[block_hash] = (parent if parent is not None else ROOT_HASH, token_ids)
+            self._in_use.pop(block_hash, None)  # stored means in use
 
     def removed(self, block_hash: BlockHash) -> None:
+        self._in_use.pop(block_hash, None)
         if block_hash in self._stored:
             del self._stored[block_hash]  # never reported: nothing to take back
         else:
             self._removed[block_hash] = None
 
+    def acquired(self, block_hash: BlockHash) -> None:
+        """An idle cached hash is in use again (a request reuses it)."""
+        self._in_use[block_hash] = True
+
+    def released(self, block_hash: BlockHash) -> None:
+        """No sequence holds a cached hash any more: it is idle (free, evictable)."""
+        self._in_use[block_hash] = False
+
     def cleared(self) -> None:
         """The pool dropped every cached hash at once."""
         self._stored.clear()
         self._removed.clear()
+        self._in_use.clear()
         self._cleared = True
 
     def drain(self, worker_id: str, seq: int, num_free_blocks: int, num_total_blocks: int,
@@ -139,9 +164,12 @@ class KVEventLog:
             stored_token_ids=pack_token_ids([t for _, ids in self._stored.values() for t in ids]),
             removed=pack_hashes(self._removed),
             num_free_blocks=num_free_blocks, num_total_blocks=num_total_blocks, num_running=load.num_running,
-            num_waiting=load.num_waiting, num_reserved_blocks=load.num_reserved_blocks)
+            num_waiting=load.num_waiting, num_reserved_blocks=load.num_reserved_blocks,
+            acquired=pack_hashes(h for h, in_use in self._in_use.items() if in_use),
+            released=pack_hashes(h for h, in_use in self._in_use.items() if not in_use))
         self._stored = {}
         self._removed = {}
+        self._in_use = {}
         self._cleared = False
         return batch
 
@@ -166,12 +194,15 @@ def merge_batches(batches: Sequence[KVEventBatch]) -> KVEventBatch:
         for h in unpack_hashes(batch.removed):
             log.removed(h)
         n = batch.num_stored
-        if not n:
-            continue
-        token_ids = unpack_token_ids(batch.stored_token_ids)
-        block_size = len(token_ids) // n
-        for i, (h, parent) in enumerate(zip(unpack_hashes(batch.stored), unpack_hashes(batch.stored_parents))):
-            log.stored(h, parent, token_ids[i * block_size:(i + 1) * block_size])
+        if n:
+            token_ids = unpack_token_ids(batch.stored_token_ids)
+            block_size = len(token_ids) // n
+            for i, (h, parent) in enumerate(zip(unpack_hashes(batch.stored), unpack_hashes(batch.stored_parents))):
+                log.stored(h, parent, token_ids[i * block_size:(i + 1) * block_size])
+        for h in unpack_hashes(batch.acquired):  # the state each hash was left in: after its stored
+            log.acquired(h)
+        for h in unpack_hashes(batch.released):
+            log.released(h)
     last = batches[-1]
     merged = log.drain(first.worker_id, last.seq, last.num_free_blocks, last.num_total_blocks,
                        KVLoad(last.num_running, last.num_waiting, last.num_reserved_blocks))
@@ -209,6 +240,8 @@ class KVEventSource:
         That batch is returned too: it belongs in the stream like any other (a consumer holding
         the snapshot finds it stale, one that did not ask for the snapshot applies it)."""
         batch = self.drain(load)
-        return batch, KVSnapshot(self.worker_id, batch.seq, pack_hashes(self.pool.cached), self.pool.num_free,
+        cached = self.pool.cached
+        return batch, KVSnapshot(self.worker_id, batch.seq, pack_hashes(cached), self.pool.num_free,
                                  self.pool.num_blocks, load.num_running, load.num_waiting,
-                                 load.num_reserved_blocks, batch.added)
+                                 load.num_reserved_blocks, batch.added,
+                                 pack_hashes(h for h, block in cached.items() if block.ref_cnt > 0))

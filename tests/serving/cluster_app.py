@@ -105,6 +105,7 @@ def assert_views_equal_pools(scheduler) -> dict:
                 time.sleep(0.05)
             assert view.synced, name
             assert view.routing_keys == set(routing_keys(snap.block_hashes)), (name, worker_id)
+            assert view.in_use_keys == set(routing_keys(snap.in_use_hashes)) == set(), (name, worker_id)
             assert (view.num_free_blocks, view.num_total_blocks) == (snap.num_free_blocks, snap.num_total_blocks)
             assert snap.num_free_blocks == snap.num_total_blocks  # idle: every block is free (cached or not)
             if name == "actor":
