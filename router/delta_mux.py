@@ -6,8 +6,9 @@ A request registers its queue before it is sent (its first deltas can arrive bef
 ``Placed``), says where it was placed, and reads its queue (``read_deltas``), where the
 request's own stream also puts its ``Ended`` or its error (``watch``). The reader of a replica's
 channel runs while requests are placed there: it opens the channel again if the stream breaks
-(the replica keeps what was not taken) and stops once the replica is gone and its requests have
-failed on their own streams.
+(the replica keeps what was not taken) or ends (the replica closes a channel idle for a few
+seconds), and stops once no request of this ingress runs there: the replica is gone and its
+requests have failed on their own streams, or traffic stopped.
 """
 
 from __future__ import annotations

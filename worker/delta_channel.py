@@ -15,6 +15,9 @@ from typing import AsyncIterator
 
 from pagefleet.worker.outputs import RequestOutputDelta
 
+# A channel with no request for this long ends its stream.
+IDLE_CLOSE_S = 5.0
+
 
 class DeltaChannel:
     """Deltas waiting for the reader. One reader at a time: a new one takes over (the old one
@@ -40,15 +43,26 @@ class DeltaChannel:
         self.pending.append(delta)
         self._ready.set()
 
-    async def batches(self) -> AsyncIterator[list[RequestOutputDelta]]:
-        """The reader's stream: an empty list at once (attached), then one list per wake-up."""
+    async def batches(self, idle_close_s: float = IDLE_CLOSE_S) -> AsyncIterator[list[RequestOutputDelta]]:
+        """The reader's stream: an empty list at once (attached), then one list per wake-up.
+        It ends after ``idle_close_s`` with no request running and nothing pending: a replica
+        that Serve stops then waits for no call of its own (the caller opens the channel again
+        for its next request)."""
         token = object()
         self._reader = token
         self._ready.set()  # wakes a reader this one replaces, so it ends
         try:
             yield []
             while True:
-                await self._ready.wait()
+                if self.requests or self.pending:
+                    await self._ready.wait()
+                else:
+                    try:
+                        await asyncio.wait_for(self._ready.wait(), idle_close_s)
+                    except asyncio.TimeoutError:
+                        if not self.requests and not self.pending:
+                            return
+                        continue
                 if self._reader is not token:
                     return
                 self._ready.clear()

@@ -141,6 +141,26 @@ def test_a_new_reader_takes_over_and_gets_everything_not_yet_taken():
     asyncio.run(run())
 
 
+def test_a_channel_with_no_request_ends_its_stream_and_one_with_requests_does_not():
+    async def run():
+        channel = DeltaChannel()
+        idle = channel.batches(idle_close_s=0.05)
+        assert await idle.__anext__() == []
+        with pytest.raises(StopAsyncIteration):  # nothing ran for 50 ms: the stream ends
+            await idle.__anext__()
+        assert not channel.attached
+        channel.requests = 1
+        busy = channel.batches(idle_close_s=0.05)
+        assert await busy.__anext__() == []
+        waiting = asyncio.ensure_future(busy.__anext__())
+        await asyncio.sleep(0.15)
+        assert not waiting.done()  # a request runs there: the stream stays, however long its step
+        channel.put(_delta("a", 0))
+        assert await waiting == [_delta("a", 0)]
+
+    asyncio.run(run())
+
+
 class _Stream:
     """A channel stream stand-in: [] once attached, then what the test puts."""
 
@@ -154,6 +174,8 @@ class _Stream:
 
     async def __anext__(self):
         item = await self.items.get()
+        if item is None:  # the replica ended the stream (an idle channel)
+            raise StopAsyncIteration
         if isinstance(item, BaseException):
             raise item
         return item
@@ -231,6 +253,23 @@ def test_a_broken_channel_is_opened_again_while_requests_run_there_and_not_after
         opened[1][1].items.put_nowait(ConnectionError("the replica died"))
         await asyncio.sleep(0.3)
         assert len(opened) == 2 and mux._readers == {}  # nothing runs there: not opened again
+
+    asyncio.run(run())
+
+
+def test_a_channel_the_replica_closed_is_opened_again_at_once_for_a_request_placed_there():
+    async def run():
+        mux, opened = _mux()
+        mux.register("a")
+        mux.placed("a", "w0")
+        await _settle()
+        opened[0][1].items.put_nowait(None)
+        await _settle()
+        assert len(opened) == 2 and mux._readers  # no backoff: nothing broke
+        mux.release("a")
+        opened[1][1].items.put_nowait(None)
+        await _settle()
+        assert len(opened) == 2 and mux._readers == {}
 
     asyncio.run(run())
 
