@@ -13,6 +13,9 @@ Workload (seeded):
     blocks) and 30% prefill-like (32-128 new blocks, half of them starting with
     a shared system prompt the worker may already hold, which then stores only
     its tail); each batch evicts the worker's oldest chunks until the new blocks fit;
+    a prefix it already held is acquired (idle to in use), and the worker's
+    running requests (its last 16 chunks stored or acquired) end in order: what
+    drops out of them is released (in use to idle);
   * decisions: 2k-token prompts (128 blocks): 40% a popular system prompt plus
     a new question, 30% a conversation continuing on one worker (96 blocks it
     holds, 32 new), 30% nothing cached anywhere; each decision is recorded as a
@@ -52,6 +55,7 @@ PREFIX_BLOCKS = 32  # a 512-token system prompt
 NUM_PREFIXES = 4000
 SHARED_FRACTION = 0.2
 PROMPT_BLOCKS = 128  # 2k tokens
+RUNNING_CHUNKS = 16  # chunks a worker's running requests hold in use
 
 
 def rss_bytes() -> int:
@@ -70,6 +74,7 @@ class Fleet:
         self.caches: list[deque] = []
         self.held: list[set[int]] = []
         self.sizes: list[int] = []
+        self.running: list[deque] = [deque() for _ in range(num_workers)]  # chunks in use, oldest first
         self.seq = [0] * num_workers
         shared_per_worker = int(num_blocks * SHARED_FRACTION) // PREFIX_BLOCKS
         for _ in range(num_workers):
@@ -97,6 +102,7 @@ class Fleet:
     def step_batch(self, w: int) -> KVEventBatch:
         rng = self.rng
         stored = []
+        acquired = []
         if rng.random() < 0.7:
             stored.append((os.urandom(rng.randint(4, 16) * HASH_SIZE), None))
         else:
@@ -105,8 +111,14 @@ class Fleet:
                 p = self.popular_prefix()
                 if p not in self.held[w]:
                     stored.append((self.prefixes[p], p))
+                else:
+                    acquired.append(self.prefixes[p])
                 n -= PREFIX_BLOCKS
             stored.append((os.urandom(n * HASH_SIZE), None))
+        running = self.running[w]
+        running.extend(acquired)
+        running.extend(chunk for chunk, _ in stored)
+        released = [running.popleft() for _ in range(len(running) - RUNNING_CHUNKS)]
         num_new = sum(len(c) for c, _ in stored) // HASH_SIZE
         removed = []
         cache = self.caches[w]
@@ -129,7 +141,8 @@ class Fleet:
         return KVEventBatch(f"w{w}", self.seq[w], self.seq[w], False, blob, parents, tokens, b"".join(removed),
                             num_free_blocks=rng.randint(0, 4000), num_total_blocks=self.num_blocks,
                             num_running=rng.randint(8, 64), num_waiting=rng.randint(0, 8),
-                            num_reserved_blocks=rng.randint(0, 3000))
+                            num_reserved_blocks=rng.randint(0, 3000), acquired=b"".join(acquired),
+                            released=b"".join(released))
 
     def prompt(self, rid: int) -> RouteRequest:
         rng = self.rng
@@ -144,6 +157,11 @@ class Fleet:
             head = b""
         blob = head + os.urandom((PROMPT_BLOCKS - len(head) // HASH_SIZE) * HASH_SIZE)
         return RouteRequest(f"r{rid}", blob, num_blocks=PROMPT_BLOCKS + 4)
+
+
+def num_events(b: KVEventBatch) -> int:
+    """Hashes the batch reports: stored, removed, acquired, released."""
+    return (len(b.stored) + len(b.removed) + len(b.acquired) + len(b.released)) // HASH_SIZE
 
 
 def percentile(sorted_values: list[float], q: float) -> float:
@@ -187,8 +205,8 @@ def main() -> None:
     batches = [fleet.step_batch(rng.randrange(args.workers)) for _ in range(args.batches)]
     half = len(batches) // 2
     direct, wire = batches[:half], [pickle.dumps(b, protocol=5) for b in batches[half:]]
-    direct_events = sum(b.num_stored + b.num_removed for b in direct)
-    wire_events = sum(b.num_stored + b.num_removed for b in batches[half:])
+    direct_events = sum(map(num_events, direct))
+    wire_events = sum(map(num_events, batches[half:]))
     del batches
     t0, c0 = time.perf_counter(), time.thread_time()
     for b in direct:

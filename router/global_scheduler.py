@@ -329,13 +329,19 @@ class GlobalScheduler:
         rows = [((v.room_blocks is not None and v.room_blocks < need), full_cost + v.load_blocks, v.load_blocks,
                  v.queued, v.worker_id, 0) for v in views if v.slot not in matched]
         slots = self._by_slot if candidates is None else {v.slot: v for v in views}
-        idle_of: dict[str, list[int]] = {}
         for slot, cached in matched.items():
             v = slots.get(slot)
             if v is not None:
-                idle = idle_of[v.worker_id] = self._idle_keys(v, keys, cached)
-                rows.append(((v.room_blocks is not None and v.room_blocks < need - cached + len(idle)),
-                             weight * (num_keys - cached) + v.load_blocks, v.load_blocks, v.queued, v.worker_id,
+                room = v.room_blocks
+                # It needs room for its new blocks and the idle ones of its prefix: look the
+                # idle ones up only where the answer depends on them.
+                if room is None or room >= need:
+                    full = False
+                elif room < need - cached:
+                    full = True
+                else:
+                    full = room < need - cached + len(self._idle_keys(v, keys, cached))
+                rows.append((full, weight * (num_keys - cached) + v.load_blocks, v.load_blocks, v.queued, v.worker_id,
                              cached))
         best = heapq.nsmallest(self.max_ranked, rows)
         admitted = not best[0][0]
@@ -351,7 +357,7 @@ class GlobalScheduler:
             # It will compute the rest of the prompt there and take the idle blocks of its prefix:
             # both are predicted in use (a request close behind finds them taken, not idle).
             view = self.workers[first.worker_id]
-            idle = idle_of.get(first.worker_id, [])
+            idle = self._idle_keys(view, keys, first.cached_blocks)
             self._add_prediction(_Prediction(req.request_id, view.worker_id, view.slot, now + self.prediction_ttl_s,
                                              keys[first.cached_blocks:], max(need - first.cached_blocks, 0) + len(idle),
                                              idle))
