@@ -120,6 +120,9 @@ def check_engine(run) -> None:  # run: gpu_check.Run
                 run.emit("engine_step_profile", kernels=choice,
                          **_step_profile(llm, SamplingParams, prompts[0]["prompt_token_ids"][:single_prompt], run,
                                          steps=min(8, single_output - 2)))
+                run.emit("engine_decode_graph_probe", kernels=choice,
+                         **_graph_probe(llm, run, context=min(single_prompt + single_output // 2,
+                                                              single_prompt + single_output - 1)))
 
 
 def _single_stream(llm, sampling_params_cls, prompt: list[int], output_len: int, name: str) -> float:
@@ -168,6 +171,56 @@ def _step_profile(llm, sampling_params_cls, prompt: list[int], run, steps: int) 
             "kernel_launches_per_step": round(sum(len(v) for v in kernels.values()) / steps, 1),
             "top_kernels": [{"name": name[:80], "ms_per_step": round(sum(v) / steps / 1e3, 3),
                              "launches_per_step": round(len(v) / steps, 1)} for name, v in top]}
+
+
+def _graph_probe(llm, run, context: int, iters: int = 20) -> dict:
+    """The model's forward pass for one decode row at ``context`` tokens, eagerly and replayed as
+    a CUDA graph (the same kernels on the same static tensors): milliseconds of each and whether
+    their outputs are equal. What capturing decode steps would save; the engine does not yet.
+    The step writes its KV into the pool's first blocks: run it with no request in flight."""
+    from pagefleet.worker.model_runner import _synthetic_step
+
+    runner = llm.engine.executor.runner
+    with torch.inference_mode():  # as the engine builds them (its planner's buffers are inference tensors)
+        input_ids, positions, meta, _ = runner._tensors(_synthetic_step([(1, context)], runner.block_size))
+
+    def forward():
+        return runner.model(input_ids, positions, meta, runner.kv_caches)
+
+    def ms_per_call(fn) -> float:
+        fn()
+        run.sync()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        run.sync()
+        return (time.perf_counter() - t0) / iters * 1e3
+
+    with torch.inference_mode():
+        eager = forward().clone()
+        eager_ms = ms_per_call(forward)
+        if run.device.type != "cuda":
+            return {"context": context, "eager_forward_ms": round(eager_ms, 3), "graph_replay_ms": None,
+                    "outputs_equal": None, "note": "CUDA graphs need a CUDA device"}
+        try:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # warm-up off the default stream, as capture requires
+                for _ in range(2):
+                    forward()
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                captured = forward()
+            graph.replay()
+            run.sync()
+        except Exception as e:  # what stops a capture is the finding; the section goes on
+            return {"context": context, "eager_forward_ms": round(eager_ms, 3), "graph_replay_ms": None,
+                    "outputs_equal": None, "capture_error": f"{type(e).__name__}: {str(e)[:300]}"}
+        equal = bool(torch.equal(captured, eager))
+        graph_ms = ms_per_call(graph.replay)
+    return {"context": context, "eager_forward_ms": round(eager_ms, 3), "graph_replay_ms": round(graph_ms, 3),
+            "speedup": round(eager_ms / graph_ms, 2), "outputs_equal": equal}
 
 
 @contextlib.contextmanager

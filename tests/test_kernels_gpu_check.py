@@ -52,3 +52,5 @@ def test_gpu_check_dry_run_prints_every_result():
     # on CPU no device kernel is seen: the whole step is host time
     assert (profile["steps"], profile["device_kernel_ms_per_step"], profile["kernel_launches_per_step"]) == (4, 0, 0)
     assert profile["wall_ms_per_step"] > 0 and profile["top_kernels"] == []
+    (probe,) = by_check["engine_decode_graph_probe"]
+    assert probe["eager_forward_ms"] > 0 and (probe["graph_replay_ms"], probe["outputs_equal"]) == (None, None)
