@@ -116,11 +116,15 @@ class HandleWorkerClient:
                     placed = await response.__anext__()
                     if not isinstance(placed, Placed):
                         raise TypeError(f"a worker answered {type(placed).__name__}, not Placed")
-                    self.mux.placed(job.request_id, placed.replica_id)
-                    watcher = asyncio.ensure_future(watch(response, q))
-                    self._watchers.add(watcher)
-                    watcher.add_done_callback(self._watchers.discard)
-                    async for delta in read_deltas(q):
+                    self.mux.placed(job.request_id, placed.replica_id)  # its channel is opened if need be
+                    if placed.on_channel:
+                        watcher = asyncio.ensure_future(watch(response, q))
+                        self._watchers.add(watcher)
+                        watcher.add_done_callback(self._watchers.discard)
+                        source = read_deltas(q)
+                    else:  # no channel was attached there yet: the deltas follow on this stream
+                        source = response
+                    async for delta in source:
                         if not started and self.kv is not None:
                             self.kv.record_realised(delta.num_cached_tokens)
                         started = True

@@ -80,9 +80,10 @@ class WorkerReplica:
 
     async def generate(self, request: WorkerRequest) -> AsyncIterator[RequestOutputDelta | Placed | Ended]:
         """Streams one delta per engine step, or with ``request.channel`` puts them on that channel
-        and streams ``Placed`` then ``Ended`` (``worker_request``). When the caller cancels (a
-        client hung up), Serve cancels this generator and the engine aborts the request and frees
-        its blocks."""
+        and streams ``Placed`` then ``Ended`` (``worker_request``; with no reader attached to the
+        channel, ``Placed(on_channel=False)`` then the deltas). When the caller cancels (a client
+        hung up), Serve cancels this generator and the engine aborts the request and frees its
+        blocks."""
         self._start_publishing()
         self.num_requests_total += 1
         hashes = unpack_hashes(request.block_hashes) if request.block_hashes else None
@@ -92,7 +93,12 @@ class WorkerReplica:
             async for delta in deltas:
                 yield delta
             return
-        channel = self._channels.setdefault(request.channel, DeltaChannel())
+        channel = self._channels.get(request.channel)
+        if channel is None or not channel.attached:  # nobody reads it yet: this stream carries them
+            yield Placed(self.replica_id, on_channel=False)
+            async for delta in deltas:
+                yield delta
+            return
         channel.requests += 1
         try:
             yield Placed(self.replica_id)

@@ -4,7 +4,9 @@ A request goes to a replica as a ``WorkerRequest``. Without a ``channel`` its Se
 carries its deltas, one item per engine step. With one (what the ingress does), the replica
 puts its deltas on that ingress's ``channel`` instead (one Serve stream per (ingress, replica)
 carrying every request's deltas of a step as one item: ``worker.delta_channel``), and the
-request's own stream carries only a ``Placed`` first and an ``Ended`` last, or an error.
+request's own stream carries only a ``Placed`` first and an ``Ended`` last, or an error; a
+request that starts while no reader is attached to the channel keeps its deltas on its own
+stream, after its ``Placed``.
 """
 
 from __future__ import annotations
@@ -32,10 +34,13 @@ class WorkerRequest:
 
 @dataclass(slots=True)
 class Placed:
-    """A channel request's first item: which replica runs it (its deltas arrive on that replica's
-    channel)."""
+    """A channel request's first item: which replica runs it, and whether its deltas arrive on
+    that replica's channel (``on_channel``) or follow on this stream (no reader was attached to
+    the channel when the request started: the caller's first request there, or a channel that
+    could not attach yet because the replica is full)."""
 
     replica_id: str
+    on_channel: bool = True
 
 
 @dataclass(slots=True)

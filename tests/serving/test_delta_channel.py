@@ -98,19 +98,38 @@ def test_without_a_channel_the_request_stream_carries_its_deltas():
 def test_a_cancelled_channel_request_is_aborted_at_once_and_leaves_nothing():
     async def run():
         replica = WorkerReplica(EngineArgs(), engine_factory=SteppedEngine)
+        channel = replica.channel(ChannelOpen("c1", "local"))
+        assert await channel.__anext__() == []
         gen = replica.generate(_request("a", 3))
         assert await gen.__anext__() == Placed("local")
         replica.engine.steps[0].set()
         pending = asyncio.ensure_future(gen.__anext__())
         await _settle()
-        assert replica._channels["c1"].pending[0].sequences[0].token_ids == [0]  # queued, no reader yet
+        assert replica._channels["c1"].pending[0].sequences[0].token_ids == [0]  # queued for the reader
         pending.cancel()  # what Serve does when the ingress cancels the request
         with pytest.raises(asyncio.CancelledError):
             await pending
+        assert replica.engine.closed == ["a"] and replica._channels["c1"].requests == 0
+        await channel.aclose()
         return replica
 
     replica = asyncio.run(run())
-    assert replica.engine.closed == ["a"] and replica._channels == {}
+    assert replica._channels == {}
+
+
+def test_a_request_that_starts_with_no_reader_attached_streams_its_own_deltas():
+    # the caller's first request there, or a channel that cannot attach while the replica is full
+    async def run():
+        replica = WorkerReplica(EngineArgs(), engine_factory=SteppedEngine)
+        for step in replica.engine.steps:
+            step.set()
+        items = [item async for item in replica.generate(_request("a", 2))]
+        return replica, items
+
+    replica, items = asyncio.run(run())
+    assert items[0] == Placed("local", on_channel=False)
+    assert [d.sequences[0].token_ids for d in items[1:]] == [[0], [1]] and items[-1].finished
+    assert replica._channels == {}
 
 
 def test_a_channel_meant_for_another_replica_is_refused():

@@ -94,9 +94,22 @@ class _Response:
         self.cancelled = True
 
 
+class _OwnStreamResponse(_Response):
+    """A request that started before the caller's channel was attached: its deltas follow its
+    ``Placed(on_channel=False)`` on its own stream."""
+
+    async def _run(self):
+        yield Placed("w0", on_channel=False)
+        for d in self.deltas:
+            await asyncio.sleep(0)
+            yield d
+        if self.fail is not None:
+            raise self.fail
+
+
 class _ChannelStream:
     def __init__(self, channel):
-        self._items = channel.batches()
+        self._items = channel.batches(idle_close_s=0.05)  # a test channel closes at once when idle
 
     def __aiter__(self):
         return self
@@ -181,3 +194,18 @@ def test_retries_are_bounded():
     with pytest.raises(Exception) as failed:
         asyncio.run(_collect(HandleWorkerClient(handle)))
     assert failed.value.status_code == 503 and len(handle.sent) == 3
+
+
+def test_a_request_placed_before_a_channel_was_attached_reads_its_own_stream():
+    handle = _Handle([_OwnStreamResponse([_delta(1, False), _delta(2, True)])])
+    client = HandleWorkerClient(handle)
+    deltas = asyncio.run(_collect(client))
+    assert [d.sequences[0].token_ids for d in deltas] == [[1], [2]] and client.mux.counters.deltas == 0
+
+
+def test_own_stream_requests_fail_and_retry_like_channel_ones():
+    dead = _OwnStreamResponse([], ray_exceptions.ActorDiedError())
+    good = _OwnStreamResponse([_delta(5, True)])
+    handle = _Handle([dead, good])
+    assert [d.sequences[0].token_ids for d in asyncio.run(_collect(HandleWorkerClient(handle)))] == [[5]]
+    assert len(handle.sent) == 2 and dead.cancelled
