@@ -62,6 +62,9 @@ class ChannelMux:
     def register(self, request_id: str) -> asyncio.Queue:
         if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is already running")
+        return self._new_queue(request_id)
+
+    def _new_queue(self, request_id: str) -> asyncio.Queue:
         q: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = q
         return q
@@ -73,9 +76,7 @@ class ChannelMux:
         if replica_id is not None:
             self._left.setdefault(request_id, set()).add(replica_id)
         self._unplace(request_id)
-        q: asyncio.Queue = asyncio.Queue()
-        self._queues[request_id] = q
-        return q
+        return self._new_queue(request_id)
 
     def placed(self, request_id: str, replica_id: str) -> None:
         """The request runs on ``replica_id``: its channel is read from now on."""

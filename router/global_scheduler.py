@@ -397,24 +397,25 @@ class GlobalScheduler:
             view.refresh()
         pred.blocks = 0
         if pred.idle_keys:  # from now on the worker's own events say what it holds in use
-            soon = self._soon_in_use[pred.slot]
-            soon.subtract(pred.idle_keys)
-            for key in pred.idle_keys:
-                if soon.get(key) == 0:
-                    del soon[key]
+            _uncount(self._soon_in_use[pred.slot], pred.idle_keys)
             pred.idle_keys = []
 
     def _end_prediction(self, pred: _Prediction) -> None:
         self._predictions.pop(pred.request_id, None)
         self._release_blocks(pred)
-        refs, mask = self._predicted_refs[pred.slot], self._predicted_mask
-        refs.subtract(pred.keys)
-        bit = 1 << pred.slot
-        for key in pred.keys:
-            if refs.get(key) == 0:  # the last prediction of this key on this slot
-                del refs[key]
-                rest = mask[key] & ~bit
-                if rest:
-                    mask[key] = rest
-                else:
-                    del mask[key]
+        mask, bit = self._predicted_mask, 1 << pred.slot
+        for key in _uncount(self._predicted_refs[pred.slot], pred.keys):  # its last prediction on this slot
+            rest = mask[key] & ~bit
+            if rest:
+                mask[key] = rest
+            else:
+                del mask[key]
+
+
+def _uncount(counter: Counter, keys: list[int]) -> list[int]:
+    """Take one count of each key off ``counter``; the keys that reach zero leave it and are returned."""
+    counter.subtract(keys)
+    gone = [key for key in dict.fromkeys(keys) if counter[key] == 0]
+    for key in gone:
+        del counter[key]
+    return gone

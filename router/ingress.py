@@ -113,18 +113,7 @@ class HandleWorkerClient:
                     q = self.mux.retry(job.request_id)
                 try:
                     response = self._stream.remote(request)  # may refuse at once: Serve's queue is full
-                    placed = await response.__anext__()
-                    if not isinstance(placed, Placed):
-                        raise TypeError(f"a worker answered {type(placed).__name__}, not Placed")
-                    self.mux.placed(job.request_id, placed.replica_id)  # its channel is opened if need be
-                    if placed.on_channel:
-                        watcher = asyncio.ensure_future(watch(response, q))
-                        self._watchers.add(watcher)
-                        watcher.add_done_callback(self._watchers.discard)
-                        source = read_deltas(q)
-                    else:  # no channel was attached there yet: the deltas follow on this stream
-                        source = response
-                    async for delta in source:
+                    async for delta in await self._placed(job.request_id, response, q):
                         if not started and self.kv is not None:
                             self.kv.record_realised(delta.num_cached_tokens)
                         started = True
@@ -146,6 +135,20 @@ class HandleWorkerClient:
                             response.cancel()
         finally:
             self.mux.release(job.request_id)
+
+    async def _placed(self, request_id: str, response: Any, q: asyncio.Queue) -> AsyncIterator[RequestOutputDelta]:
+        """Where a sent request's deltas come from, once its ``Placed`` says: its queue, fed by the
+        replica's channel (and by ``watch`` with its ``Ended`` or error), or its own stream."""
+        placed = await response.__anext__()
+        if not isinstance(placed, Placed):
+            raise TypeError(f"a worker answered {type(placed).__name__}, not Placed")
+        self.mux.placed(request_id, placed.replica_id)  # its channel is opened if need be
+        if not placed.on_channel:  # no channel was attached there yet: the deltas follow on this stream
+            return response
+        watcher = asyncio.ensure_future(watch(response, q))
+        self._watchers.add(watcher)
+        watcher.add_done_callback(self._watchers.discard)
+        return read_deltas(q)
 
     async def check_health(self) -> None:
         await self._health.check()

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import random
 from collections import Counter
-from typing import Any, List, Optional
+from typing import Any, List, Optional, TypeVar
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
@@ -44,20 +44,23 @@ from pagefleet.worker.stats import ReplicaStats
 from pagefleet.worker.worker_request import ChannelOpen, WorkerRequest
 
 _MODULE = "pagefleet.router.request_router"
+T = TypeVar("T")
+
+
+def _argument(pending_request: Optional[PendingRequest], kind: type[T]) -> T | None:
+    """The call's argument if it is a ``kind`` (a ``WorkerRequest``, a ``ChannelOpen``), else None."""
+    if pending_request is None or not pending_request.args:
+        return None
+    arg = pending_request.args[0]
+    return arg if isinstance(arg, kind) else None
 
 
 def _worker_request(pending_request: Optional[PendingRequest]) -> WorkerRequest | None:
-    if pending_request is None or not pending_request.args:
-        return None
-    request = pending_request.args[0]
-    return request if isinstance(request, WorkerRequest) else None
+    return _argument(pending_request, WorkerRequest)
 
 
 def _channel_open(pending_request: Optional[PendingRequest]) -> ChannelOpen | None:
-    if pending_request is None or not pending_request.args:
-        return None
-    request = pending_request.args[0]
-    return request if isinstance(request, ChannelOpen) else None
+    return _argument(pending_request, ChannelOpen)
 
 
 class _PagefleetRouter(FIFOMixin, RequestRouter):

@@ -89,13 +89,10 @@ class WorkerReplica:
         hashes = unpack_hashes(request.block_hashes) if request.block_hashes else None
         deltas = self.engine.generate(request.request_id, request.prompt_token_ids, request.params,
                                       request.extra_keys, hashes)
-        if request.channel is None:
-            async for delta in deltas:
-                yield delta
-            return
-        channel = self._channels.get(request.channel)
-        if channel is None or not channel.attached:  # nobody reads it yet: this stream carries them
-            yield Placed(self.replica_id, on_channel=False)
+        channel = None if request.channel is None else self._channels.get(request.channel)
+        if channel is None or not channel.attached:  # no channel, or nobody reads it yet: this stream
+            if request.channel is not None:
+                yield Placed(self.replica_id, on_channel=False)
             async for delta in deltas:
                 yield delta
             return
