@@ -26,7 +26,9 @@ PERCENTILES = [50.0, 99.0]
 
 
 def run(engine: LLMEngine, prompts: list[list[int]], output_len: int, concurrency: int) -> dict:
-    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    # The servers' default sampling (temperature 1.0): neither `pagefleet bench` nor `vllm bench serve`
+    # sends a temperature unless told, so the engine alone does the same work as the servers.
+    params = SamplingParams(max_tokens=output_len, ignore_eos=True)
     results = [RequestResult() for _ in prompts]
     last_chunk: dict[int, float] = {}
     waiting = list(range(len(prompts)))[::-1]

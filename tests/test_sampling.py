@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from pagefleet.worker import LLM, SamplingParams
-from pagefleet.worker.sampler import mask_to_support
+from pagefleet.worker.sampler import Sampler, mask_to_support
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +42,27 @@ def test_top_k_top_p_min_p_keep_exactly_the_reference_support(k, p, min_p):
         kept = set(torch.nonzero(torch.isfinite(masked[row])).flatten().tolist())
         assert kept == reference_support(logits[row], k, p, min_p)
         assert torch.equal(masked[row][list(kept)], logits[row][list(kept)])  # survivors untouched
+
+
+@pytest.mark.parametrize("temperature,top_k", [(1.0, 0), (0.5, 0), (1.0, 2)])
+def test_random_draws_follow_the_distribution_and_never_leave_the_support(temperature, top_k):
+    logits = torch.tensor([0.0, 1.0, 2.0, float("-inf"), 0.5])
+    rows = 40_000
+    params = SamplingParams(temperature=temperature, top_k=top_k)
+    seqs = [SimpleNamespace(params=params, generator=None) for _ in range(rows)]
+    torch.manual_seed(0)
+    drawn = Sampler(eos_token_ids=(4,))(logits.repeat(rows, 1), seqs).token_ids
+    expected = (logits / temperature).softmax(dim=0)
+    if top_k:  # the two most likely tokens alone, in their own proportion
+        expected = torch.where(logits >= 1.0, expected, 0.0)
+        expected /= expected.sum()
+    counts = torch.bincount(torch.tensor(drawn), minlength=5).double()
+    for tok in range(5):
+        if expected[tok] == 0:
+            assert counts[tok] == 0, f"token {tok} has probability 0 and was drawn {int(counts[tok])} times"
+        else:  # binomial: within 5 standard deviations of rows * p
+            p = float(expected[tok])
+            assert abs(counts[tok] - rows * p) <= 5 * (rows * p * (1 - p)) ** 0.5, (tok, counts.tolist(), p)
 
 
 def test_same_seed_same_tokens_in_any_batch_composition(llm):
