@@ -240,7 +240,8 @@ def deploy(policy: str, ckpt: Path, args: argparse.Namespace) -> str:
     return app
 
 
-def summarize(policy: str, normal: Phase, overload: Phase, oracle: float, routing, admission, mirror) -> dict:
+def summarize(policy: str, normal: Phase, overload: Phase, oracle: float, routing, admission, mirror,
+              view=None) -> dict:
     def delta(phase: Phase, key: str) -> int:
         return phase.counters_after[key] - phase.counters_before[key]
 
@@ -280,6 +281,9 @@ def summarize(policy: str, normal: Phase, overload: Phase, oracle: float, routin
     if mirror is not None:
         line["mirror"] = {"updates": mirror.updates, "entries": mirror.entries, "resyncs": mirror.resyncs,
                           "failed_polls": mirror.failed_polls}
+    if view is not None:  # the ingress's copy: how its predictions ended
+        line["predictions"] = {"confirmed": view.predictions_confirmed, "expired": view.predictions_expired,
+                               "decisions_without_room": view.decisions_without_room}
     return line
 
 
@@ -326,13 +330,14 @@ def main() -> None:
         normal = run_phase(app, base, model, work, args.load * capacity, args.normal_s, args.timeout_s)
         overload = run_phase(app, base, model, work, 3 * capacity, args.overload_s, args.timeout_s)
         oracle = oracle_hit_rate(normal.results, set())
-        routing = admission = mirror = None
+        routing = admission = mirror = view = None
         if policy == "kv":
             ingress = serve.get_deployment_handle("OpenAIIngress", app)
             routing = ingress.routing_counters.remote().result()
             admission = ingress.admission_counters.remote().result()
             mirror = ingress.mirror_counters.remote().result()
-        line = summarize(policy, normal, overload, oracle, routing, admission, mirror)
+            view = ingress.view_counters.remote().result()
+        line = summarize(policy, normal, overload, oracle, routing, admission, mirror, view)
         line.update(capacity_requests_per_s=round(capacity, 2), normal_rate=round(args.load * capacity, 2),
                     overload_rate=round(3 * capacity, 2), loadavg_1m=round(os.getloadavg()[0], 2))
         print(json.dumps(line), flush=True)

@@ -21,10 +21,11 @@ predicted for requests just routed to it. A worker has room when its free
 blocks, less what is committed or predicted, cover what the request takes out
 of them: its new blocks, plus the blocks of its cached prefix that are idle
 (free but cached: reusing them takes them out of the free count too; a prefix
-some running sequence holds is shared at no cost). Which cached blocks are in
-use comes from the workers' events like the rest. Workers without room rank
-only when no worker has room, and then the request is not admitted (admission
-control holds it at the router).
+some running sequence holds is shared at no cost, unless its holders end
+before the request starts: then it counts as taken from that batch on). Which
+cached blocks are in use comes from the workers' events like the rest.
+Workers without room rank only when no worker has room, and then the request
+is not admitted (admission control holds it at the router).
 Predicted blocks end when the worker reports the request taken in; predicted
 prefix entries (so a burst with one prefix keeps to one worker) end after
 ``prediction_ttl_s``.
@@ -127,7 +128,7 @@ class SchedulerCounters:
     decisions: int = 0
     decisions_without_room: int = 0
     predictions_confirmed: int = 0
-    predictions_expired: int = 0
+    predictions_expired: int = 0  # ran out before the worker reported the request
 
 
 @dataclass(slots=True)
@@ -139,6 +140,9 @@ class _Prediction:
     keys: list[int]  # the prompt's keys it will compute there
     blocks: int  # 0 once the worker confirmed it took the request
     idle_keys: list[int] = field(default_factory=list)  # idle cached keys it will take; [] once confirmed
+    # cached keys in use when it was routed (shared at no cost while they stay in use); one that
+    # goes idle or leaves the cache before the worker confirms the request becomes a block it takes
+    shared_keys: list[int] = field(default_factory=list)
 
 
 class GlobalScheduler:
@@ -164,6 +168,7 @@ class GlobalScheduler:
         self._predicted_mask: dict[int, int] = {}  # routing key -> slots predicted to hold it
         self._predicted_refs: dict[int, Counter] = {}  # slot -> routing key -> predictions saying so
         self._soon_in_use: dict[int, Counter] = {}  # slot -> idle key -> unconfirmed predictions taking it
+        self._sharing: dict[int, dict[int, list[_Prediction]]] = {}  # slot -> key in use -> predictions sharing it
 
     # ---- workers -----------------------------------------------------------------------------
 
@@ -204,8 +209,9 @@ class GlobalScheduler:
             pred = next(iter(self._predictions.values()))
             if pred.expires > now:
                 break
+            if pred.blocks:  # the worker never reported the request
+                self.counters.predictions_expired += 1
             self._end_prediction(pred)
-            self.counters.predictions_expired += 1
         return dropped
 
     def _report(self, view: WorkerView, b: KVEventBatch | KVSnapshot, now: float) -> None:
@@ -253,6 +259,8 @@ class GlobalScheduler:
             in_use.update(routing_keys(batch.acquired))
         if batch.released:
             in_use.difference_update(routing_keys(batch.released))
+        if (batch.removed or batch.released or batch.cleared) and self._sharing.get(view.slot):
+            self._stop_sharing(view, [k for k in self._sharing[view.slot] if k not in in_use])
         view.seq = batch.seq
         self.counters.batches += 1
         self.counters.block_events += (batch.num_removed + batch.num_stored
@@ -273,6 +281,7 @@ class GlobalScheduler:
         self.index.replace(view.slot, routing_keys(snap.block_hashes))
         view.in_use = set(routing_keys(snap.in_use_hashes))
         self._report(view, snap, now)
+        self._stop_sharing(view, [k for k in self._sharing.get(view.slot, ()) if k not in view.in_use])
         view.seq = snap.seq
         view.synced = True
         view.snapshot_asked_at = None
@@ -301,6 +310,7 @@ class GlobalScheduler:
             view.num_running, view.num_waiting = state.num_running, state.num_waiting
             view.num_reserved_blocks = state.num_reserved_blocks
             view.refresh()
+            self._stop_sharing(view, [k for k in self._sharing.get(view.slot, ()) if k not in view.in_use])
 
     def keys_of(self, worker_id: str) -> set[int] | None:
         """The routing keys the scheduler believes the worker holds (None: unknown worker)."""
@@ -357,10 +367,12 @@ class GlobalScheduler:
             # It will compute the rest of the prompt there and take the idle blocks of its prefix:
             # both are predicted in use (a request close behind finds them taken, not idle).
             view = self.workers[first.worker_id]
+            cached = keys[:first.cached_blocks]
             idle = self._idle_keys(view, keys, first.cached_blocks)
+            shared = list(set(cached).difference(idle)) if len(idle) < len(cached) else []
             self._add_prediction(_Prediction(req.request_id, view.worker_id, view.slot, now + self.prediction_ttl_s,
                                              keys[first.cached_blocks:], max(need - first.cached_blocks, 0) + len(idle),
-                                             idle))
+                                             idle, shared))
         return RouteDecision([s.worker_id for s in scores], admitted, reason, first.cached_blocks, scores)
 
     def _idle_keys(self, view: WorkerView, keys: list[int], cached: int) -> list[int]:
@@ -382,6 +394,10 @@ class GlobalScheduler:
         view.refresh()
         if pred.idle_keys:
             self._soon_in_use.setdefault(pred.slot, Counter()).update(pred.idle_keys)
+        if pred.shared_keys:
+            sharing = self._sharing.setdefault(pred.slot, {})
+            for key in pred.shared_keys:
+                sharing.setdefault(key, []).append(pred)
         refs = self._predicted_refs.setdefault(pred.slot, Counter())
         first_time = set(pred.keys).difference(refs)
         refs.update(pred.keys)
@@ -399,6 +415,38 @@ class GlobalScheduler:
         if pred.idle_keys:  # from now on the worker's own events say what it holds in use
             _uncount(self._soon_in_use[pred.slot], pred.idle_keys)
             pred.idle_keys = []
+        if pred.shared_keys:
+            sharing = self._sharing[pred.slot]
+            for key in pred.shared_keys:
+                sharers = sharing[key]
+                sharers.remove(pred)
+                if not sharers:
+                    del sharing[key]
+            pred.shared_keys = []
+
+    def _stop_sharing(self, view: WorkerView, keys: Collection[int]) -> None:
+        """Keys of ``view`` that are no longer in use (idle, or gone from its cache): a request
+        routed there to share one will take a block for it out of the free count after all (the
+        idle block itself, or a new one to compute it again). The first of them takes it; the
+        rest share it again (it is about to be in use)."""
+        sharing = self._sharing.get(view.slot)
+        if not sharing:
+            return
+        soon = None
+        for key in keys:
+            sharers = sharing.pop(key, None)
+            if sharers is None:
+                continue
+            for pred in sharers:
+                pred.shared_keys.remove(key)
+            taker = sharers[0]
+            taker.blocks += 1
+            view.predicted_blocks += 1
+            if self.index.holds(view.slot, key):  # idle there: taken, so nobody else counts it idle
+                taker.idle_keys.append(key)
+                soon = soon if soon is not None else self._soon_in_use.setdefault(view.slot, Counter())
+                soon[key] += 1
+        view.refresh()
 
     def _end_prediction(self, pred: _Prediction) -> None:
         self._predictions.pop(pred.request_id, None)

@@ -26,6 +26,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from pagefleet.router.delta_mux import ChannelMux, read_deltas, watch
+from pagefleet.router.global_scheduler import SchedulerCounters
 from pagefleet.router.http_guards import BodyLimits
 from pagefleet.router.kv_mirror import MirrorCounters, SchedulerMirror, ViewFollower
 from pagefleet.router.kv_routing import KVRoutingClient, KVRoutingOptions, RoutingCounters
@@ -216,6 +217,10 @@ class OpenAIIngress:
 
     async def mirror_counters(self) -> MirrorCounters | None:
         return None if self._mirror is None else self._mirror.counters
+
+    async def view_counters(self) -> SchedulerCounters | None:
+        """The counters of this ingress's copy of the scheduler (its decisions and predictions)."""
+        return None if self._mirror is None else self._mirror.core.counters
 
     async def admission_counters(self):
         kv = self._client.kv

@@ -111,7 +111,7 @@ def test_prediction_ends_when_the_worker_reports_the_request_or_after_its_ttl():
     # ... and are gone after it (a never stored the blocks: say r1 was aborted)
     gs.apply_batch(batch("a", 2), now=2.9)
     assert gs.route(request("r3"), now=3.1, candidates=["a"]).predicted_hit_blocks == 0
-    assert gs.counters.predictions_expired == 2  # r1 at 2.0, r2 at 3.0
+    assert gs.counters.predictions_expired == 1  # r2 at 3.0, never reported (r1's was confirmed)
 
 
 def test_a_sequence_gap_is_answered_by_a_snapshot():
@@ -210,6 +210,39 @@ def test_a_routed_request_takes_the_idle_prefix_so_the_next_one_shares_it():
     gs.apply_batch(batch("a", 1, free=4, added=["r1"], acquired=h), now=0.2)
     assert gs.workers["a"].predicted_blocks == 2 and gs._soon_in_use[gs.workers["a"].slot] == {}
     assert gs.workers["a"].room_blocks == 4 - 2
+
+
+def test_a_shared_prefix_that_goes_idle_before_the_request_starts_counts_against_room():
+    # r1 is routed to share a prefix a running request holds; that request ends before r1 starts,
+    # so r1 will take the 4 prefix blocks out of the free count after all: counted from the batch
+    # that says so, once (r2 routed behind r1 shares them again), until the worker takes r1 in.
+    gs = scheduler()
+    h = hashes(PROMPT)
+    gs.apply_batch(batch("a", 0, stored=h, free=12), now=0.0)  # in use by a running request
+    gs.route(request("r1"), now=0.0)
+    gs.route(request("r2"), now=0.0)
+    assert gs.workers["a"].predicted_blocks == 2 + 2  # each computes 2 new blocks, sharing the prefix
+    gs.apply_batch(batch("a", 1, free=12, released=h[:3]), now=0.1)  # its holder ended: 3 of 4 now idle
+    view = gs.workers["a"]
+    assert view.predicted_blocks == 2 + 2 + 3 and view.room_blocks == 12 - 7
+    assert gs._idle_keys(view, routing_keys(pack_hashes(h)), 4) == []  # taken by r1: nobody counts them idle
+    gs.apply_batch(batch("a", 2, free=12, removed=h[3:]), now=0.2)  # the 4th evicted: computed again
+    assert view.predicted_blocks == 2 + 2 + 4
+    gs.apply_batch(batch("a", 3, free=6, added=["r1", "r2"], acquired=h[:3]), now=0.3)  # both taken in
+    assert view.predicted_blocks == 0 and gs._sharing[view.slot] == {} and gs._soon_in_use[view.slot] == {}
+
+
+def test_a_shared_prefix_still_in_use_costs_nothing_until_the_request_starts():
+    gs = scheduler()
+    h = hashes(PROMPT)
+    gs.apply_batch(batch("a", 0, stored=h, free=12), now=0.0)
+    gs.route(request("r1"), now=0.0)
+    # the 4th evicted and computed again by another request in one batch: in use, still shared
+    gs.apply_batch(batch("a", 1, free=12, removed=h[3:], stored=h[3:]), now=0.1)
+    gs.apply_batch(batch("a", 2, free=12, stored=hashes(list(range(500, 508)))), now=0.15)
+    assert gs.workers["a"].predicted_blocks == 2
+    gs.apply_batch(batch("a", 3, free=10, added=["r1"]), now=0.2)
+    assert gs.workers["a"].predicted_blocks == 0 and gs._sharing[gs.workers["a"].slot] == {}
 
 
 def test_snapshots_and_restored_copies_carry_what_is_in_use():
