@@ -13,6 +13,7 @@ from typing import AsyncIterator, TypeVar
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pagefleet.router import response_schema as out
 from pagefleet.router.auth import APIKeyMiddleware
@@ -44,6 +45,40 @@ ROUTES = frozenset({"/v1/models", "/v1/completions", "/v1/chat/completions", "/t
                     "/health", "/version", "/metrics"})
 
 
+class ResponseCounter:
+    """Counts every response by route and status code (``pagefleet_http_requests``) as it starts.
+
+    Plain ASGI, like the API-key check: a streamed body's chunks go straight through. (Starlette's
+    ``@app.middleware("http")`` would pass each chunk through a memory stream and a task of its
+    own: per token, per stream.)"""
+
+    def __init__(self, app: ASGIApp, *, metrics: RouterMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = Request(scope).url.path
+        route = path if path in ROUTES else "other"
+        started = False
+
+        async def send_counted(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+                self.metrics.inc("http_requests", route=route, status_code=str(message["status"]))
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_counted)
+        except Exception:
+            if not started:
+                self.metrics.inc("http_requests", route=route, status_code="500")
+            raise
+
+
 def build_openai_app(service: OpenAIService, *, api_key: str | None = None, body_limits: BodyLimits = BodyLimits(),
                      metrics: RouterMetrics | None = None, node_metrics: NodeMetricsReader | None = None) -> FastAPI:
     """``metrics`` counts every response by route and status code; ``node_metrics`` adds this
@@ -58,18 +93,8 @@ def build_openai_app(service: OpenAIService, *, api_key: str | None = None, body
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key, routes_of=app)
 
-    if metrics is not None:
-        # Added after the API-key check, so it wraps it: a 401 is counted too.
-        @app.middleware("http")
-        async def count_requests(request: Request, call_next):
-            route = request.url.path if request.url.path in ROUTES else "other"
-            try:
-                response = await call_next(request)
-            except Exception:
-                metrics.inc("http_requests", route=route, status_code="500")
-                raise
-            metrics.inc("http_requests", route=route, status_code=str(response.status_code))
-            return response
+    if metrics is not None:  # added after the API-key check, so it wraps it: a 401 is counted too
+        app.add_middleware(ResponseCounter, metrics=metrics)
 
     async def _parse(request: Request, model: type[Body]) -> Body:
         check_content_type(request)

@@ -26,7 +26,8 @@ def test_responses_are_counted_by_route_and_status(service):
         auth = {"Authorization": "Bearer k"}
         body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
         assert client.post("/v1/completions", json=body, headers=auth).status_code == 200
-        assert client.post("/v1/completions", json=body, headers=auth).status_code == 200
+        with client.stream("POST", "/v1/completions", json={**body, "stream": True}, headers=auth) as r:
+            assert r.status_code == 200 and list(r.iter_lines())[-2:] == ["data: [DONE]", ""]
         assert client.post("/v1/completions", json={**body, "max_tokens": -1}, headers=auth).status_code == 400
         assert client.post("/v1/completions", json=body).status_code == 401
         assert client.post("/v1/completions", json={**body, "model": "nope"}, headers=auth).status_code == 404
