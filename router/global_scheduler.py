@@ -259,8 +259,7 @@ class GlobalScheduler:
             in_use.update(routing_keys(batch.acquired))
         if batch.released:
             in_use.difference_update(routing_keys(batch.released))
-        if (batch.removed or batch.released or batch.cleared) and self._sharing.get(view.slot):
-            self._stop_sharing(view, [k for k in self._sharing[view.slot] if k not in in_use])
+        self._stop_sharing(view)
         view.seq = batch.seq
         self.counters.batches += 1
         self.counters.block_events += (batch.num_removed + batch.num_stored
@@ -281,7 +280,7 @@ class GlobalScheduler:
         self.index.replace(view.slot, routing_keys(snap.block_hashes))
         view.in_use = set(routing_keys(snap.in_use_hashes))
         self._report(view, snap, now)
-        self._stop_sharing(view, [k for k in self._sharing.get(view.slot, ()) if k not in view.in_use])
+        self._stop_sharing(view)
         view.seq = snap.seq
         view.synced = True
         view.snapshot_asked_at = None
@@ -310,7 +309,7 @@ class GlobalScheduler:
             view.num_running, view.num_waiting = state.num_running, state.num_waiting
             view.num_reserved_blocks = state.num_reserved_blocks
             view.refresh()
-            self._stop_sharing(view, [k for k in self._sharing.get(view.slot, ()) if k not in view.in_use])
+            self._stop_sharing(view)
 
     def keys_of(self, worker_id: str) -> set[int] | None:
         """The routing keys the scheduler believes the worker holds (None: unknown worker)."""
@@ -367,9 +366,10 @@ class GlobalScheduler:
             # It will compute the rest of the prompt there and take the idle blocks of its prefix:
             # both are predicted in use (a request close behind finds them taken, not idle).
             view = self.workers[first.worker_id]
-            cached = keys[:first.cached_blocks]
             idle = self._idle_keys(view, keys, first.cached_blocks)
-            shared = list(set(cached).difference(idle)) if len(idle) < len(cached) else []
+            # the cached keys it shares with requests holding them (not those only predicted there)
+            taken, holds = set(idle), self.index.holds
+            shared = [k for k in keys[:first.cached_blocks] if k not in taken and holds(view.slot, k)]
             self._add_prediction(_Prediction(req.request_id, view.worker_id, view.slot, now + self.prediction_ttl_s,
                                              keys[first.cached_blocks:], max(need - first.cached_blocks, 0) + len(idle),
                                              idle, shared))
@@ -424,19 +424,17 @@ class GlobalScheduler:
                     del sharing[key]
             pred.shared_keys = []
 
-    def _stop_sharing(self, view: WorkerView, keys: Collection[int]) -> None:
-        """Keys of ``view`` that are no longer in use (idle, or gone from its cache): a request
-        routed there to share one will take a block for it out of the free count after all (the
-        idle block itself, or a new one to compute it again). The first of them takes it; the
-        rest share it again (it is about to be in use)."""
+    def _stop_sharing(self, view: WorkerView) -> None:
+        """Shared keys of ``view`` that nothing holds in use any more (idle with no request
+        routed to take them, or gone from its cache): the first request routed there to share
+        one takes a block for it out of the free count after all (the idle block itself, or a
+        new one to compute it again); the rest share it again (it is about to be in use)."""
         sharing = self._sharing.get(view.slot)
         if not sharing:
             return
-        soon = None
-        for key in keys:
-            sharers = sharing.pop(key, None)
-            if sharers is None:
-                continue
+        in_use, soon = view.in_use, self._soon_in_use.setdefault(view.slot, Counter())
+        for key in [k for k in sharing if k not in in_use and k not in soon]:
+            sharers = sharing.pop(key)
             for pred in sharers:
                 pred.shared_keys.remove(key)
             taker = sharers[0]
@@ -444,7 +442,6 @@ class GlobalScheduler:
             view.predicted_blocks += 1
             if self.index.holds(view.slot, key):  # idle there: taken, so nobody else counts it idle
                 taker.idle_keys.append(key)
-                soon = soon if soon is not None else self._soon_in_use.setdefault(view.slot, Counter())
                 soon[key] += 1
         view.refresh()
 

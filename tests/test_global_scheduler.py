@@ -245,6 +245,21 @@ def test_a_shared_prefix_still_in_use_costs_nothing_until_the_request_starts():
     assert gs.workers["a"].predicted_blocks == 0 and gs._sharing[gs.workers["a"].slot] == {}
 
 
+def test_a_prefix_only_predicted_there_is_not_shared_with_its_holders():
+    # r1 will compute the prompt on a, r2 is routed behind it to share what r1 computes: an idle
+    # block released meanwhile (someone else's) takes nothing from r2's count
+    gs = scheduler()
+    gs.apply_batch(batch("a", 0, free=50), now=0.0)
+    gs.apply_batch(batch("b", 0, free=50), now=0.0)
+    assert gs.route(request("r1"), now=0.0).ranking[0] == "a"
+    second = gs.route(request("r2"), now=0.0)
+    assert second.ranking[0] == "a" and second.predicted_hit_blocks == 4
+    other = hashes(list(range(500, 508)))
+    gs.apply_batch(batch("a", 1, free=50, stored=other), now=0.1)
+    gs.apply_batch(batch("a", 2, free=50, released=other), now=0.2)
+    assert gs.workers["a"].predicted_blocks == 6 + 2 and gs._sharing.get(gs.workers["a"].slot, {}) == {}
+
+
 def test_snapshots_and_restored_copies_carry_what_is_in_use():
     gs = scheduler()
     h = hashes(PROMPT)
