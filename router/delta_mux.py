@@ -19,6 +19,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
 
+from pagefleet.worker import hop_trace
 from pagefleet.worker.outputs import RequestOutputDelta, merge_deltas
 from pagefleet.worker.worker_request import ChannelOpen, Ended
 
@@ -122,6 +123,8 @@ class ChannelMux:
         self.counters.batches += 1
         self.counters.deltas += len(batch)
         for delta in batch:
+            if hop_trace.PATH:
+                hop_trace.mark(delta.request_id, "ingress_channel_recv")
             q = self._queues.get(delta.request_id)
             # Not from a replica a failed attempt ran on (its deltas still on the way); before
             # the request's Placed arrives, from wherever it runs.

@@ -37,6 +37,7 @@ from pagefleet.router.preprocess import ModelInfo, ServingLimits, longest_token_
 from pagefleet.router.scheduler_actor import WorkerKVView, worker_kv_view
 from pagefleet.router.service import Job, OpenAIService
 from pagefleet.router.worker_errors import WorkerHealth, worker_failure
+from pagefleet.worker import hop_trace
 from pagefleet.worker.config import model_config_of
 from pagefleet.worker.engine_args import EngineArgs
 from pagefleet.worker.outputs import RequestOutputDelta
@@ -113,10 +114,13 @@ class HandleWorkerClient:
                 if attempt > 1:
                     q = self.mux.retry(job.request_id)
                 try:
+                    hop_trace.mark(job.request_id, "ingress_sent")
                     response = self._stream.remote(request)  # may refuse at once: Serve's queue is full
                     async for delta in await self._placed(job.request_id, response, q):
-                        if not started and self.kv is not None:
-                            self.kv.record_realised(delta.num_cached_tokens)
+                        if not started:
+                            hop_trace.mark(job.request_id, "ingress_first_delta")
+                            if self.kv is not None:
+                                self.kv.record_realised(delta.num_cached_tokens)
                         started = True
                         finished = delta.finished
                         yield delta

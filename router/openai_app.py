@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import AsyncIterator, TypeVar
 
 from fastapi import FastAPI, Request
@@ -31,6 +32,7 @@ from pagefleet.router.openapi_spec import install_schemas, route_docs
 from pagefleet.router.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from pagefleet.router.service import OpenAIService, PreparedRequest
 from pagefleet.router.sse import sse_stream
+from pagefleet.worker import hop_trace
 
 logger = logging.getLogger(__name__)
 
@@ -107,7 +109,11 @@ def build_openai_app(service: OpenAIService, *, api_key: str | None = None, body
     async def list_models() -> dict:
         return service.models()
 
-    async def respond(prepared: PreparedRequest) -> Response:
+    async def respond(prepared: PreparedRequest, started: float) -> Response:
+        if hop_trace.PATH:
+            for job in prepared.jobs:
+                hop_trace.mark(job.request_id, "ingress_http", started)
+                hop_trace.mark(job.request_id, "ingress_prepared")
         await service.admit(prepared)
         if prepared.stream:
             return _event_stream(service.stream_chunks(prepared))
@@ -119,14 +125,16 @@ def build_openai_app(service: OpenAIService, *, api_key: str | None = None, body
                                               chunk=out.CompletionResponse,
                                               errors=generating, api_key=keyed))
     async def create_completion(request: Request) -> Response:
+        started = time.time()
         service.check_open()
-        return await respond(await service.completion(await _parse(request, CompletionRequest)))
+        return await respond(await service.completion(await _parse(request, CompletionRequest)), started)
 
     @app.post("/v1/chat/completions", **route_docs(request=ChatCompletionRequest, ok=out.ChatCompletionResponse,
                                                    chunk=out.ChatCompletionChunk, errors=generating, api_key=keyed))
     async def create_chat_completion(request: Request) -> Response:
+        started = time.time()
         service.check_open()
-        return await respond(await service.chat(await _parse(request, ChatCompletionRequest)))
+        return await respond(await service.chat(await _parse(request, ChatCompletionRequest)), started)
 
     @app.post("/tokenize", **route_docs(request=TokenizeRequest, ok=out.TokenizeResponse, errors=reading,
                                         api_key=keyed))

@@ -21,6 +21,7 @@ from pagefleet.router import preprocess as pre
 from pagefleet.router.errors import OpenAIError, bad_request, internal_error, unavailable
 from pagefleet.router.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from pagefleet.router.responses import ChatResponseBuilder, CompletionResponseBuilder, ResponseBuilder
+from pagefleet.worker import hop_trace
 from pagefleet.worker.block_hash import block_hashes
 from pagefleet.worker.kv_events import pack_hashes
 from pagefleet.worker.outputs import RequestOutputDelta
@@ -145,6 +146,7 @@ class OpenAIService:
         """Ask where each job goes, before any response starts (a 429 must be a whole response)."""
         for job in prepared.jobs:
             job.ranking = await self.client.route(job)
+            hop_trace.mark(job.request_id, "ingress_routed")
 
     async def run_to_completion(self, prepared: PreparedRequest) -> dict:
         """All prompts run concurrently; the response is built once every one has finished."""
@@ -166,6 +168,8 @@ class OpenAIService:
             for chunk in builder.role_chunks(list(range(len(jobs) * n))):
                 yield chunk
             async for job_index, delta in self._merged(prepared):
+                if hop_trace.PATH:
+                    hop_trace.mark(delta.request_id, "ingress_first_chunk")
                 for seq in delta.sequences:
                     chunk = builder.delta_chunk(job_index * n + seq.index, seq)
                     if chunk is not None:

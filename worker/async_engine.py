@@ -15,6 +15,7 @@ from typing import AsyncIterator, Callable
 
 from pagefleet.worker.block_hash import BlockHash
 from pagefleet.worker.config import ModelConfig
+from pagefleet.worker import hop_trace
 from pagefleet.worker.cpu_threads import yield_cpu_to_serving_threads
 from pagefleet.worker.engine import LLMEngine
 from pagefleet.worker.engine_args import EngineArgs
@@ -212,6 +213,10 @@ class AsyncLLMEngine:
         request."""
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutputDelta]]] = {}
         for delta in deltas:
+            if hop_trace.PATH:
+                hop_trace.mark(delta.request_id, "engine_first_token")
+                if delta.finished:
+                    hop_trace.mark(delta.request_id, "engine_finished")
             stream = self._streams.get(delta.request_id)
             if stream is not None:
                 by_loop.setdefault(stream[0], []).append((stream[1], delta))
@@ -232,6 +237,7 @@ class AsyncLLMEngine:
                     self._deliver(command.request_id, e)
                 else:
                     self._metrics.request_added(command.request_id, time.monotonic())
+                    hop_trace.mark(command.request_id, "engine_added")
             elif isinstance(command, AbortRequest):
                 delta = self.engine.abort_request(command.request_id)
                 if delta is not None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 from typing import AsyncIterator
 
+from pagefleet.worker import hop_trace
 from pagefleet.worker.outputs import RequestOutputDelta
 
 # A channel with no request for this long ends its stream.
@@ -40,6 +41,8 @@ class DeltaChannel:
         return self._reader is None and self.requests == 0
 
     def put(self, delta: RequestOutputDelta) -> None:
+        if hop_trace.PATH:
+            hop_trace.mark(delta.request_id, "worker_channel_put")
         self.pending.append(delta)
         self._ready.set()
 

@@ -16,6 +16,7 @@ from typing import Any, AsyncIterator, Callable
 from ray import serve
 from ray.serve import Application
 
+from pagefleet.worker import hop_trace
 from pagefleet.worker.delta_channel import DeltaChannel
 from pagefleet.worker.engine_args import EngineArgs
 from pagefleet.worker.kv_events import KVEventBatch, KVSnapshot, unpack_hashes
@@ -84,6 +85,7 @@ class WorkerReplica:
         channel, ``Placed(on_channel=False)`` then the deltas). When the caller cancels (a client
         hung up), Serve cancels this generator and the engine aborts the request and frees its
         blocks."""
+        hop_trace.mark(request.request_id, "worker_generate")
         self._start_publishing()
         self.num_requests_total += 1
         hashes = unpack_hashes(request.block_hashes) if request.block_hashes else None
