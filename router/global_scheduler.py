@@ -24,8 +24,12 @@ of them: its new blocks, plus the blocks of its cached prefix that are idle
 some running sequence holds is shared at no cost, unless its holders end
 before the request starts: then it counts as taken from that batch on). Which
 cached blocks are in use comes from the workers' events like the rest.
-Workers without room rank only when no worker has room, and then the request
-is not admitted (admission control holds it at the router).
+A worker also needs a seat for the request's sequences: it holds at most
+``max_seqs_per_worker`` running and waiting (its request limit; sequences
+routed to it and not yet reported count too), and past that a request would
+only wait in Serve's queue for it. Workers without room rank only when no
+worker has room, and then the request is not admitted (admission control
+holds it at the router, and refuses at once what its queue cannot hold).
 Predicted blocks end when the worker reports the request taken in; predicted
 prefix entries (so a burst with one prefix keeps to one worker) end after
 ``prediction_ttl_s``.
@@ -34,6 +38,7 @@ prefix entries (so a burst with one prefix keeps to one worker) end after
 from __future__ import annotations
 
 import heapq
+import sys
 from collections import Counter
 from collections.abc import Collection
 from dataclasses import dataclass, field
@@ -86,11 +91,14 @@ class WorkerView:
     num_waiting: int = 0
     num_reserved_blocks: int = 0
     predicted_blocks: int = 0
+    predicted_seqs: int = 0  # sequences of requests routed to it that it has not reported yet
+    max_seqs: int = sys.maxsize  # sequences it holds at most, running and waiting (its request queue)
     in_use: set[int] = field(default_factory=set)  # routing keys it holds that a running sequence holds
     # Derived from the numbers above by ``refresh`` whenever they change (read once per decision):
     load_blocks: int = 0  # committed: in use + reserved by unfinished sequences + predicted
     room_blocks: int | None = None  # free - reserved - predicted; None until the worker reports
     queued: int = 0  # sequences running or waiting
+    seats: int = sys.maxsize  # sequences it can still take: max - queued - predicted
 
     def refresh(self) -> None:
         used = self.num_total_blocks - self.num_free_blocks
@@ -98,6 +106,7 @@ class WorkerView:
         if self.reported:
             self.room_blocks = self.num_free_blocks - self.num_reserved_blocks - self.predicted_blocks
         self.queued = self.num_running + self.num_waiting
+        self.seats = self.max_seqs - self.queued - self.predicted_seqs
 
 
 @dataclass(slots=True)
@@ -139,6 +148,7 @@ class _Prediction:
     expires: float
     keys: list[int]  # the prompt's keys it will compute there
     blocks: int  # 0 once the worker confirmed it took the request
+    seqs: int  # its sequences (n); 0 once confirmed
     idle_keys: list[int] = field(default_factory=list)  # idle cached keys it will take; [] once confirmed
     # cached keys in use when it was routed (shared at no cost while they stay in use); one that
     # goes idle or leaves the cache before the worker confirms the request becomes a block it takes
@@ -147,13 +157,17 @@ class _Prediction:
 
 class GlobalScheduler:
     def __init__(self, *, weight: float = 4.0, prediction_ttl_s: float = 2.0, liveness_timeout_s: float = 10.0,
-                 snapshot_retry_s: float = 2.0, max_ranked: int = 8) -> None:
+                 snapshot_retry_s: float = 2.0, max_ranked: int = 8, max_seqs_per_worker: int | None = None) -> None:
+        """``max_seqs_per_worker``: how many sequences a worker holds, running and waiting, before
+        requests queue for it elsewhere (the worker deployment's request limit); a worker with no
+        seat left has no room, as one without the blocks (None: no limit)."""
         if weight < 0:
             raise ValueError(f"the cost weight must be >= 0, got {weight}")
         if max_ranked < 1:
             raise ValueError(f"max_ranked must be >= 1, got {max_ranked}")
         self.weight = weight
         self.max_ranked = max_ranked
+        self.max_seqs_per_worker = sys.maxsize if max_seqs_per_worker is None else max_seqs_per_worker
         self.prediction_ttl_s = prediction_ttl_s
         self.liveness_timeout_s = liveness_timeout_s
         self.snapshot_retry_s = snapshot_retry_s
@@ -180,7 +194,8 @@ class GlobalScheduler:
                 self._free_slots.remove(slot)
             else:
                 slot, self._next_slot = self._next_slot, self._next_slot + 1
-            view = self.workers[worker_id] = self._by_slot[slot] = WorkerView(worker_id, slot, last_seen=now)
+            view = self.workers[worker_id] = self._by_slot[slot] = WorkerView(worker_id, slot, last_seen=now,
+                                                                              max_seqs=self.max_seqs_per_worker)
         return view
 
     def drop_worker(self, worker_id: str) -> bool:
@@ -331,12 +346,12 @@ class GlobalScheduler:
             return RouteDecision([], False, "no_workers", 0)
         keys = routing_keys(req.block_hashes)
         matched = self.index.prefix_match(keys, self._predicted_mask) if keys else {}
-        weight, num_keys, need = self.weight, len(keys), req.num_blocks
+        weight, num_keys, need, seqs = self.weight, len(keys), req.num_blocks, req.num_seqs
         # One row per worker, compared as tuples: no room sorts after room, then cost, load, queue, id.
         # Most workers hold none of the prompt: their rows need no lookup.
         full_cost = weight * num_keys
-        rows = [((v.room_blocks is not None and v.room_blocks < need), full_cost + v.load_blocks, v.load_blocks,
-                 v.queued, v.worker_id, 0) for v in views if v.slot not in matched]
+        rows = [((v.room_blocks is not None and v.room_blocks < need) or v.seats < seqs, full_cost + v.load_blocks,
+                 v.load_blocks, v.queued, v.worker_id, 0) for v in views if v.slot not in matched]
         slots = self._by_slot if candidates is None else {v.slot: v for v in views}
         for slot, cached in matched.items():
             v = slots.get(slot)
@@ -344,7 +359,9 @@ class GlobalScheduler:
                 room = v.room_blocks
                 # It needs room for its new blocks and the idle ones of its prefix: look the
                 # idle ones up only where the answer depends on them.
-                if room is None or room >= need:
+                if v.seats < seqs:
+                    full = True
+                elif room is None or room >= need:
                     full = False
                 elif room < need - cached:
                     full = True
@@ -372,7 +389,7 @@ class GlobalScheduler:
             shared = [k for k in keys[:first.cached_blocks] if k not in taken and holds(view.slot, k)]
             self._add_prediction(_Prediction(req.request_id, view.worker_id, view.slot, now + self.prediction_ttl_s,
                                              keys[first.cached_blocks:], max(need - first.cached_blocks, 0) + len(idle),
-                                             idle, shared))
+                                             seqs, idle, shared))
         return RouteDecision([s.worker_id for s in scores], admitted, reason, first.cached_blocks, scores)
 
     def _idle_keys(self, view: WorkerView, keys: list[int], cached: int) -> list[int]:
@@ -391,6 +408,7 @@ class GlobalScheduler:
         self._predictions[pred.request_id] = pred
         view = self.workers[pred.worker_id]
         view.predicted_blocks += pred.blocks
+        view.predicted_seqs += pred.seqs
         view.refresh()
         if pred.idle_keys:
             self._soon_in_use.setdefault(pred.slot, Counter()).update(pred.idle_keys)
@@ -410,8 +428,9 @@ class GlobalScheduler:
         view = self.workers.get(pred.worker_id)
         if view is not None and view.slot == pred.slot:
             view.predicted_blocks -= pred.blocks
+            view.predicted_seqs -= pred.seqs
             view.refresh()
-        pred.blocks = 0
+        pred.blocks = pred.seqs = 0
         if pred.idle_keys:  # from now on the worker's own events say what it holds in use
             _uncount(self._soon_in_use[pred.slot], pred.idle_keys)
             pred.idle_keys = []

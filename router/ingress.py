@@ -186,7 +186,7 @@ class OpenAIIngress:
         kv = follower = self._mirror = None
         if kv_scheduler is not None:
             kv_routing = kv_routing or KVRoutingOptions()
-            self._mirror = SchedulerMirror(kv_routing.cost_weight)
+            self._mirror = SchedulerMirror(kv_routing.cost_weight, max_seqs_per_worker=engine_args.max_queued_seqs)
             follower = ViewFollower(ActorFeedLink(kv_scheduler), self._mirror)
             kv = KVRoutingClient(self._mirror, kv_routing, engine_args.block_size, self._metrics)
             with contextlib.suppress(RuntimeError):  # Serve runs constructors on the replica's loop

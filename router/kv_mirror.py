@@ -42,9 +42,10 @@ class MirrorCounters:
 
 
 class SchedulerMirror:
-    def __init__(self, weight: float, prediction_ttl_s: float = 2.0) -> None:
+    def __init__(self, weight: float, prediction_ttl_s: float = 2.0, max_seqs_per_worker: int | None = None) -> None:
         # liveness is the actor's call (its drops come through the feed), never this copy's clock
-        self.core = GlobalScheduler(weight=weight, prediction_ttl_s=prediction_ttl_s, liveness_timeout_s=math.inf)
+        self.core = GlobalScheduler(weight=weight, prediction_ttl_s=prediction_ttl_s, liveness_timeout_s=math.inf,
+                                    max_seqs_per_worker=max_seqs_per_worker)
         self.epoch: str | None = None
         self.cursor = -1
         self.updated_at = -math.inf  # when the last reply was applied (monotonic)

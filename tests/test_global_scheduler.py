@@ -260,6 +260,21 @@ def test_a_prefix_only_predicted_there_is_not_shared_with_its_holders():
     assert gs.workers["a"].predicted_blocks == 6 + 2 and gs._sharing.get(gs.workers["a"].slot, {}) == {}
 
 
+def test_a_worker_without_a_seat_has_no_room_and_confirmed_requests_move_from_predicted_to_queued():
+    gs = scheduler(max_seqs_per_worker=4)
+    gs.apply_batch(batch("a", 0, running=2, waiting=1), now=0.0)  # 3 of its 4 seats taken
+    gs.apply_batch(batch("b", 0, free=40, running=1), now=0.0)  # fewer blocks free, more seats
+    d = gs.route(request("r1"), now=0.0)
+    assert d.ranking[0] == "a" and gs.workers["a"].seats == 0  # cheaper (load), the last seat
+    d = gs.route(request("r2"), now=0.0)
+    assert d.admitted and d.ranking == ["b"]  # a is full: only b ranks
+    assert gs.route(RouteRequest("r3", b"", 1, num_seqs=3), now=0.0).admitted is False  # b has 2 seats left
+    gs.apply_batch(batch("a", 1, running=3, waiting=1, added=["r1"]), now=0.1)  # r1 taken in: queued, not predicted
+    assert (gs.workers["a"].predicted_seqs, gs.workers["a"].queued, gs.workers["a"].seats) == (0, 4, 0)
+    gs.apply_batch(batch("a", 2, running=2, waiting=0), now=0.2)  # two finished
+    assert gs.route(RouteRequest("r4", b"", 1, num_seqs=2), now=0.2).ranking[0] == "a"
+
+
 def test_snapshots_and_restored_copies_carry_what_is_in_use():
     gs = scheduler()
     h = hashes(PROMPT)

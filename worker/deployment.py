@@ -197,7 +197,7 @@ def worker_deployment_options(engine_args: EngineArgs, *, num_replicas: int = 1,
         # Requests beyond this wait in Serve's router queue, where they can still go to another
         # replica, rather than in one engine's waiting queue. Each caller's delta channel is a
         # call that lasts: it gets a place of its own, not a request's.
-        "max_ongoing_requests": 2 * engine_args.max_num_seqs + channels,
+        "max_ongoing_requests": engine_args.max_queued_seqs + channels,
         "health_check_period_s": 5.0,
         "health_check_timeout_s": 30.0,
         "ray_actor_options": {"num_cpus": num_cpus, "num_gpus": num_gpus_per_rank},

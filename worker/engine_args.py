@@ -65,6 +65,13 @@ class EngineArgs:
                                               "the server's threads still get a core at once. Sets torch's "
                                               "thread count for the whole process)")
 
+    @property
+    def max_queued_seqs(self) -> int:
+        """Requests a worker replica holds, running or waiting in its engine, before more wait in
+        Serve's router queue (where they can still go to another replica): the worker
+        deployment's request limit, and the seats of a worker in the global scheduler."""
+        return 2 * self.max_num_seqs
+
     def __post_init__(self) -> None:
         check_choices(self)
         self.dtype = parse_dtype(self.dtype)
