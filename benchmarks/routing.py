@@ -6,7 +6,10 @@ Poisson arrivals over the tenants. The KV pool of each worker (192 blocks of
 16 tokens) holds about a third of the tenants' prefixes (32 blocks each)
 beside its running requests, so where a request lands decides whether its
 512-token prefix is computed again, and eight requests of eight different
-tenants do not fit on one worker at once.
+tenants do not fit on one worker at once. The model is the tiny demo checkpoint
+(128 x 2 layers: a prefill costs little beside the serving path, so TTFT barely
+shows what a prefix hit saves); ``--size small`` runs the 512 x 8 Llama (vocab
+32000) instead, with the same pools in blocks.
 
 Per policy, on a fresh app (fresh caches) on one local Ray cluster:
   normal    Poisson arrivals at ``--load`` x capacity for ``--normal-s``
@@ -63,7 +66,7 @@ QUESTION_TOKENS = 32
 ANSWER_TOKENS = 64
 BLOCK = 16
 WORKERS = 4
-KV_BLOCKS = 192  # per worker (16 KiB each for the demo model): about a third of the tenants' prefixes
+KV_BLOCKS = 192  # per worker: about a third of the tenants' prefixes
 VOCAB = (5, 999)  # the demo tokenizer's ids, special ones excluded
 
 
@@ -225,6 +228,14 @@ def run_phase(app: str, base: str, model: str, work: Workload, rate: float, dura
     return phase
 
 
+def block_bytes(size: str) -> int:
+    """One KV block of the demo checkpoint of that size (fp32 keys and values, every layer)."""
+    from pagefleet.cluster.demo_model import DEMO_SIZES
+
+    s = DEMO_SIZES[size]
+    return 2 * s.num_hidden_layers * s.num_key_value_heads * (s.hidden_size // s.num_attention_heads) * BLOCK * 4
+
+
 def deploy(policy: str, ckpt: Path, args: argparse.Namespace) -> str:
     from ray import serve
 
@@ -233,7 +244,7 @@ def deploy(policy: str, ckpt: Path, args: argparse.Namespace) -> str:
     app = f"bench-{policy}"
     serve.run(build_app({
         "model": str(ckpt), "workers": WORKERS, "worker_num_cpus": 0.5, "ingress_num_cpus": 0.5,
-        "kv_cache_bytes": KV_BLOCKS * 16 * 2**10, "max_model_len": 1024, "max_num_seqs": 8, "routing": policy,
+        "kv_cache_bytes": KV_BLOCKS * block_bytes(args.size), "max_model_len": 1024, "max_num_seqs": 8, "routing": policy,
         "admission_queue_size": args.admission_queue, "admission_max_wait_s": args.admission_wait_s,
         "routing_max_staleness_s": args.routing_max_staleness_s}),
         name=app, route_prefix=f"/{policy}")
@@ -299,6 +310,8 @@ def main() -> None:
     ap.add_argument("--routing-max-staleness-s", type=float, default=1.0)
     ap.add_argument("--timeout-s", type=float, default=60.0, help="a client gives up after this long")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--size", default="tiny", choices=("tiny", "small"),
+                    help="demo checkpoint: tiny (128 x 2 layers) or small (512 x 8, vocab 32000: prefill costs more)")
     ap.add_argument("--out", default=None, help="also append the JSON lines to this file")
     args = ap.parse_args()
 
@@ -308,7 +321,8 @@ def main() -> None:
     from pagefleet.cluster.demo_model import write_demo_checkpoint
     from pagefleet.router.scheduler_actor import stop_scheduler
 
-    ckpt = write_demo_checkpoint(Path(tempfile.mkdtemp(prefix="pf-routing-")) / "demo-tiny-llama", size="tiny")
+    ckpt = write_demo_checkpoint(Path(tempfile.mkdtemp(prefix="pf-routing-")) / f"demo-{args.size}-llama",
+                                 size=args.size)
     port = free_port()
     ray.init(num_cpus=16, include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -349,7 +363,7 @@ def main() -> None:
                                                   "question_tokens": QUESTION_TOKENS, "answer_tokens": ANSWER_TOKENS,
                                                   "workers": WORKERS, "kv_blocks_per_worker": KV_BLOCKS,
                                                   "normal_s": args.normal_s, "overload_s": args.overload_s,
-                                                  "load": args.load, "seed": args.seed},
+                                                  "load": args.load, "seed": args.seed, "model": args.size},
                "admission": {"queue": args.admission_queue, "max_wait_s": args.admission_wait_s},
                "routing_max_staleness_s": args.routing_max_staleness_s,
                "machine": machine()}
