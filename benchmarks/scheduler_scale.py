@@ -244,7 +244,7 @@ def main() -> None:
     cpu.sort()
     print(json.dumps({"result": "decision", **config, "prompt_blocks": PROMPT_BLOCKS, "decisions": args.decisions,
                       "with_cached_prefix": round(hits / args.decisions, 3),
-                      "live_predictions": len(gs._predictions),
+                      "live_predictions": len(gs.predictions.by_request),
                       "p50_ms": round(percentile(lat, 0.5) * 1e3, 3), "p99_ms": round(percentile(lat, 0.99) * 1e3, 3),
                       "max_ms": round(lat[-1] * 1e3, 3), "cpu_p50_ms": round(percentile(cpu, 0.5) * 1e3, 3),
                       "cpu_p99_ms": round(percentile(cpu, 0.99) * 1e3, 3), "target_p99_ms": 1.0}), flush=True)

@@ -32,18 +32,18 @@ worker has room, and then the request is not admitted (admission control
 holds it at the router, and refuses at once what its queue cannot hold).
 Predicted blocks end when the worker reports the request taken in; predicted
 prefix entries (so a burst with one prefix keeps to one worker) end after
-``prediction_ttl_s``.
+``prediction_ttl_s`` (``predictions.py`` keeps them).
 """
 
 from __future__ import annotations
 
 import heapq
 import sys
-from collections import Counter
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from pagefleet.router.kv_index import KVBlockIndex, pack_keys, routing_keys, unpack_keys
+from pagefleet.router.predictions import Prediction, Predictions
 from pagefleet.worker.block_hash import HASH_SIZE
 from pagefleet.worker.kv_events import KVEventBatch, KVSnapshot
 
@@ -140,21 +140,6 @@ class SchedulerCounters:
     predictions_expired: int = 0  # ran out before the worker reported the request
 
 
-@dataclass(slots=True)
-class _Prediction:
-    request_id: str
-    worker_id: str
-    slot: int
-    expires: float
-    keys: list[int]  # the prompt's keys it will compute there
-    blocks: int  # 0 once the worker confirmed it took the request
-    seqs: int  # its sequences (n); 0 once confirmed
-    idle_keys: list[int] = field(default_factory=list)  # idle cached keys it will take; [] once confirmed
-    # cached keys in use when it was routed (shared at no cost while they stay in use); one that
-    # goes idle or leaves the cache before the worker confirms the request becomes a block it takes
-    shared_keys: list[int] = field(default_factory=list)
-
-
 class GlobalScheduler:
     def __init__(self, *, weight: float = 4.0, prediction_ttl_s: float = 2.0, liveness_timeout_s: float = 10.0,
                  snapshot_retry_s: float = 2.0, max_ranked: int = 8, max_seqs_per_worker: int | None = None) -> None:
@@ -178,11 +163,7 @@ class GlobalScheduler:
         self._free_slots: list[int] = []
         self._next_slot = 0
         self._next_liveness_check = float("-inf")
-        self._predictions: dict[str, _Prediction] = {}  # in expiry order
-        self._predicted_mask: dict[int, int] = {}  # routing key -> slots predicted to hold it
-        self._predicted_refs: dict[int, Counter] = {}  # slot -> routing key -> predictions saying so
-        self._soon_in_use: dict[int, Counter] = {}  # slot -> idle key -> unconfirmed predictions taking it
-        self._sharing: dict[int, dict[int, list[_Prediction]]] = {}  # slot -> key in use -> predictions sharing it
+        self.predictions = Predictions()
 
     # ---- workers -----------------------------------------------------------------------------
 
@@ -205,8 +186,8 @@ class GlobalScheduler:
             return False
         del self._by_slot[view.slot]
         self.index.clear(view.slot)
-        for pred in [p for p in self._predictions.values() if p.slot == view.slot]:
-            self._end_prediction(pred)
+        for pred in [p for p in self.predictions.by_request.values() if p.slot == view.slot]:
+            self.predictions.end(pred, None)
         self._free_slots.append(view.slot)
         self.counters.workers_dropped += 1
         return True
@@ -220,13 +201,14 @@ class GlobalScheduler:
             for view in [v for v in self.workers.values() if now - v.last_seen > self.liveness_timeout_s]:
                 self.drop_worker(view.worker_id)
                 dropped.append(view.worker_id)
-        while self._predictions:
-            pred = next(iter(self._predictions.values()))
+        by_request = self.predictions.by_request
+        while by_request:
+            pred = next(iter(by_request.values()))
             if pred.expires > now:
                 break
-            if pred.blocks:  # the worker never reported the request
+            if not pred.confirmed:  # the worker never reported the request
                 self.counters.predictions_expired += 1
-            self._end_prediction(pred)
+            self.predictions.end(pred, self._view_of(pred))
         return dropped
 
     def _report(self, view: WorkerView, b: KVEventBatch | KVSnapshot, now: float) -> None:
@@ -238,9 +220,9 @@ class GlobalScheduler:
         view.num_waiting = b.num_waiting
         view.num_reserved_blocks = b.num_reserved_blocks
         for request_id in b.added:
-            pred = self._predictions.get(request_id)
-            if pred is not None and pred.slot == view.slot and pred.blocks:
-                self._release_blocks(pred)
+            pred = self.predictions.by_request.get(request_id)
+            if pred is not None and pred.slot == view.slot and not pred.confirmed:
+                self.predictions.confirm(pred, view)
                 self.counters.predictions_confirmed += 1
         view.refresh()
 
@@ -274,7 +256,7 @@ class GlobalScheduler:
             in_use.update(routing_keys(batch.acquired))
         if batch.released:
             in_use.difference_update(routing_keys(batch.released))
-        self._stop_sharing(view)
+        self.predictions.stop_sharing(view, self.index.holds)
         view.seq = batch.seq
         self.counters.batches += 1
         self.counters.block_events += (batch.num_removed + batch.num_stored
@@ -295,7 +277,7 @@ class GlobalScheduler:
         self.index.replace(view.slot, routing_keys(snap.block_hashes))
         view.in_use = set(routing_keys(snap.in_use_hashes))
         self._report(view, snap, now)
-        self._stop_sharing(view)
+        self.predictions.stop_sharing(view, self.index.holds)
         view.seq = snap.seq
         view.synced = True
         view.snapshot_asked_at = None
@@ -324,7 +306,7 @@ class GlobalScheduler:
             view.num_running, view.num_waiting = state.num_running, state.num_waiting
             view.num_reserved_blocks = state.num_reserved_blocks
             view.refresh()
-            self._stop_sharing(view)
+            self.predictions.stop_sharing(view, self.index.holds)
 
     def keys_of(self, worker_id: str) -> set[int] | None:
         """The routing keys the scheduler believes the worker holds (None: unknown worker)."""
@@ -345,7 +327,7 @@ class GlobalScheduler:
         if not views:
             return RouteDecision([], False, "no_workers", 0)
         keys = routing_keys(req.block_hashes)
-        matched = self.index.prefix_match(keys, self._predicted_mask) if keys else {}
+        matched = self.index.prefix_match(keys, self.predictions.mask) if keys else {}
         weight, num_keys, need, seqs = self.weight, len(keys), req.num_blocks, req.num_seqs
         # One row per worker, compared as tuples: no room sorts after room, then cost, load, queue, id.
         # Most workers hold none of the prompt: their rows need no lookup.
@@ -366,7 +348,7 @@ class GlobalScheduler:
                 elif room < need - cached:
                     full = True
                 else:
-                    full = room < need - cached + len(self._idle_keys(v, keys, cached))
+                    full = room < need - cached + len(self.predictions.cached_keys(v, keys, cached, self.index.holds)[0])
                 rows.append((full, weight * (num_keys - cached) + v.load_blocks, v.load_blocks, v.queued, v.worker_id,
                              cached))
         best = heapq.nsmallest(self.max_ranked, rows)
@@ -383,103 +365,16 @@ class GlobalScheduler:
             # It will compute the rest of the prompt there and take the idle blocks of its prefix:
             # both are predicted in use (a request close behind finds them taken, not idle).
             view = self.workers[first.worker_id]
-            idle = self._idle_keys(view, keys, first.cached_blocks)
-            # the cached keys it shares with requests holding them (not those only predicted there)
-            taken, holds = set(idle), self.index.holds
-            shared = [k for k in keys[:first.cached_blocks] if k not in taken and holds(view.slot, k)]
-            self._add_prediction(_Prediction(req.request_id, view.worker_id, view.slot, now + self.prediction_ttl_s,
-                                             keys[first.cached_blocks:], max(need - first.cached_blocks, 0) + len(idle),
-                                             seqs, idle, shared))
+            old = self.predictions.by_request.get(req.request_id)
+            if old is not None:  # routed again (a retry): its earlier prediction ends
+                self.predictions.end(old, self._view_of(old))
+            idle, shared = self.predictions.cached_keys(view, keys, first.cached_blocks, self.index.holds)
+            self.predictions.add(Prediction(req.request_id, view.worker_id, view.slot, now + self.prediction_ttl_s,
+                                            keys[first.cached_blocks:], max(need - first.cached_blocks, 0) + len(idle),
+                                            seqs, idle, shared), view)
         return RouteDecision([s.worker_id for s in scores], admitted, reason, first.cached_blocks, scores)
 
-    def _idle_keys(self, view: WorkerView, keys: list[int], cached: int) -> list[int]:
-        """The keys of the first ``cached`` that the worker holds idle: held, not in use there,
-        and not about to be (taken by a request routed there and not yet started). A key
-        matched only by a prediction is being computed there: in use, shared at no cost."""
-        in_use, soon, slot, holds = view.in_use, self._soon_in_use.get(view.slot, ()), view.slot, self.index.holds
-        return [k for k in keys[:cached] if k not in in_use and k not in soon and holds(slot, k)]
-
-    # ---- predictions -------------------------------------------------------------------------
-
-    def _add_prediction(self, pred: _Prediction) -> None:
-        old = self._predictions.pop(pred.request_id, None)
-        if old is not None:
-            self._end_prediction(old)
-        self._predictions[pred.request_id] = pred
-        view = self.workers[pred.worker_id]
-        view.predicted_blocks += pred.blocks
-        view.predicted_seqs += pred.seqs
-        view.refresh()
-        if pred.idle_keys:
-            self._soon_in_use.setdefault(pred.slot, Counter()).update(pred.idle_keys)
-        if pred.shared_keys:
-            sharing = self._sharing.setdefault(pred.slot, {})
-            for key in pred.shared_keys:
-                sharing.setdefault(key, []).append(pred)
-        refs = self._predicted_refs.setdefault(pred.slot, Counter())
-        first_time = set(pred.keys).difference(refs)
-        refs.update(pred.keys)
-        if first_time:
-            mask, bit = self._predicted_mask, 1 << pred.slot
-            for key in first_time:
-                mask[key] = mask.get(key, 0) | bit
-
-    def _release_blocks(self, pred: _Prediction) -> None:
+    def _view_of(self, pred: Prediction) -> WorkerView | None:
+        """The view a prediction was made on, if that worker is still known in that slot."""
         view = self.workers.get(pred.worker_id)
-        if view is not None and view.slot == pred.slot:
-            view.predicted_blocks -= pred.blocks
-            view.predicted_seqs -= pred.seqs
-            view.refresh()
-        pred.blocks = pred.seqs = 0
-        if pred.idle_keys:  # from now on the worker's own events say what it holds in use
-            _uncount(self._soon_in_use[pred.slot], pred.idle_keys)
-            pred.idle_keys = []
-        if pred.shared_keys:
-            sharing = self._sharing[pred.slot]
-            for key in pred.shared_keys:
-                sharers = sharing[key]
-                sharers.remove(pred)
-                if not sharers:
-                    del sharing[key]
-            pred.shared_keys = []
-
-    def _stop_sharing(self, view: WorkerView) -> None:
-        """Shared keys of ``view`` that nothing holds in use any more (idle with no request
-        routed to take them, or gone from its cache): the first request routed there to share
-        one takes a block for it out of the free count after all (the idle block itself, or a
-        new one to compute it again); the rest share it again (it is about to be in use)."""
-        sharing = self._sharing.get(view.slot)
-        if not sharing:
-            return
-        in_use, soon = view.in_use, self._soon_in_use.setdefault(view.slot, Counter())
-        for key in [k for k in sharing if k not in in_use and k not in soon]:
-            sharers = sharing.pop(key)
-            for pred in sharers:
-                pred.shared_keys.remove(key)
-            taker = sharers[0]
-            taker.blocks += 1
-            view.predicted_blocks += 1
-            if self.index.holds(view.slot, key):  # idle there: taken, so nobody else counts it idle
-                taker.idle_keys.append(key)
-                soon[key] += 1
-        view.refresh()
-
-    def _end_prediction(self, pred: _Prediction) -> None:
-        self._predictions.pop(pred.request_id, None)
-        self._release_blocks(pred)
-        mask, bit = self._predicted_mask, 1 << pred.slot
-        for key in _uncount(self._predicted_refs[pred.slot], pred.keys):  # its last prediction on this slot
-            rest = mask[key] & ~bit
-            if rest:
-                mask[key] = rest
-            else:
-                del mask[key]
-
-
-def _uncount(counter: Counter, keys: list[int]) -> list[int]:
-    """Take one count of each key off ``counter``; the keys that reach zero leave it and are returned."""
-    counter.subtract(keys)
-    gone = [key for key in dict.fromkeys(keys) if counter[key] == 0]
-    for key in gone:
-        del counter[key]
-    return gone
+        return view if view is not None and view.slot == pred.slot else None

@@ -208,7 +208,7 @@ def test_a_routed_request_takes_the_idle_prefix_so_the_next_one_shares_it():
     assert second.ranking[0] == "a" and gs.workers["a"].predicted_blocks == 6 + 2
     # r1 starts: its blocks leave the prediction, the worker's events say the prefix is in use
     gs.apply_batch(batch("a", 1, free=4, added=["r1"], acquired=h), now=0.2)
-    assert gs.workers["a"].predicted_blocks == 2 and gs._soon_in_use[gs.workers["a"].slot] == {}
+    assert gs.workers["a"].predicted_blocks == 2 and gs.predictions._soon_in_use[gs.workers["a"].slot] == {}
     assert gs.workers["a"].room_blocks == 4 - 2
 
 
@@ -225,11 +225,13 @@ def test_a_shared_prefix_that_goes_idle_before_the_request_starts_counts_against
     gs.apply_batch(batch("a", 1, free=12, released=h[:3]), now=0.1)  # its holder ended: 3 of 4 now idle
     view = gs.workers["a"]
     assert view.predicted_blocks == 2 + 2 + 3 and view.room_blocks == 12 - 7
-    assert gs._idle_keys(view, routing_keys(pack_hashes(h)), 4) == []  # taken by r1: nobody counts them idle
+    idle, _ = gs.predictions.cached_keys(view, routing_keys(pack_hashes(h)), 4, gs.index.holds)
+    assert idle == []  # taken by r1: nobody counts them idle
     gs.apply_batch(batch("a", 2, free=12, removed=h[3:]), now=0.2)  # the 4th evicted: computed again
     assert view.predicted_blocks == 2 + 2 + 4
     gs.apply_batch(batch("a", 3, free=6, added=["r1", "r2"], acquired=h[:3]), now=0.3)  # both taken in
-    assert view.predicted_blocks == 0 and gs._sharing[view.slot] == {} and gs._soon_in_use[view.slot] == {}
+    assert view.predicted_blocks == 0
+    assert gs.predictions._sharing[view.slot] == {} and gs.predictions._soon_in_use[view.slot] == {}
 
 
 def test_a_shared_prefix_still_in_use_costs_nothing_until_the_request_starts():
@@ -242,7 +244,7 @@ def test_a_shared_prefix_still_in_use_costs_nothing_until_the_request_starts():
     gs.apply_batch(batch("a", 2, free=12, stored=hashes(list(range(500, 508)))), now=0.15)
     assert gs.workers["a"].predicted_blocks == 2
     gs.apply_batch(batch("a", 3, free=10, added=["r1"]), now=0.2)
-    assert gs.workers["a"].predicted_blocks == 0 and gs._sharing[gs.workers["a"].slot] == {}
+    assert gs.workers["a"].predicted_blocks == 0 and gs.predictions._sharing[gs.workers["a"].slot] == {}
 
 
 def test_a_prefix_only_predicted_there_is_not_shared_with_its_holders():
@@ -257,7 +259,7 @@ def test_a_prefix_only_predicted_there_is_not_shared_with_its_holders():
     other = hashes(list(range(500, 508)))
     gs.apply_batch(batch("a", 1, free=50, stored=other), now=0.1)
     gs.apply_batch(batch("a", 2, free=50, released=other), now=0.2)
-    assert gs.workers["a"].predicted_blocks == 6 + 2 and gs._sharing.get(gs.workers["a"].slot, {}) == {}
+    assert gs.workers["a"].predicted_blocks == 6 + 2 and gs.predictions._sharing.get(gs.workers["a"].slot, {}) == {}
 
 
 def test_a_worker_without_a_seat_has_no_room_and_confirmed_requests_move_from_predicted_to_queued():

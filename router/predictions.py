@@ -1,0 +1,157 @@
+"""What the global scheduler expects of requests it has just routed, until their workers report them.
+
+A worker reports a request it took in with its next batch; until then the
+scheduler's view of that worker lacks it, and a burst routed meanwhile would all
+land where the view looked emptiest. So each routed request leaves a
+``Prediction`` on its worker's view:
+
+- the blocks it will take out of the free count (its new blocks, and the idle
+  cached blocks of its prefix it will reuse) and its sequences: counted in the
+  view's ``predicted_blocks`` and ``predicted_seqs`` (room and seats) until the
+  worker confirms the request;
+- the idle keys it will reuse, as "soon in use", so that a request close behind
+  with the same prefix shares them instead of counting them idle again;
+- the cached keys it shares with requests holding them, at no cost while they
+  stay in use: one that goes idle or leaves the cache before confirmation
+  becomes a block the first sharer takes (``stop_sharing``);
+- the prompt keys it will compute there (``mask``, read by the index's prefix
+  match), so a burst with one prefix keeps to one worker; these stay until the
+  prediction's time runs out, confirmed or not.
+
+Pure Python, no clock of its own; the views (``global_scheduler.WorkerView``)
+are passed in.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:
+    from pagefleet.router.global_scheduler import WorkerView
+
+
+@dataclass(slots=True)
+class Prediction:
+    request_id: str
+    worker_id: str
+    slot: int
+    expires: float
+    keys: list[int]  # the prompt's keys it will compute there
+    blocks: int  # taken out of the worker's free count; 0 once the worker confirmed the request
+    seqs: int  # its sequences (n); 0 once confirmed
+    idle_keys: list[int] = field(default_factory=list)  # idle cached keys it will take; [] once confirmed
+    shared_keys: list[int] = field(default_factory=list)  # cached keys in use it shares; [] once confirmed
+
+    @property
+    def confirmed(self) -> bool:
+        return not self.seqs
+
+
+class Predictions:
+    def __init__(self) -> None:
+        self.by_request: dict[str, Prediction] = {}  # in expiry order
+        self.mask: dict[int, int] = {}  # routing key -> slots predicted to hold it
+        self._refs: dict[int, Counter] = {}  # slot -> routing key -> predictions saying so
+        self._soon_in_use: dict[int, Counter] = {}  # slot -> idle key -> unconfirmed predictions taking it
+        self._sharing: dict[int, dict[int, list[Prediction]]] = {}  # slot -> key in use -> predictions sharing it
+
+    def cached_keys(self, view: WorkerView, keys: list[int], cached: int,
+                    holds: Callable[[int, int], bool]) -> tuple[list[int], list[int]]:
+        """The first ``cached`` keys the worker holds, split into (idle, shared): idle ones are
+        not in use there and not about to be (taken by a request routed there and not yet
+        started); shared ones are. A key matched only by a prediction is neither: it is being
+        computed there, for the request that predicted it."""
+        in_use, soon, slot = view.in_use, self._soon_in_use.get(view.slot, ()), view.slot
+        idle, shared = [], []
+        for k in keys[:cached]:
+            if holds(slot, k):
+                (shared if k in in_use or k in soon else idle).append(k)
+        return idle, shared
+
+    def add(self, pred: Prediction, view: WorkerView) -> None:
+        """Record ``pred`` on ``view`` (end the request's earlier prediction first, if any)."""
+        self.by_request[pred.request_id] = pred
+        view.predicted_blocks += pred.blocks
+        view.predicted_seqs += pred.seqs
+        view.refresh()
+        if pred.idle_keys:
+            self._soon_in_use.setdefault(pred.slot, Counter()).update(pred.idle_keys)
+        if pred.shared_keys:
+            sharing = self._sharing.setdefault(pred.slot, {})
+            for key in pred.shared_keys:
+                sharing.setdefault(key, []).append(pred)
+        refs = self._refs.setdefault(pred.slot, Counter())
+        first_time = set(pred.keys).difference(refs)
+        refs.update(pred.keys)
+        if first_time:
+            mask, bit = self.mask, 1 << pred.slot
+            for key in first_time:
+                mask[key] = mask.get(key, 0) | bit
+
+    def confirm(self, pred: Prediction, view: WorkerView | None) -> None:
+        """The worker took the request in (or is gone: ``view`` None): from now on its own
+        reports say what the request holds. The prompt keys stay until ``end``."""
+        if view is not None:
+            view.predicted_blocks -= pred.blocks
+            view.predicted_seqs -= pred.seqs
+            view.refresh()
+        pred.blocks = pred.seqs = 0
+        if pred.idle_keys:
+            _uncount(self._soon_in_use[pred.slot], pred.idle_keys)
+            pred.idle_keys = []
+        if pred.shared_keys:
+            sharing = self._sharing[pred.slot]
+            for key in pred.shared_keys:
+                sharers = sharing[key]
+                sharers.remove(pred)
+                if not sharers:
+                    del sharing[key]
+            pred.shared_keys = []
+
+    def end(self, pred: Prediction, view: WorkerView | None) -> None:
+        """Forget ``pred`` entirely (its time ran out, or its worker is gone: ``view`` None)."""
+        self.by_request.pop(pred.request_id, None)
+        self.confirm(pred, view)
+        mask, bit = self.mask, 1 << pred.slot
+        for key in _uncount(self._refs[pred.slot], pred.keys):  # its last prediction on this slot
+            rest = mask[key] & ~bit
+            if rest:
+                mask[key] = rest
+            else:
+                del mask[key]
+
+    def stop_sharing(self, view: WorkerView, holds: Callable[[int, int], bool]) -> None:
+        """After ``view`` changed: shared keys that nothing holds in use any more (idle with no
+        request routed to take them, or gone from its cache) become blocks after all (the idle
+        block itself, or a new one to compute it again), taken by the first request routed there
+        to share each; the rest share it again (it is about to be in use)."""
+        sharing = self._sharing.get(view.slot)
+        if not sharing:
+            return
+        in_use, soon = view.in_use, self._soon_in_use.get(view.slot, ())
+        gone = [k for k in sharing if k not in in_use and k not in soon]
+        if not gone:
+            return
+        soon = self._soon_in_use.setdefault(view.slot, Counter())
+        for key in gone:
+            sharers = sharing.pop(key)
+            for pred in sharers:
+                pred.shared_keys.remove(key)
+            taker = sharers[0]
+            taker.blocks += 1
+            view.predicted_blocks += 1
+            if holds(view.slot, key):  # idle there: taken, so nobody else counts it idle
+                taker.idle_keys.append(key)
+                soon[key] += 1
+        view.refresh()
+
+
+def _uncount(counter: Counter, keys: list[int]) -> list[int]:
+    """Take one count of each key off ``counter``; the keys that reach zero leave it and are returned."""
+    counter.subtract(keys)
+    gone = [key for key in dict.fromkeys(keys) if counter[key] == 0]
+    for key in gone:
+        del counter[key]
+    return gone
