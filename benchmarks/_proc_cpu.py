@@ -8,8 +8,9 @@ from __future__ import annotations
 import os
 
 HZ = os.sysconf("SC_CLK_TCK")
-# (cmdline fragment, role): the first that matches names the process.
-ROLES = (("PagefleetWorker", "worker"), ("OpenAIIngress", "ingress"), ("ProxyActor", "proxy"),
+# (cmdline fragment, role): the first that matches names the process. "proxy" is what holds the
+# HTTP port: Serve's Python proxy actor, or HAProxy and the actor that manages it.
+ROLES = (("PagefleetWorker", "worker"), ("OpenAIIngress", "ingress"), ("ProxyActor", "proxy"), ("haproxy", "proxy"),
          ("GlobalSchedulerActor", "scheduler"), ("ServeController", "controller"))
 
 
