@@ -10,8 +10,8 @@ sent the request and since the hop before, in milliseconds, over the requests.
     python benchmarks/hop_trace.py                      # 20 requests, 256 in, 16 out
     python benchmarks/hop_trace.py --model DIR --requests 50
 
-Hops, in order: client_sent; ingress_http (the ingress's handler starts: the Serve proxy and
-the proxy -> ingress call lie before it); ingress_prepared (parsed, tokenized, hashed);
+Hops, in order: client_sent; ingress_http (the ingress's handler starts: the HTTP front,
+HAProxy or Serve's Python proxy, and its hand-off to the ingress replica lie before it); ingress_prepared (parsed, tokenized, hashed);
 ingress_routed (the global scheduler's copy decided); ingress_sent (handed to Serve's handle);
 worker_generate (the worker replica's method starts); engine_added (the engine thread took the
 request in); engine_first_token (the step that made its first token returned); worker_channel_put
