@@ -179,3 +179,42 @@ def test_calls_are_at_least_the_minimum_interval_apart_and_what_comes_between_go
         await pub.close()
 
     asyncio.run(run())
+
+
+def test_batches_that_change_nothing_wait_for_one_that_does():
+    async def run():
+        worker, link = Worker(), Link()
+        pub = KVEventPublisher(link, worker.snapshot, min_interval_s=0.0, heartbeat_s=3600)
+        pub.start()
+        pub.put(worker.step())  # batch 0: stores blocks
+        await settle(pub)
+        pub.put(worker.source.drain(KVLoad(num_running=1)))  # batch 1: the load changed
+        await settle(pub)
+        assert link.calls == [(0, 0), (1, 1)]
+        for _ in range(5):  # batches 2-6: decode steps between two block boundaries change nothing
+            pub.put(worker.source.drain(KVLoad(num_running=1)))
+        for _ in range(50):
+            await asyncio.sleep(0)
+        assert link.calls == [(0, 0), (1, 1)] and pub.counters.quiet == 5
+        pub.put(worker.step())  # batch 7 stores blocks: it goes out with the five before it
+        await settle(pub)
+        assert link.calls == [(0, 0), (1, 1), (2, 7)]
+        assert link.core.workers["w"].num_running == 0 and link.core.counters.gaps == 0
+        assert link.core.keys_of("w") == worker.keys()
+        await pub.close()
+
+    asyncio.run(run())
+
+
+def test_a_quiet_worker_still_publishes_every_heartbeat():
+    async def run():
+        worker, link = Worker(), Link()
+        pub = KVEventPublisher(link, worker.snapshot, min_interval_s=0.0, heartbeat_s=0.0)
+        pub.start()
+        for _ in range(3):
+            pub.put(worker.source.drain(KVLoad()))
+            await settle(pub)
+        assert link.calls == [(0, 0), (1, 1), (2, 2)] and pub.counters.quiet == 0
+        await pub.close()
+
+    asyncio.run(run())

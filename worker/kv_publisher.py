@@ -6,7 +6,11 @@ replica's event loop sends them in order, one call in flight at a time and at
 most one every ``min_interval_s``; batches that pile up meanwhile go out merged
 into one (``merge_batches``), so a slow scheduler gets fewer, larger calls, and
 a fast engine (a single stream steps every few tens of milliseconds) does not
-cost the scheduler, its followers and Ray a call per step. When even the deque overflows, the oldest
+cost the scheduler, its followers and Ray a call per step. A batch that changes
+nothing the scheduler reads (no events, the same counters as the batch before:
+most decode steps, between one block filling and the next) does not wake the
+sender; it goes out merged into the next batch that does, or after
+``heartbeat_s``. When even the deque overflows, the oldest
 batches are dropped: their numbers go missing, the scheduler sees the gap and
 asks for a snapshot, which this publisher takes (on the engine thread) and
 sends in sequence with the batches. A failed call is not retried: it leaves a
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Awaitable, Callable, Protocol
@@ -38,6 +43,7 @@ class SchedulerLink(Protocol):
 class PublisherCounters:
     batches: int = 0  # put by the engine
     calls: int = 0  # sent (a merged batch is one call)
+    quiet: int = 0  # changed nothing the scheduler reads, so woke no sender
     dropped: int = 0  # lost to a full buffer
     failed_calls: int = 0
     snapshots: int = 0
@@ -46,13 +52,16 @@ class PublisherCounters:
 class KVEventPublisher:
     def __init__(self, link: SchedulerLink, take_snapshot: Callable[[], Awaitable[KVSnapshot]], *,
                  max_pending: int = 256, call_timeout_s: float = 5.0, backoff_s: float = 1.0,
-                 min_interval_s: float = 0.05) -> None:
+                 min_interval_s: float = 0.05, heartbeat_s: float = 0.5) -> None:
         self.link = link
         self.take_snapshot = take_snapshot
         self.call_timeout_s = call_timeout_s
         self.backoff_s = backoff_s
         self.min_interval_s = min_interval_s
+        self.heartbeat_s = heartbeat_s
         self.counters = PublisherCounters()
+        self._last_state: tuple | None = None  # what the scheduler reads of the batch put last
+        self._last_wake = float("-inf")
         self._pending: deque[KVEventBatch] = deque(maxlen=max_pending)
         self._covered = -1  # batches up to this number are inside a snapshot already sent
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -69,11 +78,18 @@ class KVEventPublisher:
             self._task = self._loop.create_task(self._run(), name="pagefleet-kv-publisher")
 
     def put(self, batch: KVEventBatch) -> None:
-        """Any thread; never waits."""
+        """One thread (the engine's); never waits."""
         if len(self._pending) == self._pending.maxlen:
             self.counters.dropped += 1
         self._pending.append(batch)  # a full deque drops its oldest
         self.counters.batches += 1
+        previous, self._last_state = self._last_state, _state(batch)
+        now = time.monotonic()
+        if (previous is not None and previous == self._last_state and now - self._last_wake < self.heartbeat_s
+                and len(self._pending) < self._pending.maxlen // 2):
+            self.counters.quiet += 1
+            return
+        self._last_wake = now
         loop, wake = self._loop, self._wake
         if loop is not None and wake is not None:
             try:
@@ -136,3 +152,11 @@ def _consecutive_runs(batches: list[KVEventBatch]) -> list[list[KVEventBatch]]:
         else:
             runs.append([batch])
     return runs
+
+
+def _state(batch: KVEventBatch) -> tuple | None:
+    """What the scheduler reads of a batch that has no events (None: it has some)."""
+    if batch.cleared or batch.stored or batch.removed or batch.added or batch.acquired or batch.released:
+        return None
+    return (batch.num_free_blocks, batch.num_total_blocks, batch.num_running, batch.num_waiting,
+            batch.num_reserved_blocks)
