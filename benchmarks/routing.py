@@ -32,9 +32,14 @@ stale or empty; the other policies choose inside Serve's router), then a summary
 machine (load average included: on a shared machine it says how much of the
 CPU the run had).
 
-The client is this file's own (async httpx, streaming completions with token-id
-prompts), written before `pagefleet bench` landed; it also reads the workers'
-and the ingress's own counters between phases, which `pagefleet bench` does not.
+The client is this file's own (aiohttp, the HTTP client of `pagefleet bench` and
+`vllm bench serve`; streaming completions with token-id prompts), written before
+`pagefleet bench` landed; it also reads the workers' and the ingress's own
+counters between phases, which `pagefleet bench` does not. It used httpx's async
+client until 2026-12-01, whose own cost shows in bursts (96 requests at once to a
+bare uvicorn app: p99 129-2,822 ms, raw asyncio sockets 6-10 ms); in this
+workload's spread-out arrivals it made little difference (kv's 429s at p99 158 ms
+with httpx and 167 ms with aiohttp in adjacent runs).
 
     python benchmarks/routing.py                      # all policies (about 15 minutes on 2 cores)
     python benchmarks/routing.py --policies kv round_robin --normal-s 20 --overload-s 10
@@ -56,7 +61,7 @@ from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads, here and in the replicas
 
-import httpx  # noqa: E402
+import aiohttp  # noqa: E402
 from _machine import machine_with_load as machine  # noqa: E402
 
 POLICIES = ("round_robin", "kv", "least_loaded", "pow2", "prefix")
@@ -123,7 +128,10 @@ class Workload:
             out.append(t)
 
 
-async def one_request(http: httpx.AsyncClient, base: str, model: str, tenant: int, prompt: list[int],
+NO_TIMEOUT = aiohttp.ClientTimeout(total=None)  # each request has its own asyncio.timeout
+
+
+async def one_request(http: aiohttp.ClientSession, base: str, model: str, tenant: int, prompt: list[int],
                       timeout_s: float) -> Result:
     body = {"model": model, "prompt": prompt, "max_tokens": ANSWER_TOKENS, "temperature": 0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}, "cache_salt": f"tenant-{tenant}"}
@@ -131,13 +139,14 @@ async def one_request(http: httpx.AsyncClient, base: str, model: str, tenant: in
     started = time.perf_counter()
     try:
         async with asyncio.timeout(timeout_s):
-            async with http.stream("POST", f"{base}/v1/completions", json=body) as r:
-                result.status = r.status_code
-                if r.status_code != 200:
-                    await r.aread()
-                    result.kind = "429" if r.status_code == 429 else "error"
+            async with http.post(f"{base}/v1/completions", json=body) as r:
+                result.status = r.status
+                if r.status != 200:
+                    await r.read()
+                    result.kind = "429" if r.status == 429 else "error"
                 else:
-                    async for line in r.aiter_lines():
+                    async for raw in r.content:  # one SSE line at a time
+                        line = raw.decode().rstrip("\r\n")
                         if not line.startswith("data: ") or line == "data: [DONE]":
                             continue
                         chunk = json.loads(line[6:])
@@ -147,7 +156,7 @@ async def one_request(http: httpx.AsyncClient, base: str, model: str, tenant: in
                             result.output_tokens = chunk["usage"]["completion_tokens"]
     except TimeoutError:
         result.kind = "timeout"
-    except httpx.HTTPError:
+    except aiohttp.ClientError:
         result.kind = "error"
     result.latency_s = time.perf_counter() - started
     return result
@@ -156,8 +165,7 @@ async def one_request(http: httpx.AsyncClient, base: str, model: str, tenant: in
 async def open_loop(base: str, model: str, work: Workload, rate: float, duration_s: float,
                     timeout_s: float) -> tuple[list[Result], float]:
     """Poisson arrivals: each request starts at its time whatever the others are doing."""
-    limits = httpx.Limits(max_connections=2000, max_keepalive_connections=200)
-    async with httpx.AsyncClient(timeout=None, limits=limits) as http:
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=2000), timeout=NO_TIMEOUT) as http:
         start = time.perf_counter()
         tasks = []
         for at in work.arrivals(rate, duration_s):
@@ -171,7 +179,7 @@ async def open_loop(base: str, model: str, work: Workload, rate: float, duration
 async def closed_loop(base: str, model: str, work: Workload, clients: int, duration_s: float) -> float:
     """Requests completed per second with ``clients`` always busy (the capacity)."""
     done = 0
-    async with httpx.AsyncClient(timeout=None) as http:
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=clients), timeout=NO_TIMEOUT) as http:
         start = time.perf_counter()
 
         async def client() -> None:
