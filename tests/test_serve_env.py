@@ -3,17 +3,14 @@ environment it needs reaches the Ray processes without staying in the driver's."
 
 import os
 import platform
+import socket
 import stat
 
 import pytest
 from pagefleet.cluster.config import ServeOptions
 from pagefleet.cluster.launch import HAPROXY_FRONT, PYTHON_PROXY_FRONT, banner
-from pagefleet.cluster.serve_env import (
-    FAST_PATH_ENV,
-    LOCAL_MIN_DRAINING_PERIOD_S,
-    fast_path_env,
-    raylet_env,
-)
+from pagefleet.cluster.serve_env import (FAST_PATH_ENV, LOCAL_MIN_DRAINING_PERIOD_S, SIDE_PORTS, fast_path_env,
+                                         raylet_env)
 
 
 def _executable(path):
@@ -24,9 +21,11 @@ def _executable(path):
 
 def test_fast_path_needs_an_haproxy_binary(tmp_path, monkeypatch):
     monkeypatch.setenv("RAY_SERVE_HAPROXY_BINARY_PATH", str(_executable(tmp_path / "haproxy")))
-    assert fast_path_env() == {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
-                               "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": str(LOCAL_MIN_DRAINING_PERIOD_S)}
-    assert fast_path_env(local=False) == FAST_PATH_ENV  # a cluster's own nodes keep Ray's draining period
+    env = fast_path_env()
+    assert {k: env.pop(k) for k in SIDE_PORTS}  # free ports of their own (next test)
+    assert env == {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
+                   "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": str(LOCAL_MIN_DRAINING_PERIOD_S)}
+    assert fast_path_env(local=False) == FAST_PATH_ENV  # a cluster's own nodes keep Ray's defaults
     (tmp_path / "plain").write_text("")
     monkeypatch.setenv("RAY_SERVE_HAPROXY_BINARY_PATH", str(tmp_path / "plain"))  # not executable
     assert fast_path_env() == {}
@@ -37,6 +36,20 @@ def test_fast_path_needs_an_haproxy_binary(tmp_path, monkeypatch):
 def test_the_bundled_haproxy_is_found(monkeypatch):
     monkeypatch.delenv("RAY_SERVE_HAPROXY_BINARY_PATH", raising=False)
     assert fast_path_env()["RAY_SERVE_ENABLE_HA_PROXY"] == "1"
+
+
+def test_a_local_cluster_moves_serves_fixed_side_ports_to_free_ones(tmp_path, monkeypatch):
+    """HAProxy's stats (8404) and exporter (9101) and the backup proxy (8500) are fixed ports in
+    Serve: one held by another program stopped `pagefleet serve` from starting."""
+    monkeypatch.setenv("RAY_SERVE_HAPROXY_BINARY_PATH", str(_executable(tmp_path / "haproxy")))
+    with socket.socket() as held:
+        held.bind(("", 0))
+        held.listen()
+        ports = [int(fast_path_env()[name]) for name in SIDE_PORTS]
+        assert len(set(ports)) == 3 and held.getsockname()[1] not in ports
+    for port in ports:  # free on every interface, where HAProxy binds them
+        with socket.socket() as s:
+            s.bind(("", port))
 
 
 def test_raylet_env_sets_for_the_block_and_keeps_what_the_user_set(monkeypatch):
