@@ -10,11 +10,7 @@ A request that finds the queue full, or waits out its time, is refused with
 Refusals should be fast, so a request is also refused on arrival when the
 queue ahead of it would take longer than ``max_wait_s`` to clear at the rate
 requests have recently left it (``expected_wait``): under sustained overload
-the excess is turned away at once instead of after waiting out its time. The
-departure in progress counts too: when nobody has left the queue for longer
-than the recent interval (the workers stalled on long prefills, or a busy
-period has just begun and no interval is known yet), that time is the interval
-to expect.
+the excess is turned away at once instead of after waiting out its time.
 ``check_room`` makes the same two checks without queueing, so the ingress can
 refuse before it reads and tokenizes a request it could not admit.
 """
@@ -70,7 +66,6 @@ class AdmissionQueue:
         # None until two have been seen in one such period).
         self.departure_interval_s: float | None = None
         self._last_departure: float | None = None
-        self._busy_since: float | None = None  # when the queue last became non-empty
 
     def __len__(self) -> int:
         return len(self._waiting)
@@ -81,14 +76,10 @@ class AdmissionQueue:
         return max(1, math.ceil(self.max_wait_s))
 
     def expected_wait_s(self) -> float | None:
-        """How long a request joining the queue now would wait, at the recent rate or at the rate
-        of the departure in progress, whichever is slower (None: an empty queue)."""
-        if not self._waiting:
+        """How long a request joining the queue now would wait, at the recent rate (None: unknown)."""
+        if self.departure_interval_s is None or not self._waiting:
             return None
-        since = self._last_departure if self._last_departure is not None else self._busy_since
-        in_progress = self.clock() - since
-        interval = in_progress if self.departure_interval_s is None else max(self.departure_interval_s, in_progress)
-        return (len(self._waiting) + 1) * interval
+        return (len(self._waiting) + 1) * self.departure_interval_s
 
     def check_room(self) -> None:
         """Raises AdmissionRejected when a request arriving now would be refused without waiting."""
@@ -113,8 +104,6 @@ class AdmissionQueue:
                 return result
         self.check_room()
         turn = asyncio.Event()
-        if not self._waiting:
-            self._busy_since = self.clock()
         self._waiting.append(turn)
         self.on_length(len(self._waiting))
         self.counters.longest_queue = max(self.counters.longest_queue, len(self._waiting))
