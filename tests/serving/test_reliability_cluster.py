@@ -35,6 +35,10 @@ MAX_MODEL_LEN = 256
 MAX_NUM_SEQS = 8
 WORKERS = 2
 MAX_QUEUED = 32  # admission queue: room for the retried and new requests when one replica of two dies
+# How long a request may wait there: when one replica of two dies, the survivor is at its seat limit
+# until its own 100-token streams end (about 2 s on 2 cores); a request sent meanwhile must be able
+# to wait for that (with the default 2 s, 1-3 of 50 were refused in some runs).
+MAX_WAIT_S = 10.0
 BODY_LIMIT = 2**20
 CAPACITY = WORKERS * 2 * MAX_NUM_SEQS  # requests the workers take at once (max_ongoing_requests each)
 
@@ -54,6 +58,7 @@ def server(ray_cluster, tiny_checkpoint):
     app = build_app({"model": str(ckpt), "workers": WORKERS, "kv_cache_bytes": "16MiB",
                      "max_model_len": MAX_MODEL_LEN, "max_num_seqs": MAX_NUM_SEQS, "worker_num_cpus": 0.5,
                      "ingress_num_cpus": 0.25, "api_key": KEY, "admission_queue_size": MAX_QUEUED,
+                     "admission_max_wait_s": MAX_WAIT_S,
                      "max_request_body_bytes": BODY_LIMIT, "drain_timeout_s": 20.0})
     serve.run(app, name=APP, route_prefix=PREFIX, blocking=False)
     base = f"http://127.0.0.1:{port}{PREFIX}"
@@ -399,7 +404,7 @@ def _stream_outcome(base, model, i, max_tokens):
         with httpx.Client(timeout=httpx.Timeout(30, read=15)) as http:
             with http.stream("POST", f"{base}/v1/completions", json=body, headers=AUTH) as r:
                 if r.status_code != 200:
-                    return f"status {r.status_code}", time.monotonic()
+                    return f"status {r.status_code}: {r.read()[:300]!r}", time.monotonic()
                 for line in r.iter_lines():
                     if line.startswith("data: "):
                         events.append(line[6:])
@@ -446,7 +451,7 @@ def test_a_killed_worker_replica_fails_its_streams_cleanly_and_is_replaced(serve
     assert kinds.get("error", 0) >= 1, kinds  # the dead replica's streams ended in an error event
     assert max(failed_ended_after_kill) < 10.0, failed_ended_after_kill
     succeeded = new_codes.count(200) / len(new_codes)
-    assert succeeded >= 0.99, new_codes
+    assert succeeded >= 0.99, [c for c in new_codes if c != 200]
     # Serve replaces the replica; afterwards no block is held anywhere
     deadline = time.monotonic() + 180
     while True:
@@ -481,7 +486,7 @@ def _ok_or_status(base, model, i):
                        json={"model": model, "prompt": f"after the kill {i}", "max_tokens": 2})
     except httpx.TimeoutException:
         return "timeout"
-    return r.status_code
+    return r.status_code if r.status_code == 200 else (r.status_code, r.text[:300])
 
 
 # ---- graceful drain (last: it ends this ingress's service) --------------------------------------------
@@ -502,7 +507,7 @@ def test_drain_finishes_in_flight_requests_and_refuses_new_ones_with_503(server)
         running = pool.submit(_stream_outcome, base, model, 0, 60)
         deadline = time.monotonic() + 60
         while sum(s.engine.num_running for s in worker_stats(APP).values()) < 1:
-            assert time.monotonic() < deadline
+            assert time.monotonic() < deadline, running.result() if running.done() else "open, never ran"
             time.sleep(0.05)
         drained = serve.get_app_handle(APP).options(method_name="drain").remote()
         time.sleep(0.5)
