@@ -41,10 +41,13 @@ FAST_PATH_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_THROUGHPUT_OPTIMIZ
 # default (30 s) is sized for proxies on other nodes; one that pagefleet starts itself runs one
 # node, whose HAProxy is told within a fraction of a second.
 LOCAL_MIN_DRAINING_PERIOD_S = 1.0
+# Serve's fixed ports in this mode (HAProxy's stats page and Prometheus exporter, the backup proxy).
+SIDE_PORTS = ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT", "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT")
 
 
 def haproxy_binary() -> str | None:
-    """The HAProxy Serve would run (same order as Serve's own lookup), or None."""
+    """The HAProxy Serve would run (the order of Serve's own lookup, which reads its variable once,
+    when Serve is imported, and logs: this one reads the environment as it is now), or None."""
     configured = os.environ.get("RAY_SERVE_HAPROXY_BINARY_PATH")
     if configured:
         return configured if os.access(configured, os.X_OK) else None
@@ -68,9 +71,6 @@ def fast_path_env(local: bool = True) -> dict[str, str]:
             env[name] = str(port)
     return env
 
-
-# Serve's fixed ports in this mode (HAProxy's stats page and Prometheus exporter, the backup proxy).
-SIDE_PORTS = ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT", "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT")
 
 
 def _free_ports(n: int) -> list[int]:
