@@ -1,6 +1,8 @@
-"""The ingress's side of its delta channels (``worker.delta_channel``): one Serve stream per
-worker replica carries the deltas of every request this ingress placed there, and this module
-hands each delta to its request's queue.
+"""The ingress's side of its delta channels (``worker.delta_channel``): one channel per worker
+replica carries the deltas of every request this ingress placed there, and this module hands
+each delta to its request's queue. A channel is a TCP connection to the replica where the
+ingress can reach it (the replica's ``channel`` call offers the address and a token), else that
+call's own Serve stream.
 
 A request registers its queue before it is sent (its first deltas can arrive before its
 ``Placed``), says where it was placed, and reads its queue (``read_deltas``), where the
@@ -15,13 +17,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import pickle
+import socket
 import uuid
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
 
 from pagefleet.worker import hop_trace
 from pagefleet.worker.outputs import RequestOutputDelta, merge_deltas
-from pagefleet.worker.worker_request import ChannelOpen, Ended
+from pagefleet.worker.delta_channel import FRAME_HEADER
+from pagefleet.worker.worker_request import ChannelOpen, Ended, SocketOffer
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +35,10 @@ ATTACH_TIMEOUT_S = 10.0
 # How long a request whose replica reported it ended waits for deltas still on the way.
 LOST_OUTPUT_TIMEOUT_S = 30.0
 REOPEN_BACKOFF_S = 0.2
+# How long connecting to a replica's channel socket may take before its Serve stream is used.
+CONNECT_TIMEOUT_S = 2.0
+# A frame longer than this is not from a replica: the connection is dropped.
+MAX_FRAME_BYTES = 1 << 30
 
 
 class LostOutputError(RuntimeError):
@@ -39,20 +48,81 @@ class LostOutputError(RuntimeError):
 @dataclass(slots=True)
 class MuxCounters:
     channels_opened: int = 0
+    socket_channels: int = 0  # of those, on a TCP connection
     batches: int = 0
     deltas: int = 0
     unclaimed: int = 0  # deltas of no running request (cancelled meanwhile) or from a replica it left
 
 
+class SocketUnusable(ConnectionError):
+    """The replica's channel socket cannot be reached, or drops the connection unanswered."""
+
+
+class _FrameReader(asyncio.Protocol):
+    """The ingress's end of a socket channel: sends the offer's token, then hands each frame's
+    batch to ``on_batch`` as it arrives. ``done`` resolves when the connection ends: to whether
+    any frame came (the replica accepted the token), or to the error it broke with."""
+
+    def __init__(self, token: bytes, on_batch: Callable[[list[RequestOutputDelta]], None]) -> None:
+        self._token = token
+        self._on_batch = on_batch
+        self._buf = bytearray()
+        self.frames = 0
+        self.done: asyncio.Future = asyncio.get_running_loop().create_future()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport
+        transport.write(self._token)  # type: ignore[attr-defined]
+
+    def data_received(self, data: bytes) -> None:
+        buf = self._buf
+        buf += data
+        start, size = 0, len(buf)
+        while size - start >= FRAME_HEADER.size:
+            (length,) = FRAME_HEADER.unpack_from(buf, start)
+            if length > MAX_FRAME_BYTES:
+                self._transport.abort()
+                return
+            end = start + FRAME_HEADER.size + length
+            if end > size:
+                break
+            batch = pickle.loads(memoryview(buf)[start + FRAME_HEADER.size:end])
+            start = end
+            self.frames += 1
+            self._on_batch(batch)
+        del buf[:start]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self.done.done():
+            if exc is not None:
+                self.done.set_exception(exc)
+            else:
+                self.done.set_result(self.frames > 0)
+
+
+def _keep_alive(sock: socket.socket | None) -> None:
+    """Probe an idle connection so one to a node that vanished (no FIN) errors within ~30 s."""
+    if sock is None:
+        return
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in (("TCP_KEEPIDLE", 15), ("TCP_KEEPINTVL", 5), ("TCP_KEEPCNT", 3)):
+        if hasattr(socket, name):
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
+
+
 class ChannelMux:
-    """``open_channel(ChannelOpen)`` starts a replica's channel stream (a Serve handle call the
-    request routers pin to that replica)."""
+    """``open_channel(ChannelOpen)`` starts a replica's ``channel`` call (a Serve handle call the
+    request routers pin to that replica). With ``sockets``, the call asks for a ``SocketOffer``
+    and the channel is the TCP connection that claims it; a replica whose socket cannot be
+    reached gets Serve-stream channels from then on."""
 
     def __init__(self, open_channel: Callable[[ChannelOpen], Any], channel_id: str | None = None,
-                 attach_timeout_s: float = ATTACH_TIMEOUT_S) -> None:
+                 attach_timeout_s: float = ATTACH_TIMEOUT_S, sockets: bool = True) -> None:
         self.channel_id = channel_id or uuid.uuid4().hex
         self._open = open_channel
         self.attach_timeout_s = attach_timeout_s
+        self._sockets = sockets
+        self._no_socket: set[str] = set()  # replicas whose socket could not be used
         self._queues: dict[str, asyncio.Queue] = {}
         self._replica_of: dict[str, str] = {}  # request id -> replica it was placed on
         self._left: dict[str, set[str]] = {}  # request id -> replicas an earlier attempt ran on
@@ -101,12 +171,21 @@ class ChannelMux:
     async def _read(self, replica_id: str) -> None:
         try:
             while self._on.get(replica_id):
-                stream = self._open(ChannelOpen(self.channel_id, replica_id))
+                use_socket = self._sockets and replica_id not in self._no_socket
+                stream = self._open(ChannelOpen(self.channel_id, replica_id, socket=use_socket))
                 try:
-                    await asyncio.wait_for(stream.__anext__(), self.attach_timeout_s)  # [] once attached
+                    # [] once attached, or where to connect
+                    first = await asyncio.wait_for(stream.__anext__(), self.attach_timeout_s)
+                    if isinstance(first, SocketOffer):
+                        await self._read_socket(replica_id, first)
+                        continue
                     self.counters.channels_opened += 1
                     async for batch in stream:
                         self._dispatch(replica_id, batch)
+                except SocketUnusable as exc:
+                    self._no_socket.add(replica_id)
+                    logger.warning("delta channel socket of %s unusable (%s); its Serve stream carries the "
+                                   "channel from now on", replica_id, exc)
                 except Exception as exc:  # noqa: BLE001 — the replica's requests fail on their own streams
                     if self._on.get(replica_id):
                         logger.warning("delta channel to %s broke (%s); opening it again", replica_id,
@@ -118,6 +197,26 @@ class ChannelMux:
             self._readers.pop(replica_id, None)
             if not self._on.get(replica_id):
                 self._on.pop(replica_id, None)
+
+    async def _read_socket(self, replica_id: str, offer: SocketOffer) -> None:
+        """Reads the channel on a connection to ``offer`` until it ends: returns when the replica
+        closed it (the channel idle, or another reader took over), raises if it broke, and
+        ``SocketUnusable`` if it cannot be made or the replica drops it before its first frame."""
+        loop = asyncio.get_running_loop()
+        try:
+            transport, reader = await asyncio.wait_for(loop.create_connection(
+                lambda: _FrameReader(offer.token, lambda batch: self._dispatch(replica_id, batch)),
+                offer.host, offer.port), CONNECT_TIMEOUT_S)
+        except (OSError, asyncio.TimeoutError) as exc:
+            raise SocketUnusable(f"connecting to {offer.host}:{offer.port}: {exc!r}") from exc
+        try:
+            _keep_alive(transport.get_extra_info("socket"))
+            self.counters.channels_opened += 1
+            self.counters.socket_channels += 1
+            if not await reader.done:
+                raise SocketUnusable(f"{offer.host}:{offer.port} closed the connection unanswered")
+        finally:
+            transport.close()
 
     def _dispatch(self, replica_id: str, batch: list[RequestOutputDelta]) -> None:
         self.counters.batches += 1

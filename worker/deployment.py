@@ -13,17 +13,18 @@ from __future__ import annotations
 import logging
 from typing import Any, AsyncIterator, Callable
 
+import ray
 from ray import serve
 from ray.serve import Application
 
 from pagefleet.worker import hop_trace
-from pagefleet.worker.delta_channel import DeltaChannel
+from pagefleet.worker.delta_channel import ChannelServer, DeltaChannel
 from pagefleet.worker.engine_args import EngineArgs
 from pagefleet.worker.kv_events import KVEventBatch, KVSnapshot, unpack_hashes
 from pagefleet.worker.kv_publisher import KVEventPublisher
 from pagefleet.worker.outputs import RequestOutputDelta
 from pagefleet.worker.stats import ReplicaStats
-from pagefleet.worker.worker_request import ChannelOpen, Ended, Placed, WorkerRequest
+from pagefleet.worker.worker_request import ChannelOpen, Ended, Placed, SocketOffer, WorkerRequest
 
 logger = logging.getLogger(__name__)
 
@@ -60,11 +61,12 @@ class WorkerReplica:
     are published to it from this replica's event loop (``KVEventPublisher``)."""
 
     def __init__(self, engine_args: EngineArgs, engine_factory: Callable[[EngineArgs], Any] = _default_engine,
-                 kv_scheduler: Any = None) -> None:
+                 kv_scheduler: Any = None, channel_host: str | None = None) -> None:
         self.engine = engine_factory(engine_args)
         self.replica_id = _replica_id()
         self.num_requests_total = 0
         self._channels: dict[str, DeltaChannel] = {}
+        self._channel_server = ChannelServer(channel_host or _node_ip(), self._channel, self._drop_if_unused)
         self._publisher: KVEventPublisher | None = None
         if kv_scheduler is not None:
             self._publisher = KVEventPublisher(_SchedulerLink(kv_scheduler), self.engine.kv_snapshot)
@@ -111,20 +113,27 @@ class WorkerReplica:
             channel.requests -= 1
             self._drop_if_unused(request.channel)
 
-    async def channel(self, request: ChannelOpen) -> AsyncIterator[list[RequestOutputDelta]]:
+    async def channel(self, request: ChannelOpen) -> AsyncIterator[list[RequestOutputDelta] | SocketOffer]:
         """A caller's delta channel (``worker.delta_channel``): ``[]`` once attached, then every
-        delta of its requests, one list per wake-up. Refuses a call meant for another replica
+        delta of its requests, one list per wake-up; with ``request.socket``, only a ``SocketOffer``
+        (the connection that claims it gets the same). Refuses a call meant for another replica
         (the request routers send it to ``request.replica_id`` alone)."""
         if request.replica_id != self.replica_id:
             raise ValueError(f"channel {request.channel_id} is for replica {request.replica_id}, "
                              f"not {self.replica_id}")
-        batches = self._channels.setdefault(request.channel_id, DeltaChannel()).batches()
+        if request.socket:
+            yield await self._channel_server.offer(request.channel_id)
+            return
+        batches = self._channel(request.channel_id).batches()
         try:
             async for batch in batches:
                 yield batch
         finally:
             await batches.aclose()  # detaches now, not when collected
             self._drop_if_unused(request.channel_id)
+
+    def _channel(self, channel_id: str) -> DeltaChannel:
+        return self._channels.setdefault(channel_id, DeltaChannel())
 
     def _drop_if_unused(self, channel_id: str) -> None:
         channel = self._channels.get(channel_id)
@@ -160,9 +169,18 @@ class WorkerReplica:
                             num_requests_total=self.num_requests_total, engine=self.engine.stats())
 
     def __del__(self) -> None:
+        server = getattr(self, "_channel_server", None)
+        if server is not None:
+            server.close()
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()
+
+
+def _node_ip() -> str:
+    """Where this replica's channel sockets listen: the node's address, as Ray's own workers do
+    (loopback outside a Ray worker: tests that build the class directly)."""
+    return ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
 
 
 def _replica_id() -> str:

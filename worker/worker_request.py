@@ -2,8 +2,9 @@
 
 A request goes to a replica as a ``WorkerRequest``. Without a ``channel`` its Serve stream
 carries its deltas, one item per engine step. With one (what the ingress does), the replica
-puts its deltas on that ingress's ``channel`` instead (one Serve stream per (ingress, replica)
-carrying every request's deltas of a step as one item: ``worker.delta_channel``), and the
+puts its deltas on that ingress's ``channel`` instead (one TCP connection, or one Serve stream,
+per (ingress, replica) carrying every request's deltas of a step as one item:
+``worker.delta_channel``), and the
 request's own stream carries only a ``Placed`` first and an ``Ended`` last, or an error; a
 request that starts while no reader is attached to the channel keeps its deltas on its own
 stream, after its ``Placed``.
@@ -58,3 +59,16 @@ class ChannelOpen:
 
     channel_id: str
     replica_id: str
+    # Ask for the channel on a TCP connection: the call's one item is then a ``SocketOffer``
+    # (False: the call's own stream is the channel).
+    socket: bool = False
+
+
+@dataclass(slots=True)
+class SocketOffer:
+    """Where to connect for a channel, and the one-time token that claims it (the first bytes
+    the caller sends)."""
+
+    host: str
+    port: int
+    token: bytes

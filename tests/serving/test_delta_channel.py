@@ -4,19 +4,20 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 from types import SimpleNamespace
 
 import pytest
 
-from pagefleet.router.delta_mux import ChannelMux, LostOutputError, read_deltas
+from pagefleet.router.delta_mux import ChannelMux, LostOutputError, _FrameReader, read_deltas
 from pagefleet.router.request_router import KVRouter, RoundRobinRouter
-from pagefleet.worker.delta_channel import DeltaChannel
+from pagefleet.worker.delta_channel import TOKEN_BYTES, DeltaChannel, encode_frame
 from pagefleet.worker.deployment import WorkerReplica
 from pagefleet.worker.engine_args import EngineArgs
 from pagefleet.worker.outputs import CompletionOutput, RequestOutputDelta
 from pagefleet.worker.sampling_params import SamplingParams
 from pagefleet.worker.stats import EngineStats
-from pagefleet.worker.worker_request import ChannelOpen, Ended, Placed, WorkerRequest
+from pagefleet.worker.worker_request import ChannelOpen, Ended, Placed, SocketOffer, WorkerRequest
 
 
 def _delta(request_id: str, token: int, finished: bool = False) -> RequestOutputDelta:
@@ -210,7 +211,7 @@ def _mux():
         opened.append((request, _Stream()))
         return opened[-1][1]
 
-    return ChannelMux(open_channel, channel_id="c1"), opened
+    return ChannelMux(open_channel, channel_id="c1", sockets=False), opened
 
 
 def test_the_mux_opens_one_channel_per_replica_and_routes_each_delta_to_its_request():
@@ -331,6 +332,148 @@ def test_read_deltas_gives_up_on_deltas_the_replica_sent_that_never_came():
 
     with pytest.raises(LostOutputError, match="sent 2 deltas, 1 arrived"):
         asyncio.run(run())
+
+
+class _Call:
+    """A replica's ``channel`` call as the mux sees a Serve stream of it."""
+
+    def __init__(self, gen):
+        self._gen = gen
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        return await self._gen.__anext__()
+
+    def cancel(self):
+        asyncio.ensure_future(self._gen.aclose())
+
+
+def _socket_mux(replica: WorkerReplica, calls: list[ChannelOpen]) -> ChannelMux:
+    def open_channel(request: ChannelOpen) -> _Call:
+        calls.append(request)
+        return _Call(replica.channel(request))
+
+    return ChannelMux(open_channel, channel_id="c1")
+
+
+async def _until(predicate, timeout_s: float = 5.0) -> None:
+    for _ in range(int(timeout_s / 0.01)):
+        if predicate():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("condition not reached")
+
+
+def test_a_socket_channel_carries_each_steps_deltas_to_their_requests():
+    async def run():
+        replica = WorkerReplica(EngineArgs(), engine_factory=SteppedEngine, channel_host="127.0.0.1")
+        calls: list[ChannelOpen] = []
+        mux = _socket_mux(replica, calls)
+        qa, qb = mux.register("a"), mux.register("b")
+        mux.placed("a", "local")  # the reader starts: the call offers a socket, the mux connects
+        await _until(lambda: "c1" in replica._channels and replica._channels["c1"].attached)
+        assert calls == [ChannelOpen("c1", "local", socket=True)]
+        a, b = replica.generate(_request("a", 2)), replica.generate(_request("b", 2))
+        assert (await a.__anext__(), await b.__anext__()) == (Placed("local"), Placed("local"))
+        mux.placed("b", "local")
+        ends = [asyncio.ensure_future(a.__anext__()), asyncio.ensure_future(b.__anext__())]
+        for step in range(2):
+            await _settle()
+            replica.engine.steps[step].set()
+            await _until(lambda: qa.qsize() == qb.qsize() == step + 1)
+        assert [qa.get_nowait().sequences[0].token_ids for _ in range(2)] == [[0], [1]]
+        assert [qb.get_nowait().sequences[0].token_ids for _ in range(2)] == [[0], [1]]
+        assert await asyncio.gather(*ends) == [Ended(2), Ended(2)]
+        # one connection; frames: [] on attaching, then one per step carrying both requests' deltas
+        assert (mux.counters.channels_opened, mux.counters.socket_channels) == (1, 1)
+        assert (mux.counters.batches, mux.counters.deltas, mux.counters.unclaimed) == (3, 4, 0)
+        mux.release("a")
+        mux.release("b")
+        replica._channel_server.close()
+        for task in list(mux._readers.values()):
+            task.cancel()
+
+    asyncio.run(run())
+
+
+def test_a_socket_offer_is_claimed_once_and_a_wrong_token_gets_nothing():
+    async def run():
+        replica = WorkerReplica(EngineArgs(), engine_factory=SteppedEngine, channel_host="127.0.0.1")
+        call = replica.channel(ChannelOpen("c1", "local", socket=True))
+        offer = await call.__anext__()
+        assert isinstance(offer, SocketOffer) and len(offer.token) == TOKEN_BYTES
+        with pytest.raises(StopAsyncIteration):  # the call carries the offer alone
+            await call.__anext__()
+
+        async def claim(token: bytes) -> bytes:
+            reader, writer = await asyncio.open_connection(offer.host, offer.port)
+            writer.write(token)
+            try:
+                return await asyncio.wait_for(reader.read(1 << 16), 2.0)
+            finally:
+                writer.close()
+
+        assert await claim(bytes(TOKEN_BYTES)) == b""  # closed, nothing sent
+        assert replica._channels == {}
+        first = await claim(offer.token)
+        assert first == encode_frame([])  # attached: the channel's first batch
+        assert await claim(offer.token) == b""  # used once already
+        replica._channel_server.close()
+
+    asyncio.run(run())
+
+
+def test_a_replica_whose_socket_cannot_be_reached_gets_serve_stream_channels():
+    async def run():
+        with socket.socket() as s:  # a port nothing listens on
+            s.bind(("127.0.0.1", 0))
+            closed_port = s.getsockname()[1]
+        opened: list[tuple[ChannelOpen, object]] = []
+
+        def open_channel(request: ChannelOpen):
+            if request.socket:
+                call = _Stream()
+                call.items.get_nowait()
+                call.items.put_nowait(SocketOffer("127.0.0.1", closed_port, bytes(TOKEN_BYTES)))
+            else:
+                call = _Stream()
+            opened.append((request, call))
+            return call
+
+        mux = ChannelMux(open_channel, channel_id="c1")
+        q = mux.register("a")
+        mux.placed("a", "w0")
+        await _until(lambda: len(opened) == 2)
+        assert [request for request, _ in opened] == [ChannelOpen("c1", "w0", socket=True),
+                                                       ChannelOpen("c1", "w0", socket=False)]
+        opened[1][1].items.put_nowait([_delta("a", 0)])
+        assert await asyncio.wait_for(q.get(), 2.0) == _delta("a", 0)
+        assert mux._no_socket == {"w0"} and mux.counters.socket_channels == 0
+        mux.release("a")
+        opened[1][1].items.put_nowait(None)
+
+    asyncio.run(run())
+
+
+def test_the_frame_reader_takes_frames_however_the_bytes_arrive():
+    async def run():
+        got: list[list] = []
+        reader = _FrameReader(b"t" * TOKEN_BYTES, got.append)
+        sent = SimpleNamespace(data=b"")
+        reader.connection_made(SimpleNamespace(write=lambda b: setattr(sent, "data", sent.data + b)))
+        assert sent.data == b"t" * TOKEN_BYTES
+        frames = encode_frame([]) + encode_frame([_delta("a", 0)]) + encode_frame([_delta("a", 1), _delta("b", 1)])
+        for i in range(0, len(frames), 7):  # in 7-byte pieces: headers and bodies split anywhere
+            reader.data_received(frames[i:i + 7])
+        assert got == [[], [_delta("a", 0)], [_delta("a", 1), _delta("b", 1)]]
+        reader.data_received(frames)  # all at once
+        assert len(got) == 6 and reader.frames == 6
+        reader.connection_lost(None)
+        assert reader.done.result() is True  # frames came: the replica had accepted the token
+
+    asyncio.run(run())
 
 
 def _replica(unique_id: str):
