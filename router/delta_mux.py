@@ -117,9 +117,12 @@ class ChannelMux:
     reached gets Serve-stream channels from then on."""
 
     def __init__(self, open_channel: Callable[[ChannelOpen], Any], channel_id: str | None = None,
-                 attach_timeout_s: float = ATTACH_TIMEOUT_S, sockets: bool = True) -> None:
+                 attach_timeout_s: float = ATTACH_TIMEOUT_S, sockets: bool = True,
+                 on_opened: Callable[[str], None] = lambda transport: None) -> None:
+        """``on_opened(transport)`` is called for each channel attached ("socket" or "serve_stream")."""
         self.channel_id = channel_id or uuid.uuid4().hex
         self._open = open_channel
+        self._on_opened = on_opened
         self.attach_timeout_s = attach_timeout_s
         self._sockets = sockets
         self._no_socket: set[str] = set()  # replicas whose socket could not be used
@@ -180,6 +183,7 @@ class ChannelMux:
                         await self._read_socket(replica_id, first)
                         continue
                     self.counters.channels_opened += 1
+                    self._on_opened("serve_stream")
                     async for batch in stream:
                         self._dispatch(replica_id, batch)
                 except SocketUnusable as exc:
@@ -213,6 +217,7 @@ class ChannelMux:
             _keep_alive(transport.get_extra_info("socket"))
             self.counters.channels_opened += 1
             self.counters.socket_channels += 1
+            self._on_opened("socket")
             if not await reader.done:
                 raise SocketUnusable(f"{offer.host}:{offer.port} closed the connection unanswered")
         finally:

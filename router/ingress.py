@@ -70,12 +70,14 @@ class HandleWorkerClient:
                  health: WorkerHealth | None = None, metrics: RouterMetrics | None = None,
                  follower: ViewFollower | None = None) -> None:
         self._stream = handle.options(method_name="generate", stream=True)
-        self.mux = ChannelMux(handle.options(method_name="channel", stream=True).remote)
+        self.metrics = metrics or RouterMetrics()
+        self.mux = ChannelMux(handle.options(method_name="channel", stream=True).remote,
+                              on_opened=lambda transport: self.metrics.inc("delta_channels_opened",
+                                                                           transport=transport))
         self._watchers: set[asyncio.Task] = set()
         self._health = health or WorkerHealth(handle.deployment_name)
         self.kv = kv
         self.follower = follower
-        self.metrics = metrics or RouterMetrics()
 
     def check_room(self) -> None:
         if self.kv is not None:

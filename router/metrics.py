@@ -38,6 +38,12 @@ ROUTER_METRICS: dict[str, MetricSpec] = {
         "pagefleet_router_prefix_hit_blocks_realised", "counter",
         "kv routing: prompt blocks the worker the request ran on found in its prefix cache.",
         tag_keys=("model_name",)),
+    "delta_channels_opened": MetricSpec(
+        "pagefleet_router_delta_channels_opened", "counter",
+        "Delta channels this ingress opened to worker replicas, by transport (socket: a TCP connection to "
+        "the replica; serve_stream: the replica's socket could not be used, a Serve stream carries the "
+        "channel). A channel closes after a few seconds without requests there.",
+        tag_keys=("transport",)),
     "admission_queue_length": MetricSpec(
         "pagefleet_router_admission_queue_length", "gauge",
         "kv routing: requests waiting at this ingress for a worker with room.", tag_keys=("model_name",)),

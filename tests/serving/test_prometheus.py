@@ -287,3 +287,6 @@ def test_metrics_endpoint_on_the_serve_port_shows_the_pagefleet_series(app, traf
                    "ray_pagefleet_time_to_first_token_seconds_bucket{", "ray_pagefleet_http_requests_total{"):
         assert series in text, series
     assert "python_gc_objects_collected_total" in text  # the ingress process's own series stay
+    # every delta channel went over a TCP connection to its replica, none fell back to a Serve stream
+    assert 'ray_pagefleet_router_delta_channels_opened_total{' in text and 'transport="socket"' in text
+    assert 'transport="serve_stream"' not in text
