@@ -116,14 +116,20 @@ class WorkerReplica:
     async def channel(self, request: ChannelOpen) -> AsyncIterator[list[RequestOutputDelta] | SocketOffer]:
         """A caller's delta channel (``worker.delta_channel``): ``[]`` once attached, then every
         delta of its requests, one list per wake-up; with ``request.socket``, only a ``SocketOffer``
-        (the connection that claims it gets the same). Refuses a call meant for another replica
+        (the connection that claims it gets the same), unless this replica cannot listen. Refuses a call meant for another replica
         (the request routers send it to ``request.replica_id`` alone)."""
         if request.replica_id != self.replica_id:
             raise ValueError(f"channel {request.channel_id} is for replica {request.replica_id}, "
                              f"not {self.replica_id}")
         if request.socket:
-            yield await self._channel_server.offer(request.channel_id)
-            return
+            try:
+                offer = await self._channel_server.offer(request.channel_id)
+            except OSError as exc:  # cannot listen on the node's address: this stream is the channel
+                logger.warning("delta channel socket unavailable on %s (%s); serving channel %s on its Serve "
+                               "stream", self._channel_server.host, exc, request.channel_id)
+            else:
+                yield offer
+                return
         batches = self._channel(request.channel_id).batches()
         try:
             async for batch in batches:

@@ -457,6 +457,18 @@ def test_a_replica_whose_socket_cannot_be_reached_gets_serve_stream_channels():
     asyncio.run(run())
 
 
+def test_a_replica_that_cannot_listen_serves_the_channel_on_its_stream():
+    async def run():
+        # an address of no interface here (TEST-NET-3): binding it fails
+        replica = WorkerReplica(EngineArgs(), engine_factory=SteppedEngine, channel_host="203.0.113.1")
+        call = replica.channel(ChannelOpen("c1", "local", socket=True))
+        assert await call.__anext__() == []  # attached on this stream instead of an offer
+        assert replica._channels["c1"].attached
+        await call.aclose()
+
+    asyncio.run(run())
+
+
 def test_the_frame_reader_takes_frames_however_the_bytes_arrive():
     async def run():
         got: list[list] = []
