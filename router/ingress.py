@@ -8,8 +8,8 @@ with its own copy of the global scheduler's view (``KVRoutingClient`` over a
 scheduler actor's feed, off the requests' path) and hands the ranking to the
 request router inside the ``WorkerRequest``. Requests go to workers through a Serve
 handle; their deltas come back on this ingress's delta channel to that replica
-(one Serve stream per replica carrying every request's deltas of a step:
-``router.delta_mux``), their errors on their own stream. Closing a request's
+(one TCP connection per replica, or a Serve stream where it cannot connect, carrying every
+request's deltas of a step: ``router.delta_mux``), their errors on their own stream. Closing a request's
 stream cancels the handle's response, which cancels the worker-side generator,
 which aborts the request in the engine.
 """

@@ -1,5 +1,6 @@
-"""Delta channels: a worker replica puts every delta of a caller's requests on one stream per
-(caller, replica), one item per step, and the ingress hands each delta to its request."""
+"""Delta channels: a worker replica puts every delta of a caller's requests on one channel per
+(caller, replica), one item per step, on a TCP connection or a Serve stream, and the ingress
+hands each delta to its request."""
 
 from __future__ import annotations
 
