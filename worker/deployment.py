@@ -116,8 +116,9 @@ class WorkerReplica:
     async def channel(self, request: ChannelOpen) -> AsyncIterator[list[RequestOutputDelta] | SocketOffer]:
         """A caller's delta channel (``worker.delta_channel``): ``[]`` once attached, then every
         delta of its requests, one list per wake-up; with ``request.socket``, only a ``SocketOffer``
-        (the connection that claims it gets the same), unless this replica cannot listen. Refuses a call meant for another replica
-        (the request routers send it to ``request.replica_id`` alone)."""
+        (the connection that claims it gets the same), unless this replica cannot listen. Refuses
+        a call meant for another replica (the request routers send it to ``request.replica_id``
+        alone)."""
         if request.replica_id != self.replica_id:
             raise ValueError(f"channel {request.channel_id} is for replica {request.replica_id}, "
                              f"not {self.replica_id}")
