@@ -1,6 +1,6 @@
 """What a delta channel costs per item: on a Serve stream against on a TCP connection.
 
-One sender replica (a ``DeltaChannel`` and a ``ChannelServer``, as a worker replica holds them)
+One sender replica (a ``WorkerReplica`` without an engine: its ``channel`` call and channel socket)
 and one receiver replica (a ``ChannelMux``, as the ingress holds it), on a local Ray cluster in
 Serve's high-throughput mode, as ``pagefleet serve`` starts it. The receiver places one request
 on the sender, whose channel it then reads either on the ``channel`` call's own Serve stream or
@@ -22,6 +22,7 @@ import asyncio
 import json
 import os
 import time
+from types import SimpleNamespace
 
 import ray
 from ray import serve
@@ -29,9 +30,9 @@ from ray import serve
 from _proc_cpu import tree_cpu_s
 from pagefleet.cluster.serve_env import fast_path_env, raylet_env
 from pagefleet.router.delta_mux import ChannelMux
-from pagefleet.worker.delta_channel import ChannelServer, DeltaChannel
+from pagefleet.worker.deployment import WorkerReplica
+from pagefleet.worker.engine_args import EngineArgs
 from pagefleet.worker.outputs import CompletionOutput, RequestOutputDelta
-from pagefleet.worker.worker_request import ChannelOpen
 
 REQUEST = "r0"
 
@@ -40,28 +41,34 @@ def _delta(k: int) -> RequestOutputDelta:
     return RequestOutputDelta(REQUEST, [CompletionOutput(0, " tok", [k], None, None)], 256, 0, False)
 
 
+class _NoEngine:
+    """The sender replica computes nothing: the test puts the deltas on the channel itself."""
+
+    model_config = SimpleNamespace(served_model_name="delta-transport", max_model_len=0)
+
+    def check_health(self) -> None:  # Serve's health probe reaches it
+        pass
+
+    def shutdown(self) -> None:
+        pass
+
+
 @serve.deployment(max_ongoing_requests=8)
-class Sender:
+class Sender(WorkerReplica):
+    """A worker replica (its real ``channel`` call, channels and channel socket) without an engine."""
+
     def __init__(self) -> None:
-        self.channels: dict[str, DeltaChannel] = {}
-        self.server = ChannelServer("127.0.0.1", self._channel, lambda channel_id: None)
+        super().__init__(EngineArgs(), engine_factory=lambda args: _NoEngine())
 
-    def _channel(self, channel_id: str) -> DeltaChannel:
-        return self.channels.setdefault(channel_id, DeltaChannel())
-
-    async def channel(self, request: ChannelOpen):
-        if request.socket:
-            yield await self.server.offer(request.channel_id)
-            return
-        async for batch in self._channel(request.channel_id).batches():
-            yield batch
+    async def whoami(self) -> str:
+        return self.replica_id
 
     async def attached(self, channel_id: str) -> bool:
-        return channel_id in self.channels and self.channels[channel_id].attached
+        return channel_id in self._channels and self._channels[channel_id].attached
 
     async def produce(self, channel_id: str, n: int, pace_s: float) -> None:
         channel = self._channel(channel_id)
-        channel.requests += 1
+        channel.requests += 1  # as a running request does: the channel stays open
         try:
             for k in range(n):
                 channel.put(_delta(k))
@@ -78,7 +85,7 @@ class Receiver:
     async def run(self, sockets: bool, n: int, pace_s: float) -> tuple[int, float, float, dict]:
         mux = ChannelMux(self.sender.options(method_name="channel", stream=True).remote, sockets=sockets)
         q = mux.register(REQUEST)
-        mux.placed(REQUEST, "sender")
+        mux.placed(REQUEST, await self.sender.whoami.remote())
         while not await self.sender.attached.remote(mux.channel_id):
             await asyncio.sleep(0.01)
         wall, cpu = time.perf_counter(), time.process_time()

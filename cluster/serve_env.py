@@ -72,7 +72,6 @@ def fast_path_env(local: bool = True) -> dict[str, str]:
     return env
 
 
-
 def _free_ports(n: int) -> list[int]:
     """``n`` distinct ports free on every interface right now (held open together while chosen)."""
     with contextlib.ExitStack() as stack:

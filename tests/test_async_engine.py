@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
+import time
 
 import pytest
 
@@ -53,27 +54,28 @@ def test_a_consumer_slower_than_the_engine_gets_what_it_missed_in_one_delta(engi
 
     async def main():
         gen = engine.generate("slow", ids, params)
-        first = await gen.__anext__()
-        for _ in range(500):  # read nothing until the engine has finished the request
-            await asyncio.sleep(0.01)
-            if engine.stats().num_running == 0:
-                break
+        first = asyncio.ensure_future(gen.__anext__())
+        await asyncio.sleep(0)  # the stream sends the request and waits for its first delta
+        # This loop now runs nothing (a blocking sleep) while the engine makes all 24 tokens: each
+        # step's delta waits in the loop's queue of callbacks, none reaches the stream yet.
+        before = engine.stats().generation_tokens_total
+        deadline = time.monotonic() + 30
+        while not (engine.stats().generation_tokens_total >= before + 24 and engine.stats().num_running == 0):
+            assert time.monotonic() < deadline, "the engine did not finish the request"
+            time.sleep(0.01)
+        time.sleep(0.2)  # the last step's hand-off follows its stats by a few statements
+        only = await first
         rest = [d async for d in gen]
-        return first, rest
+        return only, rest
 
-    first, rest = asyncio.run(main())
-    (last,) = rest  # everything after the first read, in one delta
-    # The first read takes what the engine made before this loop woke up: one step's token, or
-    # a few more on a busy machine; the rest is the 24 tokens less those.
-    taken = len(first.sequences[0].token_ids)
-    assert 1 <= taken < 24 and len(first.sequences[0].logprobs) == taken and not first.finished
-    assert len(last.sequences[0].token_ids) == len(last.sequences[0].logprobs) == 24 - taken
-    assert (last.finished, last.sequences[0].finish_reason) == (True, "length")
-    assert last.num_prompt_tokens == len(ids)
+    only, rest = asyncio.run(main())
+    assert rest == []  # the one read took the whole request
+    seq = only.sequences[0]
+    assert len(seq.token_ids) == len(seq.logprobs) == 24
+    assert (only.finished, seq.finish_reason, only.num_prompt_tokens) == (True, "length", len(ids))
     with LLM(model=str(engine.model_config.path), dtype="float32", kv_cache_bytes=16 << 20) as offline:
         want = offline.generate({"prompt_token_ids": ids}, params)[0].outputs[0]
-    assert first.sequences[0].token_ids + last.sequences[0].token_ids == want.token_ids
-    assert first.sequences[0].text + last.sequences[0].text == want.text
+    assert (seq.token_ids, seq.text) == (want.token_ids, want.text)
 
 
 def test_consumer_leaving_aborts_and_frees_blocks(engine):

@@ -23,8 +23,9 @@ def test_fast_path_needs_an_haproxy_binary(tmp_path, monkeypatch):
     monkeypatch.setenv("RAY_SERVE_HAPROXY_BINARY_PATH", str(_executable(tmp_path / "haproxy")))
     env = fast_path_env()
     assert set(SIDE_PORTS) <= set(env)  # free ports of their own (next test)
-    assert {k: v for k, v in env.items() if k not in SIDE_PORTS} == {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
-                   "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": str(LOCAL_MIN_DRAINING_PERIOD_S)}
+    assert {k: v for k, v in env.items() if k not in SIDE_PORTS} == {
+        "RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
+        "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": str(LOCAL_MIN_DRAINING_PERIOD_S)}
     assert fast_path_env(local=False) == FAST_PATH_ENV  # a cluster's own nodes keep Ray's defaults
     (tmp_path / "plain").write_text("")
     monkeypatch.setenv("RAY_SERVE_HAPROXY_BINARY_PATH", str(tmp_path / "plain"))  # not executable

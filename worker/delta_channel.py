@@ -117,12 +117,11 @@ class ChannelServer:
         self._detached = detached
         self._offers: dict[bytes, tuple[str, float]] = {}  # token -> (channel id, valid until)
         self._server: asyncio.AbstractServer | None = None
-        self._starting: asyncio.Lock | None = None
+        self._starting = asyncio.Lock()  # two first offers at once start one server
         self.port = 0
 
     async def offer(self, channel_id: str) -> SocketOffer:
         if self._server is None:
-            self._starting = self._starting or asyncio.Lock()
             async with self._starting:
                 if self._server is None:
                     self._server = await asyncio.start_server(self._serve, self.host, 0)
