@@ -124,6 +124,7 @@ def admission_wait(now: float, room: Mapping[str, float], seats: Mapping[str, fl
     heapq.heapify(heap)
     room, seats = dict(room), dict(seats)
     admitted = 0
+    checked = False  # whether the first waiter has been tried on every worker since it became first
     while heap:
         t, worker, blocks, seqs = heapq.heappop(heap)
         if worker not in room:  # a worker the view no longer has
@@ -132,13 +133,17 @@ def admission_wait(now: float, room: Mapping[str, float], seats: Mapping[str, fl
         seats[worker] += seqs
         while admitted < len(queue):
             need_at, n, runs_s = queue[admitted]
-            fits = [(need_at(w), -room[w], w) for w in room if seats[w] >= n and room[w] >= need_at(w)]
+            # Tried everywhere once; after that only where room has just come back can it fit.
+            candidates = (worker,) if checked else room
+            fits = [(need_at(w), -room[w], w) for w in candidates if seats[w] >= n and room[w] >= need_at(w)]
             if not fits:
+                checked = True
                 break
             need, _, w = min(fits)
             room[w] -= need
             seats[w] -= n
             admitted += 1
+            checked = False
             if admitted == len(queue):
                 return max(t - now, 0.0)
             heapq.heappush(heap, (t + runs_s, w, need, n))

@@ -232,6 +232,52 @@ def test_admission_wait_plays_the_queue_forward_over_the_running_requests_ends()
     assert admission_wait(0.0, {"w0": 0}, {"w0": 1}, [], [(need(4), 1, 1.0)]) is None
 
 
+def test_admission_wait_tries_only_the_worker_that_got_room_back_and_still_agrees_with_trying_all():
+    import heapq
+    import random
+
+    def every_worker_each_time(now, room, seats, ends, queue):  # the plain rule, for reference
+        heap, room, seats, admitted = sorted(ends), dict(room), dict(seats), 0
+        while heap:
+            t, worker, blocks, seqs = heapq.heappop(heap)
+            if worker not in room:
+                continue
+            room[worker] += blocks
+            seats[worker] += seqs
+            while admitted < len(queue):
+                need_at, n, runs_s = queue[admitted]
+                fits = [(need_at(w), -room[w], w) for w in room if seats[w] >= n and room[w] >= need_at(w)]
+                if not fits:
+                    break
+                need, _, w = min(fits)
+                room[w] -= need
+                seats[w] -= n
+                admitted += 1
+                if admitted == len(queue):
+                    return max(t - now, 0.0)
+                heapq.heappush(heap, (t + runs_s, w, need, n))
+        return None
+
+    rng = random.Random(7)
+    workers = [f"w{i}" for i in range(6)]
+    answered = 0
+    for _ in range(500):
+        room = {w: rng.randint(-10, 4) for w in workers}
+        seats = {w: rng.randint(0, 3) for w in workers}
+        ends = [(round(rng.uniform(0, 5), 2), rng.choice(workers + ["gone"]), rng.randint(0, 8), rng.randint(0, 2))
+                for _ in range(rng.randint(0, 12))]
+        queue = []
+        for _ in range(rng.randint(1, 5)):
+            cheap = rng.choice(workers)
+            full, n = rng.randint(1, 12), rng.randint(1, 2)
+            queue.append(((lambda w, cheap=cheap, full=full: max(full - 6, 0) if w == cheap else full), n,
+                          rng.uniform(0.1, 3)))
+        got = admission_wait(0.0, room, seats, ends, queue)
+        assert got == every_worker_each_time(0.0, room, seats, ends, queue)
+        answered += got is not None
+    assert 100 < answered < 500  # both outcomes were exercised
+
+
 def kv_client(options: KVRoutingOptions, workers=("w0", "w1"), free=64):
     """A routing client over a mirror synced (at t=0) to workers each with ``free`` of 64 blocks free."""
     actor_core = GlobalScheduler()
