@@ -15,8 +15,11 @@ free up (the kv routing client simulates its running requests' ends), else
 from the rate requests have recently left the queue, padded by the most that
 such estimates fell short for the waiters of the last ``ERROR_MEMORY_S`` (a
 prefill that stalls a worker's decoding, a request that ends later than its
-pace said), or, with no waiter to check them against in that time, by as much
-again: a request is only let wait when it should get in within its time.
+pace said), or, for ``estimate``'s answers with no waiter to check them against
+in that time, by as much again: a request is only let wait when it should get
+in within its time. (The rate rule is not doubled: it only applies where the
+queue has been moving, and doubling it refused requests that the queue would
+have admitted in time, e.g. while the routing view was being rebuilt.)
 ``check_room`` makes the same checks without queueing, so the ingress can
 refuse before it reads and tokenizes a request it could not admit.
 """
@@ -98,13 +101,17 @@ class AdmissionQueue:
     def estimated_wait_s(self, item: Any = None) -> float | None:
         """How long a request joining the queue now should wait (None: unknown): ``estimate``'s
         answer for its item, else the queue's length at the recent rate of leaving it."""
+        return self._estimated(item)[0]
+
+    def _estimated(self, item: Any) -> tuple[float | None, bool]:
+        """``estimated_wait_s``, and whether it is ``estimate``'s answer."""
         if item is not None and self.estimate is not None:
             expected = self.estimate([w.item for w in self._waiting], item)
             if expected is not None:
-                return expected
+                return expected, True
         if self.departure_interval_s is None or not self._waiting:
-            return None
-        return (len(self._waiting) + 1) * self.departure_interval_s
+            return None, False
+        return (len(self._waiting) + 1) * self.departure_interval_s, False
 
     def shortfall_s(self) -> float | None:
         """The most that an estimate fell short of a waiter's wait in the last ``ERROR_MEMORY_S``
@@ -121,11 +128,11 @@ class AdmissionQueue:
             self.counters.rejected_queue_full += 1
             raise AdmissionRejected(f"all workers are full and {len(self._waiting)} requests are already "
                                     "waiting for one; retry later", "queue_full", self.retry_after_s)
-        estimated = self.estimated_wait_s(item)
+        estimated, modelled = self._estimated(item)
         if estimated is None:
             return None
         shortfall = self.shortfall_s()
-        expected = estimated + (estimated if shortfall is None else shortfall)
+        expected = estimated + (shortfall if shortfall is not None else estimated if modelled else 0.0)
         if expected > self.max_wait_s:
             self.counters.rejected_expected_wait += 1
             raise AdmissionRejected(f"all workers are full and the {len(self._waiting)} requests waiting would "

@@ -145,7 +145,7 @@ async def traffic(base: str, model: str, n: int, seed: int, concurrency: int = 1
                 async with http.stream("POST", f"{base}/v1/completions", json={**body, "stream": True}) as r:
                     statuses.append(r.status_code)
                     lines = [line async for line in r.aiter_lines() if line]
-                    assert lines[-1] == "data: [DONE]"
+                    assert lines[-1] == "data: [DONE]", (r.status_code, lines[-2:])
             else:
                 r = await http.post(f"{base}/v1/completions", json=body)
                 statuses.append(r.status_code)
