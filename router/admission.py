@@ -41,6 +41,12 @@ ERROR_MEMORY_S = 30.0  # how long an estimate's shortfall pads the estimates aft
 WaitEstimate = Callable[[Sequence[Any], Any], "float | None"]
 
 
+def smoothed(previous: float | None, sample: float, weight: float) -> float:
+    """A moving average: ``sample`` weighted ``weight`` against ``previous`` (the first sample
+    when there is none yet)."""
+    return sample if previous is None else (1 - weight) * previous + weight * sample
+
+
 class AdmissionRejected(Exception):
     def __init__(self, message: str, reason: str, retry_after_s: int) -> None:
         super().__init__(message)
@@ -98,13 +104,10 @@ class AdmissionQueue:
         """What a refused client is told to wait (whole seconds, as HTTP wants)."""
         return max(1, math.ceil(self.max_wait_s))
 
-    def estimated_wait_s(self, item: Any = None) -> float | None:
+    def estimated_wait(self, item: Any = None) -> tuple[float | None, bool]:
         """How long a request joining the queue now should wait (None: unknown): ``estimate``'s
-        answer for its item, else the queue's length at the recent rate of leaving it."""
-        return self._estimated(item)[0]
-
-    def _estimated(self, item: Any) -> tuple[float | None, bool]:
-        """``estimated_wait_s``, and whether it is ``estimate``'s answer."""
+        answer for its item, else the queue's length at the recent rate of leaving it; and
+        whether it is ``estimate``'s answer."""
         if item is not None and self.estimate is not None:
             expected = self.estimate([w.item for w in self._waiting], item)
             if expected is not None:
@@ -128,7 +131,7 @@ class AdmissionQueue:
             self.counters.rejected_queue_full += 1
             raise AdmissionRejected(f"all workers are full and {len(self._waiting)} requests are already "
                                     "waiting for one; retry later", "queue_full", self.retry_after_s)
-        estimated, modelled = self._estimated(item)
+        estimated, modelled = self.estimated_wait(item)
         if estimated is None:
             return None
         shortfall = self.shortfall_s()
@@ -198,6 +201,5 @@ class AdmissionQueue:
     def _departed(self, now: float) -> None:
         if self._last_departure is not None:
             sample = now - self._last_departure
-            previous = self.departure_interval_s
-            self.departure_interval_s = sample if previous is None else 0.75 * previous + 0.25 * sample
+            self.departure_interval_s = smoothed(self.departure_interval_s, sample, 0.25)
         self._last_departure = now

@@ -37,7 +37,7 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping, Sequence
 
-from pagefleet.router.admission import AdmissionQueue, AdmissionRejected
+from pagefleet.router.admission import AdmissionQueue, AdmissionRejected, smoothed
 from pagefleet.router.errors import too_many_requests
 from pagefleet.router.global_scheduler import RouteDecision, RouteRequest
 from pagefleet.router.kv_mirror import SchedulerMirror
@@ -229,12 +229,8 @@ class KVRoutingClient:
         if not self._inflight[held.worker]:
             del self._inflight[held.worker]
         if completed and held.tokens > held.first_tokens:
-            ttft, tpot = held.first_at - held.at, held.pace(0.0)
-            if self.ttft_s is None:
-                self.ttft_s, self.tpot_s = ttft, tpot
-            else:
-                self.ttft_s = 0.8 * self.ttft_s + 0.2 * ttft
-                self.tpot_s = 0.8 * self.tpot_s + 0.2 * tpot
+            self.ttft_s = smoothed(self.ttft_s, held.first_at - held.at, 0.2)
+            self.tpot_s = smoothed(self.tpot_s, held.pace(0.0), 0.2)
 
     def check_room(self) -> None:
         """Raises OpenAIError 429 when admission control would refuse a request arriving now

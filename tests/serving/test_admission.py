@@ -131,7 +131,7 @@ def test_expected_wait_past_the_limit_refuses_on_arrival():
         tasks = {n: asyncio.create_task(q.admit(attempt(n), bool)) for n in "abcd"}
         while len(q) < 4:
             await asyncio.sleep(0.001)
-        assert q.estimated_wait_s() is None  # nothing has left the queue yet: no rate to go by
+        assert q.estimated_wait() == (None, False)  # nothing has left the queue yet: no rate to go by
         for t, name in ((0.4, "a"), (0.8, "b")):  # a, then b, leave 0.4 s apart
             now[0] = t
             allowed.add(name)
@@ -147,7 +147,7 @@ def test_expected_wait_past_the_limit_refuses_on_arrival():
         assert "e" not in asked and q.counters.rejected_expected_wait == 2
         allowed.update("cd")
         await asyncio.gather(*tasks.values())
-        assert q.estimated_wait_s() is None  # an empty queue has no wait
+        assert q.estimated_wait() == (None, False)  # an empty queue has no wait
 
     asyncio.run(run())
 
@@ -171,7 +171,7 @@ def test_an_estimate_decides_the_expected_wait_even_for_the_first_waiter():
             await q.admit(room.attempt("b"), bool, "B")
         assert info.value.reason == "expected_wait" and "b" not in room.asked
         assert seen == [([], "A"), (["A"], "B")]  # a was estimated too, with nobody ahead (0.8 s: it waits)
-        q.check_room()  # without an item (before the request is read): the queue's rate, unknown yet
+        assert q.check_room() is None  # without an item (before the request is read): the queue's rate, unknown yet
         room.free = True
         assert await first is True
 
