@@ -98,17 +98,12 @@ class HandleWorkerClient:
         return decision.ranking
 
     async def generate(self, job: Job) -> AsyncIterator[RequestOutputDelta]:
-        completed = False
-        kv = self.kv
         try:
             async for delta in self._attempts(job):
-                completed = delta.finished
-                if kv is not None:  # its pace tells admission control when its blocks come back
-                    kv.streamed(job.request_id, max((len(s.token_ids) for s in delta.sequences), default=0))
                 yield delta
         finally:
-            if kv is not None:  # its blocks and its slot leave this ingress's count now
-                kv.finished(job.request_id, completed)
+            if self.kv is not None:  # its blocks and its slot leave this ingress's count now
+                self.kv.finished(job.request_id)
 
     async def _attempts(self, job: Job) -> AsyncIterator[RequestOutputDelta]:
         request = WorkerRequest(job.request_id, job.token_ids, job.params, job.block_hashes, job.extra_keys,

@@ -7,20 +7,14 @@ import asyncio
 
 import pytest
 
-from pagefleet.router.admission import ERROR_MEMORY_S, AdmissionQueue, AdmissionRejected
+from pagefleet.router.admission import AdmissionQueue, AdmissionRejected
 from pagefleet.router.errors import OpenAIError
 from pagefleet.router.global_scheduler import GlobalScheduler
 from pagefleet.router.kv_mirror import SchedulerMirror
-from pagefleet.router.kv_routing import (KVRoutingClient, KVRoutingOptions, admission_wait, request_blocks,
-                                          route_by_inflight)
+from pagefleet.router.kv_routing import KVRoutingClient, KVRoutingOptions, request_blocks, route_by_inflight
 from pagefleet.router.metrics import RouterMetrics
 from pagefleet.router.view_feed import ViewFeed
 from pagefleet.worker.kv_events import KVEventBatch
-
-
-async def until(condition) -> None:
-    while not condition():
-        await asyncio.sleep(0.001)
 
 
 class Room:
@@ -131,13 +125,12 @@ def test_expected_wait_past_the_limit_refuses_on_arrival():
         tasks = {n: asyncio.create_task(q.admit(attempt(n), bool)) for n in "abcd"}
         while len(q) < 4:
             await asyncio.sleep(0.001)
-        assert q.estimated_wait() == (None, False)  # nothing has left the queue yet: no rate to go by
+        assert q.expected_wait_s() is None  # nothing has left the queue yet: no rate to go by
         for t, name in ((0.4, "a"), (0.8, "b")):  # a, then b, leave 0.4 s apart
             now[0] = t
             allowed.add(name)
             await tasks[name]
         # c and d wait; one interval seen (0.4 s): a newcomer would be third, 1.2 s > 1.0 s
-        # (the rate rule is not counted double while unchecked)
         assert (len(q), q.departure_interval_s) == (2, pytest.approx(0.4))
         with pytest.raises(AdmissionRejected, match="about 1.2 s to admit") as info:
             q.check_room()
@@ -147,135 +140,9 @@ def test_expected_wait_past_the_limit_refuses_on_arrival():
         assert "e" not in asked and q.counters.rejected_expected_wait == 2
         allowed.update("cd")
         await asyncio.gather(*tasks.values())
-        assert q.estimated_wait() == (None, False)  # an empty queue has no wait
+        assert q.expected_wait_s() is None  # an empty queue has no wait
 
     asyncio.run(run())
-
-
-def test_an_estimate_decides_the_expected_wait_even_for_the_first_waiter():
-    async def run():
-        now = [0.0]
-        seen: list[tuple[list, str]] = []
-
-        def estimate(ahead, item):
-            seen.append((list(ahead), item))
-            return 0.4 * (len(ahead) + 1)  # each waiter ahead, and the newcomer, takes 0.4 s
-
-        q = AdmissionQueue(max_size=10, max_wait_s=1.0, retry_s=0.001, clock=lambda: now[0], estimate=estimate)
-        room = Room()
-        first = asyncio.create_task(q.admit(room.attempt("a"), bool, "A"))
-        while len(q) < 1:
-            await asyncio.sleep(0.001)
-        # second in line: 0.8 s, doubled while unchecked
-        with pytest.raises(AdmissionRejected, match="about 1.6 s to admit") as info:
-            await q.admit(room.attempt("b"), bool, "B")
-        assert info.value.reason == "expected_wait" and "b" not in room.asked
-        assert seen == [([], "A"), (["A"], "B")]  # a was estimated too, with nobody ahead (0.8 s: it waits)
-        assert q.check_room() is None  # without an item (before the request is read): the queue's rate, unknown yet
-        room.free = True
-        assert await first is True
-
-    asyncio.run(run())
-
-
-def test_a_wait_longer_than_estimated_pads_the_estimates_after_it_for_a_while():
-    async def run():
-        now = [0.0]
-        q = AdmissionQueue(max_size=10, max_wait_s=0.5, retry_s=0.001, clock=lambda: now[0],
-                           estimate=lambda ahead, item: item)  # the item is the estimate
-        room = Room()
-        first = asyncio.create_task(q.admit(room.attempt("a"), bool, 0.2))  # unchecked: 0.4 s, it waits
-        while len(q) < 1:
-            await asyncio.sleep(0.001)
-        now[0] = 0.45
-        room.free = True
-        assert await first is True  # estimated 0.2 s, waited 0.45 s: 0.25 s short
-        assert q.shortfall_s() == pytest.approx(0.25)
-        room.free = False
-        with pytest.raises(AdmissionRejected, match="about 0.6 s to admit"):  # 0.35 + 0.25 > 0.5
-            await q.admit(room.attempt("b"), bool, 0.35)
-        second = asyncio.create_task(q.admit(room.attempt("c"), bool, 0.1))  # 0.35: it may wait
-        while len(q) < 1:
-            await asyncio.sleep(0.001)
-        now[0] = 0.5
-        room.free = True
-        assert await second is True  # 0.05 s for an estimated 0.1: the 0.25 s shortfall still counts
-        assert q.shortfall_s() == pytest.approx(0.25)
-        now[0] = 0.5 + ERROR_MEMORY_S + 0.01  # both checks are forgotten: estimates count double again
-        assert q.shortfall_s() is None
-        room.free = False
-        with pytest.raises(AdmissionRejected, match="about 0.6 s to admit"):
-            await q.admit(room.attempt("d"), bool, 0.3)
-        assert q.counters.rejected_expected_wait == 2
-
-    asyncio.run(run())
-
-
-def test_admission_wait_plays_the_queue_forward_over_the_running_requests_ends():
-    def need(blocks, cheaper=None):  # blocks needed anywhere, or 1 on the worker holding its prefix
-        return lambda w: 1 if w == cheaper else blocks
-
-    # w1 frees 3 at 0.5 s: the first waiter (4) fits there (2 + 3); the newcomer (4) gets w0's 4 at 1 s
-    ends = [(1.0, "w0", 4, 1), (0.5, "w1", 3, 1)]
-    assert admission_wait(0.0, {"w0": 0, "w1": 2}, {"w0": 9, "w1": 9}, ends,
-                          [(need(4), 1, 10.0), (need(4), 1, 10.0)]) == 1.0
-    # the first waiter's own end (0.5 + 0.2) gives w1 back before w0 frees
-    assert admission_wait(0.0, {"w0": 0, "w1": 2}, {"w0": 9, "w1": 9}, ends,
-                          [(need(4), 1, 0.2), (need(4), 1, 10.0)]) == pytest.approx(0.7)
-    # a waiter takes the worker where it needs fewest blocks; here w0, so the newcomer fits w1 at 0.5 s
-    assert admission_wait(0.0, {"w0": 4, "w1": 2}, {"w0": 9, "w1": 9}, [(0.5, "w1", 3, 1), (0.1, "w0", 0, 0)],
-                          [(need(5, cheaper="w0"), 1, 10.0), (need(5), 1, 10.0)]) == 0.5
-    # no seat on w0: its blocks do not help; a worker the view dropped gives nothing back
-    assert admission_wait(0.0, {"w0": 0}, {"w0": 0}, [(0.3, "w0", 8, 0), (0.1, "gone", 8, 1)],
-                          [(need(4), 1, 1.0)]) is None
-    assert admission_wait(2.0, {"w0": 0}, {"w0": 1}, [(2.0, "w0", 8, 1)], [(need(4), 1, 1.0)]) == 0.0
-    assert admission_wait(0.0, {"w0": 0}, {"w0": 1}, [], [(need(4), 1, 1.0)]) is None
-
-
-def test_admission_wait_tries_only_the_worker_that_got_room_back_and_still_agrees_with_trying_all():
-    import heapq
-    import random
-
-    def every_worker_each_time(now, room, seats, ends, queue):  # the plain rule, for reference
-        heap, room, seats, admitted = sorted(ends), dict(room), dict(seats), 0
-        while heap:
-            t, worker, blocks, seqs = heapq.heappop(heap)
-            if worker not in room:
-                continue
-            room[worker] += blocks
-            seats[worker] += seqs
-            while admitted < len(queue):
-                need_at, n, runs_s = queue[admitted]
-                fits = [(need_at(w), -room[w], w) for w in room if seats[w] >= n and room[w] >= need_at(w)]
-                if not fits:
-                    break
-                need, _, w = min(fits)
-                room[w] -= need
-                seats[w] -= n
-                admitted += 1
-                if admitted == len(queue):
-                    return max(t - now, 0.0)
-                heapq.heappush(heap, (t + runs_s, w, need, n))
-        return None
-
-    rng = random.Random(7)
-    workers = [f"w{i}" for i in range(6)]
-    answered = 0
-    for _ in range(500):
-        room = {w: rng.randint(-10, 4) for w in workers}
-        seats = {w: rng.randint(0, 3) for w in workers}
-        ends = [(round(rng.uniform(0, 5), 2), rng.choice(workers + ["gone"]), rng.randint(0, 8), rng.randint(0, 2))
-                for _ in range(rng.randint(0, 12))]
-        queue = []
-        for _ in range(rng.randint(1, 5)):
-            cheap = rng.choice(workers)
-            full, n = rng.randint(1, 12), rng.randint(1, 2)
-            queue.append(((lambda w, cheap=cheap, full=full: max(full - 6, 0) if w == cheap else full), n,
-                          rng.uniform(0.1, 3)))
-        got = admission_wait(0.0, room, seats, ends, queue)
-        assert got == every_worker_each_time(0.0, room, seats, ends, queue)
-        answered += got is not None
-    assert 100 < answered < 500  # both outcomes were exercised
 
 
 def kv_client(options: KVRoutingOptions, workers=("w0", "w1"), free=64):
@@ -350,40 +217,5 @@ def test_a_view_with_no_worker_yet_routes_without_a_ranking_and_admission_off_fo
         got = await client.route("r2", b"", 40, 24, 1)  # no admission control: routed anyway
         assert (got.ranking, got.admitted) == (["w0", "w1"], False)
         assert client.mirror.core.workers["w0"].predicted_blocks == 4  # forced: counted where it went
-
-    asyncio.run(run())
-
-
-def test_routing_client_refuses_on_arrival_a_request_its_running_requests_cannot_make_room_for_in_time():
-    async def run():
-        client, clock = kv_client(KVRoutingOptions(admission_queue_size=8, admission_max_wait_s=1.2), free=4)
-        assert (await client.route("r1", b"", 40, 24, 1)).ranking == ["w0", "w1"]  # 4 blocks: w0 is full
-        clock[0] = 0.2
-        client.streamed("r1", 1)
-        clock[0] = 0.5
-        assert (await client.route("r2", b"", 40, 24, 1)).ranking == ["w1"]  # and now w1
-        clock[0] = 0.66
-        client.streamed("r1", 23)  # 23 tokens in 0.46 s after the first
-        client.finished("r1", completed=True)
-        assert (client.ttft_s, client.tpot_s) == (pytest.approx(0.2), pytest.approx(0.02))
-        clock[0] = 0.7
-        client.streamed("r2", 1)
-        clock[0] = 0.8
-        client.streamed("r2", 5)  # r2's own pace, 0.02 s a token: its 18 left end at 1.16 s
-        # Nobody has room (the view still holds r1's and r2's predicted blocks). r3 gets w1 when
-        # r2 ends, 0.36 s from now (0.56 s with a time to first token for the prefills r2 may
-        # yet wait for; 1.12 s counted double while no waiter has checked an estimate), and
-        # waits; r4 would wait for r3's end: 0.2 s to its first token and 23 more at 0.02 s,
-        # 1.82 s, 1.02 s from now (1.22 s, 2.44 s), more than the 1.2 s it may wait
-        r3 = asyncio.create_task(client.route("r3", b"", 40, 24, 1))
-        await asyncio.wait_for(until(lambda: len(client.admission) == 1), 5)
-        with pytest.raises(OpenAIError, match="about 2.4 s to admit") as info:
-            await asyncio.wait_for(client.route("r4", b"", 40, 24, 1), 5)  # at once, not after waiting
-        assert info.value.status_code == 429 and client.admission.counters.rejected_expected_wait == 1
-        client.finished("r2")  # aborted: it says nothing about how long requests take
-        assert (client.ttft_s, client.tpot_s) == (pytest.approx(0.2), pytest.approx(0.02))
-        r3.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await r3
 
     asyncio.run(run())
