@@ -81,7 +81,7 @@ class FeedLink(Protocol):
 
 class ViewFollower:
     def __init__(self, link: FeedLink, mirror: SchedulerMirror, *, poll_wait_s: float = 0.25,
-                 min_interval_s: float = 0.02, backoff_s: float = 0.5, call_timeout_s: float = 5.0,
+                 min_interval_s: float = 0.1, backoff_s: float = 0.5, call_timeout_s: float = 5.0,
                  clock: Callable[[], float] = time.monotonic, on_update: Callable[[], None] | None = None) -> None:
         """``on_update`` is called after each applied update (e.g. to wake requests waiting for room)."""
         self.link = link
