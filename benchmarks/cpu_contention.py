@@ -1,0 +1,96 @@
+"""Who gets the cores: CPU time and run-queue wait per second of pagefleet's and Ray's processes.
+
+On a small machine the serving path (ingress, scheduler actor, HAProxy) shares the cores with
+the engines, and a latency such as the time to a 429 is mostly time spent runnable but not
+running. Linux counts both per thread (``/proc/<pid>/task/<tid>/schedstat``: nanoseconds on a
+CPU, nanoseconds waiting on a run queue). Run this beside a benchmark; every ``--interval-s`` it
+prints one JSON line with, per process role (as ``_proc_cpu.ROLES`` names them, plus Ray's GCS
+and raylet), the CPU ms/s, the run-queue wait ms/s summed over the role's threads, the largest
+wait ms/s of a single thread (an event loop's is what its requests wait), and the niceness of
+its threads. Linux only.
+
+    python benchmarks/cpu_contention.py --seconds 170 --out /tmp/contention.jsonl &
+    python benchmarks/routing.py --policies kv
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+from _proc_cpu import ROLES
+
+MORE_ROLES = (("gcs_server", "gcs"), ("raylet", "raylet"))
+
+
+def role(pid: str) -> str | None:
+    try:
+        cmd = open(f"/proc/{pid}/cmdline").read()
+    except OSError:
+        return None
+    return next((r for fragment, r in (*ROLES, *MORE_ROLES) if fragment in cmd), None)
+
+
+def sample() -> dict[tuple[str, str], tuple[str, float, float, int]]:
+    """(pid, tid) -> (role, ms on a CPU, ms waiting on a run queue, nice), for every thread of a
+    process with a role."""
+    out = {}
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        r = role(pid)
+        if r is None:
+            continue
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                run_ns, wait_ns = open(f"/proc/{pid}/task/{tid}/schedstat").read().split()[:2]
+                stat = open(f"/proc/{pid}/task/{tid}/stat").read()
+                nice = int(stat[stat.rindex(")") + 2:].split()[16])
+            except (OSError, ValueError, IndexError):  # the thread ended meanwhile
+                continue
+            out[(pid, tid)] = (r, int(run_ns) / 1e6, int(wait_ns) / 1e6, nice)
+    return out
+
+
+def per_role(before: dict, after: dict, seconds: float) -> dict[str, dict]:
+    roles: dict[str, dict] = {}
+    for key, (r, run, wait, nice) in after.items():
+        _, run0, wait0, _ = before.get(key, (r, run, wait, nice))  # a new thread counts from now
+        row = roles.setdefault(r, {"cpu_ms_per_s": 0.0, "wait_ms_per_s": 0.0, "max_thread_wait_ms_per_s": 0.0,
+                                   "nice": set()})
+        row["cpu_ms_per_s"] += (run - run0) / seconds
+        row["wait_ms_per_s"] += (wait - wait0) / seconds
+        row["max_thread_wait_ms_per_s"] = max(row["max_thread_wait_ms_per_s"], (wait - wait0) / seconds)
+        row["nice"].add(nice)
+    return {r: {k: sorted(v) if k == "nice" else round(v, 1) for k, v in row.items()} for r, row in sorted(roles.items())}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--seconds", type=float, default=120.0, help="how long to sample")
+    p.add_argument("--interval-s", type=float, default=5.0)
+    p.add_argument("--out", default=None, help="also append the JSON lines to this file")
+    args = p.parse_args()
+    out = Path(args.out) if args.out else None
+    end = time.monotonic() + args.seconds
+    before, at = sample(), time.monotonic()
+    while time.monotonic() < end:
+        time.sleep(args.interval_s)
+        after, now = sample(), time.monotonic()
+        line = json.dumps({"t": time.strftime("%H:%M:%S"), "roles": per_role(before, after, now - at)})
+        print(line, flush=True)
+        if out is not None:
+            with out.open("a") as f:
+                f.write(line + "\n")
+        before, at = after, now
+
+
+if __name__ == "__main__":
+    main()
