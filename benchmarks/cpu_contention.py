@@ -7,7 +7,8 @@ CPU, nanoseconds waiting on a run queue). Run this beside a benchmark; every ``-
 prints one JSON line with, per process role (as ``_proc_cpu.ROLES`` names them, plus Ray's GCS
 and raylet), the CPU ms/s, the run-queue wait ms/s summed over the role's threads, the largest
 wait ms/s of a single thread (an event loop's is what its requests wait), and the niceness of
-its threads. Linux only.
+its threads. A thread that ends between two samples is not counted (Linux then keeps its time
+only in its process's total). Linux only.
 
     python benchmarks/cpu_contention.py --seconds 170 --out /tmp/contention.jsonl &
     python benchmarks/routing.py --policies kv
@@ -62,7 +63,7 @@ def sample() -> dict[tuple[str, str], tuple[str, float, float, int]]:
 def per_role(before: dict, after: dict, seconds: float) -> dict[str, dict]:
     roles: dict[str, dict] = {}
     for key, (r, run, wait, nice) in after.items():
-        _, run0, wait0, _ = before.get(key, (r, run, wait, nice))  # a new thread counts from now
+        _, run0, wait0, _ = before.get(key, (r, 0.0, 0.0, nice))  # a thread born since: its whole life
         row = roles.setdefault(r, {"cpu_ms_per_s": 0.0, "wait_ms_per_s": 0.0, "max_thread_wait_ms_per_s": 0.0,
                                    "nice": set()})
         row["cpu_ms_per_s"] += (run - run0) / seconds
