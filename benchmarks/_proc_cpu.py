@@ -32,12 +32,13 @@ def _children() -> dict[int, list[int]]:
     return out
 
 
-def _role(pid: int) -> str:
+def role_of(pid: int | str, roles=ROLES, default: str | None = "other") -> str | None:
+    """The role of the first (cmdline fragment, role) of ``roles`` that matches the process, else ``default``."""
     try:
         cmd = open(f"/proc/{pid}/cmdline").read()
     except OSError:
-        return "other"
-    return next((role for fragment, role in ROLES if fragment in cmd), "other")
+        return default
+    return next((role for fragment, role in roles if fragment in cmd), default)
 
 
 def tree_cpu_s(root: int) -> dict[str, float]:
@@ -49,7 +50,7 @@ def tree_cpu_s(root: int) -> dict[str, float]:
         pid = stack.pop()
         stack.extend(children.get(pid, []))
         try:
-            role = _role(pid)
+            role = role_of(pid)
             totals[role] = totals.get(role, 0.0) + _cpu_s(f"/proc/{pid}/stat")
         except OSError:  # it exited meanwhile
             continue

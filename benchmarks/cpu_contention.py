@@ -22,17 +22,14 @@ import os
 import time
 from pathlib import Path
 
-from _proc_cpu import ROLES
+from _proc_cpu import ROLES, role_of
 
-MORE_ROLES = (("gcs_server", "gcs"), ("raylet", "raylet"))
+WATCHED = (*ROLES, ("gcs_server", "gcs"), ("raylet", "raylet"))
 
 
 def role(pid: str) -> str | None:
-    try:
-        cmd = open(f"/proc/{pid}/cmdline").read()
-    except OSError:
-        return None
-    return next((r for fragment, r in (*ROLES, *MORE_ROLES) if fragment in cmd), None)
+    """The process's role, None for a process this does not watch."""
+    return role_of(pid, WATCHED, default=None)
 
 
 def sample() -> dict[tuple[str, str], tuple[str, float, float, int]]:

@@ -11,8 +11,9 @@ decides liveness and the feed says so.
 
 ``ViewFollower`` is the loop that keeps it current: one long poll at a time
 (answered as soon as the feed has news, or after ``poll_wait_s`` with none),
-at most one every ``min_interval_s`` (so a busy fleet's batches arrive as a
-few larger updates instead of a call per batch); a failed call (the actor is
+at most one every ``min_interval_s`` (100 ms: so a busy fleet's batches arrive as a
+few larger updates instead of a call per batch, and the actor answers fewer calls; the
+workers publish at most every ``kv_publisher.PUBLISH_INTERVAL_S`` anyway); a failed call (the actor is
 dead or restarting) is retried after ``backoff_s``. ``FeedLink`` carries the
 calls (a Ray actor handle in the ingress; a fake in tests).
 """
