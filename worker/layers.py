@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagefleet.worker.cpu_linear import linear
+from pagefleet.worker.cpu_linear import PackedWeight, linear
 from pagefleet.worker.kv_cache_sizing import kv_heads_per_rank
 from pagefleet.worker.tp_group import TPGroup
 
@@ -36,7 +36,7 @@ class ColumnParallelLinear(nn.Module):
                                    requires_grad=False)
         self.bias = (nn.Parameter(torch.zeros(sum(out_sizes), dtype=dtype, device=device), requires_grad=False)
                      if bias else None)
-        self.packed_weight: torch.Tensor | None = None  # cpu_linear.pack_linear_weights, after loading
+        self.packed_weight: PackedWeight | None = None  # cpu_linear.pack_linear_weights, after loading
 
     def shard_rows(self, shard: int) -> tuple[int, int]:
         """Which rows of logical output ``shard``'s full checkpoint tensor this rank holds."""
@@ -87,7 +87,7 @@ class RowParallelLinear(nn.Module):
                                    requires_grad=False)
         self.bias = (nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device), requires_grad=False)
                      if bias else None)
-        self.packed_weight: torch.Tensor | None = None
+        self.packed_weight: PackedWeight | None = None
 
     def load(self, kind: str, shard: int, src: TensorSlice) -> None:
         if kind == "bias":
@@ -140,7 +140,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     def __init__(self, vocab_size: int, hidden: int, tp: TPGroup, dtype: torch.dtype,
                  device: torch.device | str = "cpu") -> None:
         super().__init__(vocab_size, hidden, tp, dtype, device)
-        self.packed_weight: torch.Tensor | None = None
+        self.packed_weight: PackedWeight | None = None
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         # hidden: [S, H] -> [S, vocab] on rank 0, None elsewhere
