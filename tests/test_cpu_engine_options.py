@@ -1,5 +1,4 @@
-"""The CPU engine's own options: its compute thread count and enforce_eager's default (compiled),
-and the synthetic step that warms up the compiled decode attention."""
+"""The CPU engine's own options: its compute thread count and enforce_eager's default (compiled)."""
 
 from __future__ import annotations
 
@@ -9,7 +8,6 @@ import torch
 from pagefleet.worker import LLM
 from pagefleet.worker.cpu_threads import available_cores, cpu_compute_threads
 from pagefleet.worker.engine_args import EngineArgs
-from pagefleet.worker.model_runner import _synthetic_step
 
 
 def test_compute_threads_take_every_core_shared_among_ranks_unless_asked():
@@ -49,13 +47,4 @@ def test_compiled_unless_asked(tiny_checkpoint):
     assert EngineArgs(enforce_eager=True).enforce_eager is True
     eager = LLM(model=str(tiny_checkpoint(arch="llama")), dtype="float32", kv_cache_bytes=4 << 20,
                 enforce_eager=True)
-    assert eager.engine.executor.runner.decode_planner is None
-
-
-def test_warm_up_steps_use_fresh_blocks_in_order():
-    step = _synthetic_step([(1, 4), (5, 5), (3, 20)], block_size=16)
-    assert step.block_tables == [[0], [1], [2, 3]]
-    assert step.query_start_loc == [0, 1, 6, 9]
-    assert step.positions == [3, 0, 1, 2, 3, 4, 17, 18, 19]
-    assert step.slot_mapping == [3, 16, 17, 18, 19, 20, 49, 50, 51]
-    assert step.logits_indices == [0, 5, 8]
+    assert eager.engine.executor.runner.cpu_decode is False

@@ -2,7 +2,7 @@
 architectures, under prefix sharing, forced preemption and forced chunking.
 
 By default (no enforce_eager) decode rows read their KV blocks in place through the compiled
-paged FlexAttention, so every case below runs that way; the Llama batch, prefix-cache,
+C++ decode attention kernel, so every case below runs that way; the Llama batch, prefix-cache,
 preemption and chunked-prefill cases run again with enforce_eager (the twin's attention), with
 the same exact checks.
 
@@ -122,7 +122,7 @@ def check_chunked_prefill(llm, checkpoint):
 
 
 # ---- which attention ran: the compiled decode attention by default, the twin with enforce_eager.
-# One compile serves every pool and batch size, so these share the kernel of the tests above.
+# One build serves every pool and batch size, so these share the kernel of the tests above.
 
 
 @pytest.fixture(scope="module")
@@ -131,53 +131,51 @@ def llama_checkpoint(tiny_checkpoint):
 
 
 @pytest.fixture
-def flex_calls(monkeypatch):
+def decode_calls(monkeypatch):
     """How many rows each call of the compiled decode attention had (one call per layer per step
     with decode rows)."""
-    from pagefleet.kernels import flex_paged_attention
+    from pagefleet.kernels import cpu_decode_attention
 
     calls = []
-    real = flex_paged_attention.flex_decode
+    real = cpu_decode_attention.decode_attention
 
     def counted(*args):
-        calls.append(args[-2].rows.numel())
+        calls.append(args[-2].seq_lens.numel())
         return real(*args)
 
-    monkeypatch.setattr(flex_paged_attention, "flex_decode", counted)
+    monkeypatch.setattr(cpu_decode_attention, "decode_attention", counted)
     return calls
 
 
-def test_compiled_batch_matches_transformers(llama_checkpoint, flex_calls):
+def test_compiled_batch_matches_transformers(llama_checkpoint, decode_calls):
     llm = LLM(model=str(llama_checkpoint), dtype="float32", kv_cache_bytes=32 << 20)
-    assert llm.engine.executor.runner.decode_planner is not None
-    flex_calls.clear()  # the warm-up's
+    assert llm.engine.executor.runner.cpu_decode
     check_batch_and_prefix_cached_rerun(llm, llama_checkpoint)
     # Two runs of eight prompts, 11 decode steps each after the prompt step, every layer.
     layers = load_model_config(str(llama_checkpoint)).num_layers
-    assert flex_calls == [8] * (2 * (MAX_NEW - 1) * layers)
+    assert decode_calls == [8] * (2 * (MAX_NEW - 1) * layers)
 
 
-def test_compiled_chunked_prefill_matches(llama_checkpoint, flex_calls):
+def test_compiled_chunked_prefill_matches(llama_checkpoint, decode_calls):
     # 7-token steps: decode rows share steps with prefill chunks, which the twin serves.
     llm = LLM(model=str(llama_checkpoint), dtype="float32", kv_cache_bytes=32 << 20, max_num_batched_tokens=7)
-    flex_calls.clear()
     check_chunked_prefill(llm, llama_checkpoint)
-    assert flex_calls and max(flex_calls) > 1
+    assert decode_calls and max(decode_calls) > 1
 
 
-def test_eager_batch_matches_transformers(llama_checkpoint, flex_calls):
+def test_eager_batch_matches_transformers(llama_checkpoint, decode_calls):
     llm = LLM(model=str(llama_checkpoint), dtype="float32", kv_cache_bytes=32 << 20, enforce_eager=True)
-    assert llm.engine.executor.runner.decode_planner is None
+    assert llm.engine.executor.runner.cpu_decode is False
     check_batch_and_prefix_cached_rerun(llm, llama_checkpoint)
-    assert flex_calls == []
+    assert decode_calls == []
 
 
-def test_eager_preemption_matches(llama_checkpoint, flex_calls):
+def test_eager_preemption_matches(llama_checkpoint, decode_calls):
     check_preemption(llama_checkpoint, enforce_eager=True)
-    assert flex_calls == []
+    assert decode_calls == []
 
 
-def test_eager_chunked_prefill_matches(llama_checkpoint, flex_calls):
+def test_eager_chunked_prefill_matches(llama_checkpoint, decode_calls):
     check_chunked_prefill(LLM(model=str(llama_checkpoint), dtype="float32", kv_cache_bytes=32 << 20,
                               max_num_batched_tokens=7, enforce_eager=True), llama_checkpoint)
-    assert flex_calls == []
+    assert decode_calls == []

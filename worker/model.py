@@ -10,8 +10,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from pagefleet.kernels import flex_paged_attention
-from pagefleet.kernels.flex_paged_attention import DecodePlan
+from pagefleet.kernels import cpu_decode_attention
+from pagefleet.kernels.cpu_decode_attention import DecodePlan
 from pagefleet.kernels.ops import Kernels
 from pagefleet.kernels.reference import build_cos_sin_cache
 from pagefleet.worker.config import ModelConfig
@@ -35,7 +35,7 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor  # [B + 1] int32
     seq_lens: torch.Tensor         # [B] int32: context length including this step's tokens
     # On CPU without enforce_eager: the step's decode rows, which read their KV blocks in place
-    # through paged FlexAttention (built once per step, used by every layer).
+    # through the C++ decode attention kernel (built once per step, used by every layer).
     decode_plan: DecodePlan | None = None
 
 
@@ -72,7 +72,7 @@ class Attention(nn.Module):
             o = self.kernels.paged_attention(q, key_cache, value_cache, meta.block_table, meta.query_start_loc,
                                              meta.seq_lens, self.scale)
         else:
-            o = flex_paged_attention.paged_attention(q, key_cache, value_cache, meta.block_table,
+            o = cpu_decode_attention.paged_attention(q, key_cache, value_cache, meta.block_table,
                                                      meta.query_start_loc, meta.seq_lens, self.scale,
                                                      meta.decode_plan)
         return self.o_proj(o.reshape(num_tokens, self.num_heads * self.head_dim))

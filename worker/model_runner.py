@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
-from pagefleet.kernels.compile_cache import compile_cache_dir
-from pagefleet.kernels.flex_paged_attention import DecodePlanner
+from pagefleet.kernels.cpu_decode_attention import load_kernel, plan_decode
 from pagefleet.kernels.ops import select_kernels
 from pagefleet.worker.config import ModelConfig
 from pagefleet.worker.cpu_linear import pack_linear_weights
@@ -43,8 +41,8 @@ class StepInput:
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, tp: TPGroup, device: torch.device, load_format: str = "safetensors",
                  seed: int = 0, enforce_eager: bool = False) -> None:
-        """enforce_eager: True keeps a CPU engine from compiling its decode attention (paged
-        FlexAttention, KV blocks read in place, with torch.compile)."""
+        """enforce_eager: True keeps a CPU engine from compiling its decode attention kernel (C++,
+        KV blocks read in place; kernels/cpu_decode_attention.py): the PyTorch twin serves."""
         self.cfg = cfg
         self.tp = tp
         self.device = device
@@ -63,11 +61,9 @@ class ModelRunner:
         attn = self.model.layers[0].self_attn
         self.num_kv_heads = attn.num_kv_heads
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self.block_size = 0
         # Only in place of the twin's attention: the Triton kernel (CUDA, or PAGEFLEET_KERNELS=triton)
         # already reads the blocks in place.
-        self.flex_decode = not enforce_eager and device.type == "cpu" and self.kernels.backend == "torch"
-        self.decode_planner: DecodePlanner | None = None
+        self.cpu_decode = not enforce_eager and device.type == "cpu" and self.kernels.backend == "torch"
 
     def kv_bytes_per_block(self, block_size: int) -> int:
         elem = torch.empty((), dtype=self.cfg.dtype).element_size()
@@ -115,20 +111,9 @@ class ModelRunner:
         self.kv_caches = [(torch.zeros(shape, dtype=self.cfg.dtype, device=self.device),
                            torch.zeros(shape, dtype=self.cfg.dtype, device=self.device))
                           for _ in range(self.cfg.num_layers)]
-        self.block_size = block_size
-        if self.flex_decode:
-            self.decode_planner = DecodePlanner(num_blocks, block_size)
-            self._warm_up(num_blocks)
-
-    def _warm_up(self, num_blocks: int) -> None:
-        """Compile the decode attention now rather than on the first requests (one compile serves
-        every row count). Writes only K/V of blocks no request holds yet."""
-        start = time.perf_counter()
-        seqs = [(1, 4), (1, self.block_size + 2), (5, 5)]
-        if sum(-(-n // self.block_size) for _, n in seqs) <= num_blocks:
-            self.execute(_synthetic_step(seqs, self.block_size))
-        logger.info("compiled the paged decode attention (torch.compile, Inductor %s) in %.1f s; compile cache %s",
-                    self.device.type, time.perf_counter() - start, compile_cache_dir())
+        if self.cpu_decode:  # built (or taken from the cache) now rather than on the first request
+            attn = self.model.layers[0].self_attn
+            load_kernel(self.cfg.head_dim, attn.num_heads // attn.num_kv_heads, attn.num_kv_heads, block_size)
 
     def _tensors(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         dev = self.device
@@ -140,8 +125,8 @@ class ModelRunner:
             query_start_loc=torch.tensor(step.query_start_loc, dtype=torch.int32, device=dev),
             seq_lens=torch.tensor(step.seq_lens, dtype=torch.int32, device=dev),
         )
-        if self.decode_planner is not None:
-            meta.decode_plan = self.decode_planner.plan(meta.block_table, step.query_start_loc, step.seq_lens)
+        if self.cpu_decode:
+            meta.decode_plan = plan_decode(meta.block_table, meta.seq_lens, step.query_start_loc)
         return (torch.tensor(step.input_ids, dtype=torch.int64, device=dev),
                 torch.tensor(step.positions, dtype=torch.int64, device=dev), meta,
                 torch.tensor(step.logits_indices, dtype=torch.int64, device=dev))
@@ -152,24 +137,6 @@ class ModelRunner:
         input_ids, positions, meta, logits_indices = self._tensors(step)
         hidden = self.model(input_ids, positions, meta, self.kv_caches)
         return self.model.compute_logits(hidden.index_select(0, logits_indices))
-
-
-def _synthetic_step(seqs: list[tuple[int, int]], block_size: int) -> StepInput:
-    """A step over fresh blocks 0, 1, ...: (new tokens, context length) per row."""
-    step = StepInput([], [], [], [], [0], [], [])
-    next_block = 0
-    for q_len, seq_len in seqs:
-        blocks = list(range(next_block, next_block + -(-seq_len // block_size)))
-        next_block += len(blocks)
-        step.input_ids.extend([0] * q_len)
-        step.positions.extend(range(seq_len - q_len, seq_len))
-        step.slot_mapping.extend(blocks[p // block_size] * block_size + p % block_size
-                                 for p in range(seq_len - q_len, seq_len))
-        step.block_tables.append(blocks)
-        step.query_start_loc.append(step.query_start_loc[-1] + q_len)
-        step.seq_lens.append(seq_len)
-        step.logits_indices.append(step.query_start_loc[-1] - 1)
-    return step
 
 
 def build_step_input(out: "SchedulerOutput", block_size: int, block_ids_of) -> StepInput:
