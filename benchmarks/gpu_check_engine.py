@@ -178,11 +178,15 @@ def _graph_probe(llm, run, context: int, iters: int = 20) -> dict:
     a CUDA graph (the same kernels on the same static tensors): milliseconds of each and whether
     their outputs are equal. What capturing decode steps would save; the engine does not yet.
     The step writes its KV into the pool's first blocks: run it with no request in flight."""
-    from pagefleet.worker.model_runner import _synthetic_step
+    from pagefleet.worker.model_runner import StepInput
 
     runner = llm.engine.executor.runner
-    with torch.inference_mode():  # as the engine builds them (its planner's buffers are inference tensors)
-        input_ids, positions, meta, _ = runner._tensors(_synthetic_step([(1, context)], runner.block_size))
+    block_size = runner.kv_caches[0][0].shape[1]
+    blocks = list(range(-(-context // block_size)))  # the pool's first blocks, in order
+    slot = blocks[-1] * block_size + (context - 1) % block_size
+    step = StepInput([0], [context - 1], [slot], [blocks], [0, 1], [context], [0])
+    with torch.inference_mode():  # as the engine builds them
+        input_ids, positions, meta, _ = runner._tensors(step)
 
     def forward():
         return runner.model(input_ids, positions, meta, runner.kv_caches)
