@@ -25,28 +25,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import logging
-import os
-import platform
-import subprocess
-import tempfile
-import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-from pagefleet.kernels import reference
+from pagefleet.kernels import cpu_build, reference
 
-logger = logging.getLogger(__name__)
-
-CACHE_ENV = "PAGEFLEET_CACHE"
-COMPILER_ENV = "CXX"
-# -ffast-math: reassociated sums (vectorised dot products) and the vector exp of the C
-# library. The kernel never forms an infinity or NaN from finite inputs (no -inf masks: it
-# reads exactly each row's tokens), which is what fast-math assumes.
-FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC")
 DTYPES = {torch.float32: ("f32", "float"), torch.bfloat16: ("bf16", "uint16_t"), torch.float16: ("f16", "_Float16")}
 
 _SOURCE = r"""
@@ -157,60 +141,12 @@ ENTRY(decode_f16, _Float16)
 _ARGTYPES = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
              ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int64]
 
-# Compiler runs of this process (the tests count them: one per model shape, none on a cache hit).
-builds = 0
-
-
-def kernel_cache_dir() -> Path:
-    """``cpu_kernels`` under ``$PAGEFLEET_CACHE`` (default ``~/.cache/pagefleet``)."""
-    root = os.environ.get(CACHE_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "pagefleet")
-    return Path(root) / "cpu_kernels"
-
-
-def _cpu_identity() -> str:
-    # -march=native builds for this CPU: a cache shared with another machine must not hand it over.
-    try:
-        with open("/proc/cpuinfo") as f:
-            return "".join(sorted({line for line in f if line.startswith(("model name", "flags"))}))
-    except OSError:
-        return platform.processor() or platform.machine()
-
-
-@functools.cache
-def _compiler() -> tuple[str, str]:
-    cxx = os.environ.get(COMPILER_ENV) or "c++"
-    try:
-        version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError) as e:
-        raise RuntimeError(f"the CPU decode attention kernel needs a C++ compiler ({cxx!r}: {e}); install one "
-                           f"(g++), name it in ${COMPILER_ENV}, or run with enforce_eager=True") from e
-    return cxx, version
-
-
 @functools.cache
 def load_kernel(head_dim: int, group: int, num_kv_heads: int, block_size: int) -> ctypes.CDLL:
-    """The kernel library for one model shape: from the cache, else compiled into it."""
-    global builds
+    """The kernel library for one model shape (cpu_build: from the cache, else compiled into it)."""
     source = (_SOURCE.replace("@HEAD_DIM@", str(head_dim)).replace("@GROUP@", str(group))
               .replace("@KV_HEADS@", str(num_kv_heads)).replace("@BLOCK_SIZE@", str(block_size)))
-    cxx, version = _compiler()
-    key = hashlib.sha256("\0".join([source, " ".join(FLAGS), cxx, version, _cpu_identity()]).encode()).hexdigest()
-    path = kernel_cache_dir() / f"decode_attention_{key[:24]}.so"
-    if not path.is_file():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        start = time.perf_counter()
-        with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-            src, lib = Path(tmp) / "decode_attention.cpp", Path(tmp) / "decode_attention.so"
-            src.write_text(source)
-            done = subprocess.run([cxx, *FLAGS, "-o", str(lib), str(src)], capture_output=True, text=True)
-            if done.returncode:
-                raise RuntimeError(f"compiling the CPU decode attention kernel failed ({cxx} {' '.join(FLAGS)}):\n"
-                                   f"{done.stderr[-2000:]}\nrun with enforce_eager=True to use the PyTorch twin")
-            os.replace(lib, path)  # atomic: processes building the same kernel at once each publish a whole file
-        builds += 1
-        logger.info("compiled the CPU decode attention kernel (D=%d, group %d, %d KV heads, block %d) in %.1f s: %s",
-                    head_dim, group, num_kv_heads, block_size, time.perf_counter() - start, path)
-    lib = ctypes.CDLL(str(path))
+    lib = cpu_build.load_library("decode_attention", source)
     for name, _ in DTYPES.values():
         getattr(lib, f"decode_{name}").argtypes = _ARGTYPES
     return lib

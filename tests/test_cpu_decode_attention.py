@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pagefleet.kernels import cpu_build
 from pagefleet.kernels import cpu_decode_attention as cpu
 from pagefleet.kernels import reference
 from pagefleet.kernels.testing import make_paged_batch
@@ -31,7 +32,7 @@ CASES = {
 @pytest.fixture(autouse=True)
 def _own_cache(monkeypatch, tmp_path_factory):
     # One kernel cache for this module's tests, not the user's.
-    monkeypatch.setenv(cpu.CACHE_ENV, str(tmp_path_factory.getbasetemp() / "pagefleet-cache"))
+    monkeypatch.setenv(cpu_build.CACHE_ENV, str(tmp_path_factory.getbasetemp() / "pagefleet-cache"))
 
 
 def _batch(seqs, pool_blocks, dtype=torch.float32, **kw):
@@ -96,37 +97,42 @@ def test_shared_prefix_blocks_and_wide_tables():
     _check(_batch(seqs, 777, shared_prefix_blocks=4, table_width=12, seed=5))
 
 
-def test_one_build_per_model_shape_kept_across_processes(monkeypatch, tmp_path):
-    monkeypatch.setenv(cpu.CACHE_ENV, str(tmp_path))
+def _forget_loaded_kernels():
+    """As a new process: no library loaded, so the next use finds it on disk or builds it."""
     cpu.load_kernel.cache_clear()
-    before = cpu.builds
+    cpu_build.load_library.cache_clear()
+
+
+def test_one_build_per_model_shape_kept_across_processes(monkeypatch, tmp_path):
+    monkeypatch.setenv(cpu_build.CACHE_ENV, str(tmp_path))
+    _forget_loaded_kernels()
+    before = cpu_build.builds
     _check(_batch([(1, 20), (1, 5)], 300, seed=6))
-    assert cpu.builds == before + 1
-    assert len(list((tmp_path / "cpu_kernels").glob("*.so"))) == 1
+    assert cpu_build.builds == before + 1
+    assert len(list((tmp_path / "cpu_kernels").glob("decode_attention_*.so"))) == 1
     # Other pools, row counts and dtypes: the same library.
     for seed, (seqs, pool_blocks) in enumerate([([(1, 47)], 64), ([(1, 9)] * 5, 1500), ([(1, 3), (4, 4)], 3000)]):
         _check(_batch(seqs, pool_blocks, dtype=(torch.float32, torch.bfloat16, torch.float16)[seed], seed=seed))
-    assert cpu.builds == before + 1
-    # A new process (no in-memory library) loads the file instead of compiling.
-    cpu.load_kernel.cache_clear()
+    assert cpu_build.builds == before + 1
+    # A new process (no library loaded) loads the file instead of compiling.
+    _forget_loaded_kernels()
     _check(_batch([(1, 20)], 30, seed=9))
-    assert cpu.builds == before + 1
+    assert cpu_build.builds == before + 1
     # Another block size is another shape.
-    make = make_paged_batch([(1, 20)], num_q_heads=4, num_kv_heads=2, head_dim=32, block_size=8,
-                            dtype=torch.float32)
-    _check(make)
-    assert cpu.builds == before + 2
-    cpu.load_kernel.cache_clear()  # later tests load from their own cache directory
+    _check(make_paged_batch([(1, 20)], num_q_heads=4, num_kv_heads=2, head_dim=32, block_size=8,
+                            dtype=torch.float32))
+    assert cpu_build.builds == before + 2
+    _forget_loaded_kernels()  # later tests load from their own cache directory
 
 
 def test_no_compiler_is_a_clear_error(monkeypatch, tmp_path):
-    monkeypatch.setenv(cpu.CACHE_ENV, str(tmp_path))
-    monkeypatch.setenv(cpu.COMPILER_ENV, str(tmp_path / "no-such-c++"))
-    cpu._compiler.cache_clear()
-    cpu.load_kernel.cache_clear()
+    monkeypatch.setenv(cpu_build.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv(cpu_build.COMPILER_ENV, str(tmp_path / "no-such-c++"))
+    cpu_build._compiler.cache_clear()
+    _forget_loaded_kernels()
     try:
-        with pytest.raises(RuntimeError, match="needs a C\\+\\+ compiler .*enforce_eager=True"):
+        with pytest.raises(RuntimeError, match="need a C\\+\\+ compiler .*enforce_eager=True"):
             cpu.load_kernel(32, 2, 2, 16)
     finally:
-        cpu._compiler.cache_clear()
-        cpu.load_kernel.cache_clear()
+        cpu_build._compiler.cache_clear()
+        _forget_loaded_kernels()

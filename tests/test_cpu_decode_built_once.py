@@ -1,11 +1,11 @@
-"""One build of the CPU decode attention kernel serves every engine of a model shape: the KV
-pool's block count and the step's row count are arguments, not constants of the kernel, so a
-second engine with another pool, running batches of another size, compiles nothing (counted
-compiler runs, not timed)."""
+"""One build of the CPU kernels serves every engine of a model shape: the KV pool's block count
+and the step's row count are arguments, not constants of the kernels, so a second engine with
+another pool, running batches of another size, compiles nothing (counted compiler runs, not
+timed)."""
 
 from __future__ import annotations
 
-from pagefleet.kernels import cpu_decode_attention
+from pagefleet.kernels import cpu_build, cpu_decode_attention, cpu_fused_ops
 from pagefleet.worker import LLM, SamplingParams
 
 
@@ -15,19 +15,25 @@ def _generate(llm: LLM, num_prompts: int) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
 
 
-def test_second_engine_with_other_pool_and_batch_builds_nothing(tiny_checkpoint, monkeypatch, tmp_path):
-    monkeypatch.setenv(cpu_decode_attention.CACHE_ENV, str(tmp_path))  # an empty kernel cache
+def _forget_loaded_kernels():
     cpu_decode_attention.load_kernel.cache_clear()
+    cpu_fused_ops._library.cache_clear()
+    cpu_build.load_library.cache_clear()
+
+
+def test_second_engine_with_other_pool_and_batch_builds_nothing(tiny_checkpoint, monkeypatch, tmp_path):
+    monkeypatch.setenv(cpu_build.CACHE_ENV, str(tmp_path))  # an empty kernel cache
+    _forget_loaded_kernels()
     path = str(tiny_checkpoint(arch="llama"))
-    builds = cpu_decode_attention.builds
+    builds = cpu_build.builds
     first = LLM(model=path, dtype="float32", kv_cache_bytes=8 << 20)  # the default: compiled
     assert first.engine.executor.runner.cpu_decode
-    assert cpu_decode_attention.builds == builds + 1  # at start, before any request
+    assert cpu_build.builds == builds + 2  # at start, before any request: the decode attention, the fused ops
     assert [len(ids) for ids in _generate(first, 3)] == [6] * 3
 
     second = LLM(model=path, dtype="float32", kv_cache_bytes=20 << 20)
     assert (first.engine.pool.num_blocks, second.engine.pool.num_blocks) == (512, 1280)
     assert [len(ids) for ids in _generate(second, 7)] == [6] * 7
-    assert cpu_decode_attention.builds == builds + 1
-    assert len(list((tmp_path / "cpu_kernels").glob("*.so"))) == 1
-    cpu_decode_attention.load_kernel.cache_clear()  # later tests load from their own cache directory
+    assert cpu_build.builds == builds + 2
+    assert sorted(p.name.split("_")[0] for p in (tmp_path / "cpu_kernels").glob("*.so")) == ["decode", "fused"]
+    _forget_loaded_kernels()  # later tests load from their own cache directory

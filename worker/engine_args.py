@@ -54,9 +54,10 @@ class EngineArgs:
     max_stop_string_chars: int = option(DEFAULT_MAX_STOP_STRING_CHARS, help="characters per stop string")
     max_stop_token_ids: int = option(DEFAULT_MAX_STOP_TOKEN_IDS, help="stop token ids per request")
     enforce_eager: bool = option(False, help="run the model eagerly, compiling nothing. Default: a one-rank CPU "
-                                             "engine compiles its decode attention kernel at start (C++ reading "
-                                             "KV blocks in place; needs a C++ compiler, c++ or $CXX; one build "
-                                             "per model shape serves every pool and batch size, cached across "
+                                             "engine compiles its C++ kernels at start (the decode attention "
+                                             "reading KV blocks in place, norms, rotary; needs a C++ compiler, "
+                                             "c++ or $CXX; one build per model shape serves every pool and batch "
+                                             "size, cached across "
                                              "starts under ~/.cache/pagefleet/cpu_kernels). CUDA and "
                                              "tensor-parallel engines run the same either way")
     cpu_omp_threads: int | None = option(None, metavar="N",

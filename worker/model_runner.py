@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from pagefleet.kernels.cpu_decode_attention import load_kernel, plan_decode
+from pagefleet.kernels.cpu_fused_ops import with_fused_ops
 from pagefleet.kernels.ops import select_kernels
 from pagefleet.worker.config import ModelConfig
 from pagefleet.worker.cpu_linear import pack_linear_weights
@@ -41,8 +42,9 @@ class StepInput:
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, tp: TPGroup, device: torch.device, load_format: str = "safetensors",
                  seed: int = 0, enforce_eager: bool = False) -> None:
-        """enforce_eager: True keeps a CPU engine from compiling its decode attention kernel (C++,
-        KV blocks read in place; kernels/cpu_decode_attention.py): the PyTorch twin serves."""
+        """enforce_eager: True keeps a CPU engine from compiling its C++ kernels (the decode
+        attention reading KV blocks in place, kernels/cpu_decode_attention.py; norms and rotary,
+        kernels/cpu_fused_ops.py): the PyTorch twins serve."""
         self.cfg = cfg
         self.tp = tp
         self.device = device
@@ -50,7 +52,13 @@ class ModelRunner:
             keep_freed_memory()
         # Decided once, here: a bad PAGEFLEET_KERNELS stops the start instead of failing every step.
         self.kernels = select_kernels(device)
-        logger.info("kernels on %s: %s", device, self.kernels.backend)
+        # Only where the twins would run: the Triton kernels (CUDA, or PAGEFLEET_KERNELS=triton)
+        # already read the blocks in place and fuse these ops.
+        self.cpu_decode = not enforce_eager and device.type == "cpu" and self.kernels.backend == "torch"
+        if self.cpu_decode:
+            self.kernels = with_fused_ops(self.kernels)
+        logger.info("kernels on %s: %s%s", device, self.kernels.backend,
+                    " with the C++ decode attention, norms and rotary" if self.cpu_decode else "")
         self.model = load_model(cfg, tp, self.kernels, device, load_format, seed)
         if device.type == "cpu":
             count, one_row = pack_linear_weights(self.model)
@@ -61,9 +69,6 @@ class ModelRunner:
         attn = self.model.layers[0].self_attn
         self.num_kv_heads = attn.num_kv_heads
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
-        # Only in place of the twin's attention: the Triton kernel (CUDA, or PAGEFLEET_KERNELS=triton)
-        # already reads the blocks in place.
-        self.cpu_decode = not enforce_eager and device.type == "cpu" and self.kernels.backend == "torch"
 
     def kv_bytes_per_block(self, block_size: int) -> int:
         elem = torch.empty((), dtype=self.cfg.dtype).element_size()
