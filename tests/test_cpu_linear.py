@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagefleet.kernels import cpu_fused_ops
 from pagefleet.worker import cpu_linear
 from pagefleet.worker.cpu_linear import PackedWeight, linear, pack_linear_weights, pack_weight
 
@@ -20,47 +21,59 @@ class _Linear(nn.Module):
         self.packed_weight: PackedWeight | None = None
 
 
-@pytest.mark.parametrize("one_row", [False, True])
+@pytest.fixture(autouse=True)
+def _own_cache(monkeypatch, tmp_path_factory):
+    monkeypatch.setenv("PAGEFLEET_CACHE", str(tmp_path_factory.getbasetemp() / "pagefleet-cache"))
+
+
+@pytest.mark.parametrize("one_row", cpu_linear.ONE_ROW_PATHS)
 @pytest.mark.parametrize("rows", [1, 3, 40])
-def test_every_path_computes_the_product(one_row, rows):
+@pytest.mark.parametrize("out_features", [48, 61])  # 61: no multiple of any vector width
+def test_every_path_computes_the_product(one_row, rows, out_features):
     torch.manual_seed(0)
-    weight, bias, x = torch.randn(48, 64), torch.randn(48), torch.randn(rows, 64)
+    weight, bias, x = torch.randn(out_features, 64), torch.randn(out_features), torch.randn(rows, 64)
     packed = pack_weight(weight)
     packed.one_row = one_row
     with torch.inference_mode():
-        torch.testing.assert_close(linear(x, weight, bias, packed), F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+        for b in (bias, None):
+            torch.testing.assert_close(linear(x, weight, b, packed), F.linear(x, weight, b), rtol=1e-5, atol=1e-5)
 
 
-def test_one_row_takes_the_packed_copy_only_when_it_was_measured_faster(monkeypatch):
+def test_one_row_takes_the_path_that_was_measured_fastest(monkeypatch):
     calls = []
-    real = torch.ops.mkldnn._linear_pointwise
+    onednn, gemv = torch.ops.mkldnn._linear_pointwise, cpu_fused_ops.gemv
     monkeypatch.setattr(cpu_linear.torch.ops.mkldnn, "_linear_pointwise",
-                        lambda *a: calls.append(a[0].shape[0]) or real(*a), raising=False)
+                        lambda *a: calls.append(("packed", a[0].shape[0])) or onednn(*a), raising=False)
+    monkeypatch.setattr(cpu_fused_ops, "gemv", lambda *a: calls.append(("gemv", a[0].shape[0])) or gemv(*a))
     weight = torch.randn(16, 32)
     packed = pack_weight(weight)
     with torch.inference_mode():
-        linear(torch.randn(1, 32), weight, None, packed)
-        linear(torch.randn(5, 32), weight, None, packed)
-        packed.one_row = True
-        linear(torch.randn(1, 32), weight, None, packed)
-    assert calls == [5, 1]
+        for path in cpu_linear.ONE_ROW_PATHS:
+            packed.one_row = path
+            linear(torch.randn(1, 32), weight, None, packed)
+            linear(torch.randn(5, 32), weight, None, packed)  # several rows: always the packed copy
+    assert calls == [("packed", 5), ("packed", 1), ("packed", 5), ("gemv", 1), ("packed", 5)]
 
 
-def test_the_decision_is_measured_over_the_sample_and_given_to_every_module(monkeypatch):
+@pytest.mark.parametrize("compiled", [False, True])
+def test_the_decision_is_measured_over_the_sample_and_given_to_every_module(monkeypatch, compiled):
     torch.manual_seed(0)
     model = nn.ModuleList([_Linear(64, 32), _Linear(128, 32), _Linear(64, 128)])
     model.append(nn.Linear(4, 4))  # no packed_weight slot: left alone
     # A sample budget of one weight's bytes takes exactly the first module.
     monkeypatch.setattr(cpu_linear, "ONE_ROW_SAMPLE_BYTES", 64 * 32 * 4)
-    count, timing = pack_linear_weights(model)
+    count, timing = pack_linear_weights(model, compiled_kernels=compiled)
     assert count == 3
     assert timing.sample_bytes == 64 * 32 * 4
-    assert timing.plain_ms > 0 and timing.packed_ms > 0
-    assert [m.packed_weight.one_row for m in model[:3]] == [timing.packed_ms < timing.plain_ms] * 3
+    # The C++ product is a candidate only where the engine compiles its kernels.
+    assert tuple(timing.ms) == (cpu_linear.ONE_ROW_PATHS if compiled else ("plain", "packed"))
+    assert all(ms > 0 for ms in timing.ms.values())
+    assert timing.best == min(timing.ms, key=timing.ms.get)
+    assert [m.packed_weight.one_row for m in model[:3]] == [timing.best] * 3
 
     # Without a budget every weight is in the sample.
     monkeypatch.setattr(cpu_linear, "ONE_ROW_SAMPLE_BYTES", 1 << 40)
-    _, timing = pack_linear_weights(model)
+    _, timing = pack_linear_weights(model, compiled_kernels=compiled)
     assert timing.sample_bytes == (64 * 32 + 128 * 32 + 64 * 128) * 4
 
 

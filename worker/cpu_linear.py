@@ -5,12 +5,13 @@ BLAS re-blocks it on every call; oneDNN's matmul on a weight reordered once into
 blocked layout skips that. Measured on this project's 2-core machines, the demo model's
 eight layers plus its LM head in a row (weights cold in cache): 30-50% faster at 8-64
 rows, ~10% at 128-512. One row (a matrix-vector product, all of a single stream's
-decode) depends on the CPU: on an Intel Xeon the BLAS's gemv, streaming the plain
-weight, beat the packed copy; on an AMD EPYC it streamed at 8-9 GB/s where the packed
-copy reached 11-17 GB/s (the LM head 7.1 -> 3.9 ms). So which one serves one-row inputs
-is measured at load, over the model's own weights (``prefer_packed_for_one_row``). The
-plain weight stays either way (the packed copy is extra memory, the size of the linear
-weights).
+decode) streams the weight once and is memory-bound, and which path streams fastest
+depends on the CPU: on an Intel Xeon the BLAS's gemv beat the packed copy; on an AMD
+EPYC the BLAS made 8-9 GB/s, the packed copy 10-17, and the engine's own C++
+matrix-vector product (kernels/cpu_fused_ops.py, when the engine compiles its kernels)
+17-19. So which one serves one-row inputs is measured at load, over the model's own
+weights (``choose_one_row_path``). The plain weight stays either way (the packed copy is
+extra memory, the size of the linear weights).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagefleet.kernels import cpu_fused_ops
+
 logger = logging.getLogger(__name__)
 
 # The row count oneDNN tunes the packed layout for (vLLM's CPU backend uses 32 too); any
@@ -34,10 +37,15 @@ ONE_ROW_SAMPLE_BYTES = 256 << 20
 ONE_ROW_ROUNDS = 3
 
 
+# What can serve one-row inputs: F.linear on the plain weight, oneDNN on the packed copy, the
+# engine's C++ matrix-vector product on the plain weight (fp32, compiled kernels only).
+ONE_ROW_PATHS = ("plain", "packed", "gemv")
+
+
 @dataclass(slots=True)
 class PackedWeight:
     weight: torch.Tensor  # oneDNN's blocked copy of an [out, in] weight
-    one_row: bool = False  # serves one-row inputs too (measured faster than F.linear at load)
+    one_row: str = "plain"  # the ONE_ROW_PATHS entry that serves one-row inputs (measured at load)
 
 
 def onednn_available() -> bool:
@@ -59,26 +67,27 @@ def pack_weight(weight: torch.Tensor) -> PackedWeight | None:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
            packed: PackedWeight | None) -> torch.Tensor:
     # x: [M, in]; weight: [out, in]; packed: pack_weight(weight) or None -> [M, out]
-    if packed is None or (x.shape[0] == 1 and not packed.one_row):
+    if x.shape[0] == 1 and packed is not None and packed.one_row != "packed":
+        return cpu_fused_ops.gemv(x, weight, bias) if packed.one_row == "gemv" else F.linear(x, weight, bias)
+    if packed is None:
         return F.linear(x, weight, bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed.weight, bias, "none", [], "")
 
 
 @dataclass(slots=True)
 class OneRowTiming:
-    plain_ms: float   # best pass of F.linear over the sample
-    packed_ms: float  # best pass of the packed copies over the same sample
+    ms: dict[str, float]  # best pass over the sample, per ONE_ROW_PATHS entry measured
     sample_bytes: int
 
     @property
-    def packed_wins(self) -> bool:
-        return self.packed_ms < self.plain_ms
+    def best(self) -> str:
+        return min(self.ms, key=self.ms.get)
 
 
 @torch.inference_mode()
-def prefer_packed_for_one_row(modules: list[nn.Module]) -> OneRowTiming:
-    """Time one-row products through F.linear and through the packed copies, alternately,
-    over the modules' weights in order (at least ONE_ROW_SAMPLE_BYTES of them, or all)."""
+def choose_one_row_path(modules: list[nn.Module], paths: tuple[str, ...]) -> OneRowTiming:
+    """Time one-row products through each of ``paths``, alternately, over the modules' weights
+    in order (at least ONE_ROW_SAMPLE_BYTES of them, or all)."""
     sample, size = [], 0
     for m in modules:
         if size >= ONE_ROW_SAMPLE_BYTES:
@@ -86,34 +95,37 @@ def prefer_packed_for_one_row(modules: list[nn.Module]) -> OneRowTiming:
         sample.append((m.weight, m.packed_weight.weight, torch.randn(1, m.weight.shape[1], dtype=m.weight.dtype)))
         size += m.weight.numel() * m.weight.element_size()
 
-    def plain() -> None:
-        for weight, _, x in sample:
-            F.linear(x, weight)
+    def run(path: str) -> None:
+        for weight, packed, x in sample:
+            if path == "plain":
+                F.linear(x, weight)
+            elif path == "packed":
+                torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+            else:
+                cpu_fused_ops.gemv(x, weight, None)
 
-    def onednn() -> None:
-        for _, packed, x in sample:
-            torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
-
-    times: dict = {plain: [], onednn: []}
-    for _ in range(ONE_ROW_ROUNDS + 1):  # the first round warms both up and is not counted
-        for run, seen in times.items():
+    times: dict[str, list[float]] = {path: [] for path in paths}
+    for _ in range(ONE_ROW_ROUNDS + 1):  # the first round warms every path up and is not counted
+        for path, seen in times.items():
             start = time.perf_counter()
-            run()
+            run(path)
             seen.append(time.perf_counter() - start)
-    return OneRowTiming(min(times[plain][1:]) * 1e3, min(times[onednn][1:]) * 1e3, size)
+    return OneRowTiming({path: min(seen[1:]) * 1e3 for path, seen in times.items()}, size)
 
 
-def pack_linear_weights(model: nn.Module) -> tuple[int, OneRowTiming | None]:
-    """Give every module with a ``packed_weight`` slot its packed weight, and let the packed
-    copies serve one-row inputs where they are measured faster. Returns how many were packed
-    and the measurement (None without packed weights)."""
+def pack_linear_weights(model: nn.Module, compiled_kernels: bool = False) -> tuple[int, OneRowTiming | None]:
+    """Give every module with a ``packed_weight`` slot its packed weight, and let the fastest
+    one-row path measured serve one-row inputs (the C++ one only with ``compiled_kernels`` and
+    fp32 weights). Returns how many were packed and the measurement (None without packed
+    weights)."""
     modules = [m for m in model.modules() if hasattr(m, "packed_weight")]
     for m in modules:
         m.packed_weight = pack_weight(m.weight)
     packed = [m for m in modules if m.packed_weight is not None]
     if not packed:
         return 0, None
-    timing = prefer_packed_for_one_row(packed)
+    fp32 = all(m.weight.dtype == torch.float32 and m.weight.is_contiguous() for m in packed)
+    timing = choose_one_row_path(packed, ONE_ROW_PATHS if compiled_kernels and fp32 else ONE_ROW_PATHS[:2])
     for m in packed:
-        m.packed_weight.one_row = timing.packed_wins
+        m.packed_weight.one_row = timing.best
     return len(packed), timing

@@ -61,11 +61,11 @@ class ModelRunner:
                     " with the C++ decode attention, norms and rotary" if self.cpu_decode else "")
         self.model = load_model(cfg, tp, self.kernels, device, load_format, seed)
         if device.type == "cpu":
-            count, one_row = pack_linear_weights(self.model)
+            count, one_row = pack_linear_weights(self.model, compiled_kernels=self.cpu_decode)
             logger.info("linear layers: %d weights packed for oneDNN%s", count, "" if one_row is None else
-                        f"; one-row steps use {'them' if one_row.packed_wins else 'F.linear'} (one-row pass over "
-                        f"{one_row.sample_bytes >> 20} MiB of weights: packed {one_row.packed_ms:.1f} ms, F.linear "
-                        f"{one_row.plain_ms:.1f} ms)")
+                        f"; one-row steps take the {one_row.best} path (one-row pass over "
+                        f"{one_row.sample_bytes >> 20} MiB of weights: "
+                        + ", ".join(f"{path} {ms:.1f} ms" for path, ms in one_row.ms.items()) + ")")
         attn = self.model.layers[0].self_attn
         self.num_kv_heads = attn.num_kv_heads
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
