@@ -8,9 +8,8 @@ but through a template made for prefill tiles: on a 2-core AMD EPYC, 64 rows x 4
 of the demo model's layer (4 KV heads x 64, fp32) took 9.2 ms through FlexAttention
 (5.7 GB/s) and one row 0.5 ms, mostly the compiled call's own overhead.
 
-This kernel is plain C++ with OpenMP, compiled once per model shape by the machine's C++
-compiler (``-O3 -march=native``, as Inductor builds its own kernels) and kept under
-``$PAGEFLEET_CACHE/cpu_kernels``; ctypes calls it. One row is one work item (rows spread
+This kernel is plain C++ with OpenMP, built once per model shape by ``cpu_build`` and
+called through ctypes. One row is one work item (rows spread
 over the engine's threads): for each block of its table it reads the block's K (all KV
 heads: one contiguous ``block_size x Hkv x D`` span), scores every query head, folds the
 block into an online softmax, then reads the block's V. Head size, GQA group, KV heads
@@ -24,14 +23,15 @@ the twin, where the gather is small next to the attention work.
 from __future__ import annotations
 
 import ctypes
-import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from pagefleet.kernels import cpu_build, reference
 
-DTYPES = {torch.float32: ("f32", "float"), torch.bfloat16: ("bf16", "uint16_t"), torch.float16: ("f16", "_Float16")}
+# The entry point of each cache dtype (ENTRY below).
+ENTRIES = {torch.float32: "decode_f32", torch.bfloat16: "decode_bf16", torch.float16: "decode_f16"}
 
 _SOURCE = r"""
 #include <algorithm>
@@ -141,15 +141,16 @@ ENTRY(decode_f16, _Float16)
 _ARGTYPES = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
              ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int64]
 
-@functools.cache
-def load_kernel(head_dim: int, group: int, num_kv_heads: int, block_size: int) -> ctypes.CDLL:
-    """The kernel library for one model shape (cpu_build: from the cache, else compiled into it)."""
+def decode_kernel(dtype: torch.dtype, head_dim: int, group: int, num_kv_heads: int,
+                  block_size: int) -> Callable[..., None]:
+    """The kernel entry point for one model shape and cache dtype (the library from cpu_build:
+    its cache, else compiled into it). The engine resolves it once, at start; each step's plan
+    carries it to every layer."""
     source = (_SOURCE.replace("@HEAD_DIM@", str(head_dim)).replace("@GROUP@", str(group))
               .replace("@KV_HEADS@", str(num_kv_heads)).replace("@BLOCK_SIZE@", str(block_size)))
-    lib = cpu_build.load_library("decode_attention", source)
-    for name, _ in DTYPES.values():
-        getattr(lib, f"decode_{name}").argtypes = _ARGTYPES
-    return lib
+    fn = getattr(cpu_build.load_library("decode_attention", source), ENTRIES[dtype])
+    fn.argtypes = _ARGTYPES
+    return fn
 
 
 @dataclass(slots=True)
@@ -157,32 +158,35 @@ class DecodePlan:
     """One step's decode rows, built once on the host before the forward pass and shared by
     every layer."""
 
+    kernel: Callable[..., None]  # decode_kernel() of the model's shape and dtype
     rows: torch.Tensor | None  # [B] int64: the decode rows' tokens among the step's T; None: all of them
     block_table: torch.Tensor  # [B, W] int32, contiguous: the decode rows' tables
     seq_lens: torch.Tensor     # [B] int32: their context lengths (this step's token included)
     multi: list[int]           # sequences with more than one new token: the twin serves them
+    starts: list[int]          # the step's query_start_loc and context lengths, for the twin's rows
+    lens: list[int]
 
 
-def plan_decode(block_table: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: list[int]) -> DecodePlan | None:
+def plan_decode(block_table: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: list[int],
+                kernel: Callable[..., None]) -> DecodePlan | None:
     """The step's decode rows, or None if it has none. block_table: [B_all, W] int32; seq_lens:
-    [B_all] int32; query_start_loc: B_all + 1 ints."""
+    [B_all] int32; query_start_loc: B_all + 1 ints; kernel: decode_kernel()."""
     q_lens = [query_start_loc[b + 1] - query_start_loc[b] for b in range(len(query_start_loc) - 1)]
     multi = [b for b, n in enumerate(q_lens) if n != 1]
     if not multi:
-        return DecodePlan(None, block_table.contiguous(), seq_lens.contiguous(), [])
+        return DecodePlan(kernel, None, block_table.contiguous(), seq_lens.contiguous(), [], query_start_loc, [])
     decode = [b for b, n in enumerate(q_lens) if n == 1]
     if not decode:
         return None
     index = torch.tensor(decode)
-    return DecodePlan(torch.tensor([query_start_loc[b] for b in decode]), block_table.index_select(0, index),
-                      seq_lens.index_select(0, index), multi)
+    return DecodePlan(kernel, torch.tensor([query_start_loc[b] for b in decode]), block_table.index_select(0, index),
+                      seq_lens.index_select(0, index), multi, query_start_loc, seq_lens.tolist())
 
 
 def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, plan: DecodePlan,
                      scale: float) -> torch.Tensor:
     """Attention of the plan's decode rows. query: [T, Hq, D] -> [B, Hq, D] for plan.rows."""
     num_heads, head_dim = query.shape[1:]
-    block_size, num_kv_heads = key_cache.shape[1:3]
     if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
         raise ValueError("the CPU decode attention reads contiguous [num_blocks, block_size, Hkv, D] caches")
     q = query if plan.rows is None else query.index_select(0, plan.rows)
@@ -190,9 +194,7 @@ def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
         q = q.contiguous()
     rows = q.shape[0]
     out = torch.empty(rows, num_heads, head_dim, dtype=query.dtype)
-    name, _ = DTYPES[query.dtype]
-    fn = getattr(load_kernel(head_dim, num_heads // num_kv_heads, num_kv_heads, block_size), f"decode_{name}")
-    fn(q.data_ptr(), q.stride(0), key_cache.data_ptr(), value_cache.data_ptr(), plan.block_table.data_ptr(),
+    plan.kernel(q.data_ptr(), q.stride(0), key_cache.data_ptr(), value_cache.data_ptr(), plan.block_table.data_ptr(),
        plan.block_table.shape[1], plan.seq_lens.data_ptr(), out.data_ptr(), rows, scale, torch.get_num_threads())
     return out
 
@@ -210,6 +212,6 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         return decoded
     out = torch.empty_like(query)
     out.index_copy_(0, plan.rows, decoded)
-    reference.multi_token_attention(query, key_cache, value_cache, block_table, query_start_loc.tolist(),
-                                    seq_lens.tolist(), scale, plan.multi, out)
+    reference.multi_token_attention(query, key_cache, value_cache, block_table, plan.starts, plan.lens, scale,
+                                    plan.multi, out)
     return out

@@ -71,3 +71,12 @@ def make_paged_batch(seqs: list[tuple[int, int]], *, num_q_heads: int, num_kv_he
 
 def max_abs_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return (actual.double() - expected.double()).abs().max().item() if actual.numel() else 0.0
+
+
+def forget_loaded_cpu_kernels() -> None:
+    """As in a new process: no C++ kernel library loaded, so the next use finds it in the kernel
+    cache on disk or builds it (tests count the builds)."""
+    from pagefleet.kernels import cpu_build, cpu_fused_ops
+
+    cpu_build.load_library.cache_clear()
+    cpu_fused_ops._library.cache_clear()

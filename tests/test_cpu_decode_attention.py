@@ -17,7 +17,7 @@ import torch
 from pagefleet.kernels import cpu_build
 from pagefleet.kernels import cpu_decode_attention as cpu
 from pagefleet.kernels import reference
-from pagefleet.kernels.testing import make_paged_batch
+from pagefleet.kernels.testing import forget_loaded_cpu_kernels, make_paged_batch
 
 BLOCK_SIZE = 16
 CASES = {
@@ -45,7 +45,10 @@ def _check(batch, query=None):
     query = batch.query if query is None else query
     args = (query, *batch.args()[1:])
     scale = batch.query.shape[-1] ** -0.5
-    plan = cpu.plan_decode(batch.block_table, batch.seq_lens, batch.query_start_loc.tolist())
+    num_heads, head_dim = batch.query.shape[1:]
+    block_size, num_kv_heads = batch.key_cache.shape[1:3]
+    kernel = cpu.decode_kernel(batch.query.dtype, head_dim, num_heads // num_kv_heads, num_kv_heads, block_size)
+    plan = cpu.plan_decode(batch.block_table, batch.seq_lens, batch.query_start_loc.tolist(), kernel)
     with torch.inference_mode():  # as the engine calls it
         got = cpu.paged_attention(*args, scale, plan)
     want = reference.paged_attention(*(t.float() if t.is_floating_point() else t for t in args), scale)
@@ -88,7 +91,7 @@ def test_plan_splits_decode_rows_from_the_rest():
 
 def test_no_decode_rows_is_no_plan():
     batch = _batch([(5, 5), (3, 20)], 64, seed=3)
-    assert cpu.plan_decode(batch.block_table, batch.seq_lens, [0, 5, 8]) is None
+    assert cpu.plan_decode(batch.block_table, batch.seq_lens, [0, 5, 8], kernel=None) is None
 
 
 def test_shared_prefix_blocks_and_wide_tables():
@@ -97,15 +100,9 @@ def test_shared_prefix_blocks_and_wide_tables():
     _check(_batch(seqs, 777, shared_prefix_blocks=4, table_width=12, seed=5))
 
 
-def _forget_loaded_kernels():
-    """As a new process: no library loaded, so the next use finds it on disk or builds it."""
-    cpu.load_kernel.cache_clear()
-    cpu_build.load_library.cache_clear()
-
-
 def test_one_build_per_model_shape_kept_across_processes(monkeypatch, tmp_path):
     monkeypatch.setenv(cpu_build.CACHE_ENV, str(tmp_path))
-    _forget_loaded_kernels()
+    forget_loaded_cpu_kernels()
     before = cpu_build.builds
     _check(_batch([(1, 20), (1, 5)], 300, seed=6))
     assert cpu_build.builds == before + 1
@@ -115,24 +112,24 @@ def test_one_build_per_model_shape_kept_across_processes(monkeypatch, tmp_path):
         _check(_batch(seqs, pool_blocks, dtype=(torch.float32, torch.bfloat16, torch.float16)[seed], seed=seed))
     assert cpu_build.builds == before + 1
     # A new process (no library loaded) loads the file instead of compiling.
-    _forget_loaded_kernels()
+    forget_loaded_cpu_kernels()
     _check(_batch([(1, 20)], 30, seed=9))
     assert cpu_build.builds == before + 1
     # Another block size is another shape.
     _check(make_paged_batch([(1, 20)], num_q_heads=4, num_kv_heads=2, head_dim=32, block_size=8,
                             dtype=torch.float32))
     assert cpu_build.builds == before + 2
-    _forget_loaded_kernels()  # later tests load from their own cache directory
+    forget_loaded_cpu_kernels()  # later tests load from their own cache directory
 
 
 def test_no_compiler_is_a_clear_error(monkeypatch, tmp_path):
     monkeypatch.setenv(cpu_build.CACHE_ENV, str(tmp_path))
     monkeypatch.setenv(cpu_build.COMPILER_ENV, str(tmp_path / "no-such-c++"))
     cpu_build._compiler.cache_clear()
-    _forget_loaded_kernels()
+    forget_loaded_cpu_kernels()
     try:
         with pytest.raises(RuntimeError, match="need a C\\+\\+ compiler .*enforce_eager=True"):
-            cpu.load_kernel(32, 2, 2, 16)
+            cpu.decode_kernel(torch.float32, 32, 2, 2, 16)
     finally:
         cpu_build._compiler.cache_clear()
-        _forget_loaded_kernels()
+        forget_loaded_cpu_kernels()

@@ -5,7 +5,8 @@ timed)."""
 
 from __future__ import annotations
 
-from pagefleet.kernels import cpu_build, cpu_decode_attention, cpu_fused_ops
+from pagefleet.kernels import cpu_build
+from pagefleet.kernels.testing import forget_loaded_cpu_kernels
 from pagefleet.worker import LLM, SamplingParams
 
 
@@ -15,19 +16,13 @@ def _generate(llm: LLM, num_prompts: int) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
 
 
-def _forget_loaded_kernels():
-    cpu_decode_attention.load_kernel.cache_clear()
-    cpu_fused_ops._library.cache_clear()
-    cpu_build.load_library.cache_clear()
-
-
 def test_second_engine_with_other_pool_and_batch_builds_nothing(tiny_checkpoint, monkeypatch, tmp_path):
     monkeypatch.setenv(cpu_build.CACHE_ENV, str(tmp_path))  # an empty kernel cache
-    _forget_loaded_kernels()
+    forget_loaded_cpu_kernels()
     path = str(tiny_checkpoint(arch="llama"))
     builds = cpu_build.builds
     first = LLM(model=path, dtype="float32", kv_cache_bytes=8 << 20)  # the default: compiled
-    assert first.engine.executor.runner.cpu_decode
+    assert first.engine.executor.runner.compiled_kernels
     assert cpu_build.builds == builds + 2  # at start, before any request: the decode attention, the fused ops
     assert [len(ids) for ids in _generate(first, 3)] == [6] * 3
 
@@ -36,4 +31,4 @@ def test_second_engine_with_other_pool_and_batch_builds_nothing(tiny_checkpoint,
     assert [len(ids) for ids in _generate(second, 7)] == [6] * 7
     assert cpu_build.builds == builds + 2
     assert sorted(p.name.split("_")[0] for p in (tmp_path / "cpu_kernels").glob("*.so")) == ["decode", "fused"]
-    _forget_loaded_kernels()  # later tests load from their own cache directory
+    forget_loaded_cpu_kernels()  # later tests load from their own cache directory

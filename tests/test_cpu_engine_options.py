@@ -47,4 +47,4 @@ def test_compiled_unless_asked(tiny_checkpoint):
     assert EngineArgs(enforce_eager=True).enforce_eager is True
     eager = LLM(model=str(tiny_checkpoint(arch="llama")), dtype="float32", kv_cache_bytes=4 << 20,
                 enforce_eager=True)
-    assert eager.engine.executor.runner.cpu_decode is False
+    assert eager.engine.executor.runner.compiled_kernels is False

@@ -149,7 +149,7 @@ def decode_calls(monkeypatch):
 
 def test_compiled_batch_matches_transformers(llama_checkpoint, decode_calls):
     llm = LLM(model=str(llama_checkpoint), dtype="float32", kv_cache_bytes=32 << 20)
-    assert llm.engine.executor.runner.cpu_decode
+    assert llm.engine.executor.runner.compiled_kernels
     check_batch_and_prefix_cached_rerun(llm, llama_checkpoint)
     # Two runs of eight prompts, 11 decode steps each after the prompt step, every layer.
     layers = load_model_config(str(llama_checkpoint)).num_layers
@@ -165,7 +165,7 @@ def test_compiled_chunked_prefill_matches(llama_checkpoint, decode_calls):
 
 def test_eager_batch_matches_transformers(llama_checkpoint, decode_calls):
     llm = LLM(model=str(llama_checkpoint), dtype="float32", kv_cache_bytes=32 << 20, enforce_eager=True)
-    assert llm.engine.executor.runner.cpu_decode is False
+    assert llm.engine.executor.runner.compiled_kernels is False
     check_batch_and_prefix_cached_rerun(llm, llama_checkpoint)
     assert decode_calls == []
 

@@ -86,29 +86,24 @@ class OneRowTiming:
 
 @torch.inference_mode()
 def choose_one_row_path(modules: list[nn.Module], paths: tuple[str, ...]) -> OneRowTiming:
-    """Time one-row products through each of ``paths``, alternately, over the modules' weights
-    in order (at least ONE_ROW_SAMPLE_BYTES of them, or all)."""
+    """Time one-row products through each of ``paths`` (``linear`` itself, with the path set on
+    every packed weight), alternately, over the modules' weights in order (at least
+    ONE_ROW_SAMPLE_BYTES of them, or all)."""
     sample, size = [], 0
     for m in modules:
         if size >= ONE_ROW_SAMPLE_BYTES:
             break
-        sample.append((m.weight, m.packed_weight.weight, torch.randn(1, m.weight.shape[1], dtype=m.weight.dtype)))
+        sample.append((m.weight, m.packed_weight, torch.randn(1, m.weight.shape[1], dtype=m.weight.dtype)))
         size += m.weight.numel() * m.weight.element_size()
-
-    def run(path: str) -> None:
-        for weight, packed, x in sample:
-            if path == "plain":
-                F.linear(x, weight)
-            elif path == "packed":
-                torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
-            else:
-                cpu_fused_ops.gemv(x, weight, None)
 
     times: dict[str, list[float]] = {path: [] for path in paths}
     for _ in range(ONE_ROW_ROUNDS + 1):  # the first round warms every path up and is not counted
         for path, seen in times.items():
+            for _, packed, _ in sample:
+                packed.one_row = path
             start = time.perf_counter()
-            run(path)
+            for weight, packed, x in sample:
+                linear(x, weight, None, packed)
             seen.append(time.perf_counter() - start)
     return OneRowTiming({path: min(seen[1:]) * 1e3 for path, seen in times.items()}, size)
 

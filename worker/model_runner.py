@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pagefleet.kernels.cpu_decode_attention import load_kernel, plan_decode
+from pagefleet.kernels.cpu_decode_attention import decode_kernel, plan_decode
 from pagefleet.kernels.cpu_fused_ops import with_fused_ops
 from pagefleet.kernels.ops import select_kernels
 from pagefleet.worker.config import ModelConfig
@@ -54,14 +54,14 @@ class ModelRunner:
         self.kernels = select_kernels(device)
         # Only where the twins would run: the Triton kernels (CUDA, or PAGEFLEET_KERNELS=triton)
         # already read the blocks in place and fuse these ops.
-        self.cpu_decode = not enforce_eager and device.type == "cpu" and self.kernels.backend == "torch"
-        if self.cpu_decode:
+        self.compiled_kernels = not enforce_eager and device.type == "cpu" and self.kernels.backend == "torch"
+        if self.compiled_kernels:
             self.kernels = with_fused_ops(self.kernels)
         logger.info("kernels on %s: %s%s", device, self.kernels.backend,
-                    " with the C++ decode attention, norms and rotary" if self.cpu_decode else "")
+                    " with the C++ decode attention, norms and rotary" if self.compiled_kernels else "")
         self.model = load_model(cfg, tp, self.kernels, device, load_format, seed)
         if device.type == "cpu":
-            count, one_row = pack_linear_weights(self.model, compiled_kernels=self.cpu_decode)
+            count, one_row = pack_linear_weights(self.model, compiled_kernels=self.compiled_kernels)
             logger.info("linear layers: %d weights packed for oneDNN%s", count, "" if one_row is None else
                         f"; one-row steps take the {one_row.best} path (one-row pass over "
                         f"{one_row.sample_bytes >> 20} MiB of weights: "
@@ -69,6 +69,7 @@ class ModelRunner:
         attn = self.model.layers[0].self_attn
         self.num_kv_heads = attn.num_kv_heads
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.decode_kernel = None  # the C++ decode attention's entry point, once the KV cache is allocated
 
     def kv_bytes_per_block(self, block_size: int) -> int:
         elem = torch.empty((), dtype=self.cfg.dtype).element_size()
@@ -116,9 +117,10 @@ class ModelRunner:
         self.kv_caches = [(torch.zeros(shape, dtype=self.cfg.dtype, device=self.device),
                            torch.zeros(shape, dtype=self.cfg.dtype, device=self.device))
                           for _ in range(self.cfg.num_layers)]
-        if self.cpu_decode:  # built (or taken from the cache) now rather than on the first request
+        if self.compiled_kernels:  # built (or taken from the cache) now rather than on the first request
             attn = self.model.layers[0].self_attn
-            load_kernel(self.cfg.head_dim, attn.num_heads // attn.num_kv_heads, attn.num_kv_heads, block_size)
+            self.decode_kernel = decode_kernel(self.cfg.dtype, self.cfg.head_dim, attn.num_heads // attn.num_kv_heads,
+                                               attn.num_kv_heads, block_size)
 
     def _tensors(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         dev = self.device
@@ -130,8 +132,8 @@ class ModelRunner:
             query_start_loc=torch.tensor(step.query_start_loc, dtype=torch.int32, device=dev),
             seq_lens=torch.tensor(step.seq_lens, dtype=torch.int32, device=dev),
         )
-        if self.cpu_decode:
-            meta.decode_plan = plan_decode(meta.block_table, meta.seq_lens, step.query_start_loc)
+        if self.compiled_kernels:
+            meta.decode_plan = plan_decode(meta.block_table, meta.seq_lens, step.query_start_loc, self.decode_kernel)
         return (torch.tensor(step.input_ids, dtype=torch.int64, device=dev),
                 torch.tensor(step.positions, dtype=torch.int64, device=dev), meta,
                 torch.tensor(step.logits_indices, dtype=torch.int64, device=dev))
