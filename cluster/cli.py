@@ -47,6 +47,11 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--metrics-export-port", type=_port, default=8080,
                        help="port of the local Ray's metrics agent, where Prometheus scrapes the ray_pagefleet_* "
                             "series (a cluster joined with --address keeps its own)")
+    serve.add_argument("--ray-control-priority", choices=("idle", "normal"), default="idle",
+                       help="CPU priority of the local Ray's control processes (GCS, agents, log monitor, "
+                            "Serve controller, global scheduler): idle (Linux SCHED_IDLE: they run on cores "
+                            "nothing else wants, never preempting the engine or the request path) or normal "
+                            "(as Ray starts them). A cluster joined with --address is left as it is")
 
     demo = sub.add_parser("demo-model", help="write a random-weight checkpoint with a locally trained tokenizer")
     demo.set_defaults(command="demo-model", run=_demo_model)
@@ -84,7 +89,8 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     from pagefleet.cluster.launch import run_server
 
-    return run_server(opts, address=args.address, metrics_export_port=args.metrics_export_port)
+    return run_server(opts, address=args.address, metrics_export_port=args.metrics_export_port,
+                      idle_control_plane=args.ray_control_priority == "idle")
 
 
 def _demo_model(args: argparse.Namespace) -> int:

