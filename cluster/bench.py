@@ -47,25 +47,29 @@ async def _main(args: BenchArgs) -> int:
     base = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     timeout = aiohttp.ClientTimeout(total=args.timeout)
+    if args.model:
+        model = args.model
+    else:  # its own connection: building the prompts below takes seconds, longer than many servers
+        async with aiohttp.ClientSession(timeout=timeout) as probe:  # keep an idle one (uvicorn: 5 s)
+            model = await _first_model(probe, base, headers)
+    tokenizer_id = args.tokenizer or _local_dir(model) or _local_dir(demo_cache_root() / model)
+    if tokenizer_id is None:
+        raise ValueError("no tokenizer: pass --tokenizer DIR (a local tokenizer; nothing is downloaded)")
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_id)
+    requests = _dataset(args, tokenizer)
+    extra = {}
+    if args.ignore_eos or args.dataset == "random":
+        extra["ignore_eos"] = True
+    if args.temperature is not None:
+        extra["temperature"] = args.temperature
+    endpoint = Endpoint(base + args.endpoint, model, args.endpoint.endswith("chat/completions"), headers, extra)
+    print(f"pagefleet bench: {len(requests)} requests of {args.dataset} to {endpoint.url} (model {model}); "
+          f"request rate {args.request_rate}, burstiness {args.burstiness}, max concurrency "
+          f"{args.max_concurrency}", flush=True)
     connector = aiohttp.TCPConnector(limit=args.max_concurrency or 0, keepalive_timeout=60)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
-        model = args.model or await _first_model(session, base, headers)
-        tokenizer_id = args.tokenizer or _local_dir(model) or _local_dir(demo_cache_root() / model)
-        if tokenizer_id is None:
-            raise ValueError("no tokenizer: pass --tokenizer DIR (a local tokenizer; nothing is downloaded)")
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer_id)
-        requests = _dataset(args, tokenizer)
-        extra = {}
-        if args.ignore_eos or args.dataset == "random":
-            extra["ignore_eos"] = True
-        if args.temperature is not None:
-            extra["temperature"] = args.temperature
-        endpoint = Endpoint(base + args.endpoint, model, args.endpoint.endswith("chat/completions"), headers, extra)
-        print(f"pagefleet bench: {len(requests)} requests of {args.dataset} to {endpoint.url} (model {model}); "
-              f"request rate {args.request_rate}, burstiness {args.burstiness}, max concurrency "
-              f"{args.max_concurrency}", flush=True)
         results, duration = await run_requests(session, endpoint, requests, args.request_rate, args.burstiness,
                                                 args.max_concurrency, args.seed, tokenizer, not args.disable_tqdm)
     metrics = compute_metrics(results, duration, percentiles, slos)

@@ -9,6 +9,9 @@ shares on Linux), so a test compares a client's figures with the truth, not with
 Scripted failures: request number ``--http-error-on`` (0-based) answers HTTP 500, and
 ``--cut-on`` breaks its stream after two chunks without finishing.
 
+``--keepalive-s`` closes a kept-alive connection idle that long (uvicorn, which ``vllm serve``
+runs, closes them after 5 s).
+
 Run: ``python scripted_openai_server.py --port 0 --log FILE``; it prints ``PORT <n>`` once
 listening on 127.0.0.1.
 """
@@ -90,7 +93,7 @@ async def _send(resp: web.StreamResponse, event: dict) -> None:
 
 
 async def serve(args: argparse.Namespace) -> None:
-    runner = web.AppRunner(build_app(args))
+    runner = web.AppRunner(build_app(args), keepalive_timeout=args.keepalive_s)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", args.port)
     await site.start()
@@ -108,6 +111,7 @@ def main() -> None:
                                                        "a server serving one names it)")
     parser.add_argument("--http-error-on", type=int, default=-1)
     parser.add_argument("--cut-on", type=int, default=-1)
+    parser.add_argument("--keepalive-s", type=float, default=75.0)
     asyncio.run(serve(parser.parse_args()))
 
 

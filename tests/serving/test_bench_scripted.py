@@ -8,6 +8,7 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -115,6 +116,27 @@ def test_server_errors_mid_run_are_failed_requests(scripted_server, capsys, tmp_
     assert errors[1].startswith("ClientPayloadError")
     assert f"Error 0: {errors[0]}" in out and f"Error 1: {errors[1]}" in out
     assert saved["output_lens"][2] == 0 and saved["output_lens"][5] == 0
+
+
+def test_a_server_closing_idle_connections_loses_no_request(scripted_server, capsys, tmp_path, monkeypatch):
+    """The model is looked up before the prompts are built, which takes seconds with a real
+    tokenizer (blocking the event loop); a server that closes idle kept-alive connections
+    meanwhile (uvicorn, under `vllm serve`, after 5 s) must not cost the run's first request
+    ("Can not write request body" on the dead connection)."""
+    from pagefleet.cluster import bench as bench_module
+
+    real = bench_module._dataset
+
+    def slow_dataset(*args, **kwargs):
+        time.sleep(0.8)  # as tokenizing thousands of prompts does, the loop blocked
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(bench_module, "_dataset", slow_dataset)
+    base, _ = scripted_server("--ttft-ms", "5", "--itl-ms", "1", "--keepalive-s", "0.2")
+    code, out, saved = bench(capsys, base, tmp_path / "r.json", "--num-prompts", "4", "--max-concurrency", "1",
+                             "--random-input-len", "8", "--random-output-len", "3")
+    assert [e for e in saved["errors"] if e] == []
+    assert (code, saved["completed"], saved["failed"]) == (0, 4, 0)
 
 
 def test_bad_flags_and_unreachable_servers_are_clear_errors(capsys, tmp_path, tokenizer_dir):
