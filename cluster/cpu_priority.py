@@ -4,8 +4,8 @@ A served CPU engine computes at the lowest niceness (``worker.cpu_threads``), so
 request path (HAProxy, the ingress, the worker replica's event loop) takes a core the moment it
 has work. But Ray's own processes wake all the time with nothing to do for a request: the GCS,
 the dashboard and runtime-env agents, the log monitor, Serve's controller (its control loop
-runs ten times a second), the global scheduler actor. About 200 ms of
-CPU a second on an idle one-worker app, at niceness 0 or 15, each wake-up preempting an engine
+runs ten times a second), the global scheduler actor. About 200 ms of CPU a second on an idle
+one-worker app, at niceness 0 or 15, each wake-up preempting an engine
 thread; with two OpenMP threads on two cores the step then waits at its barrier for the thread
 that was preempted. Measured on 2 cores (engine alone at niceness 19 beside an idle app, 256
 prompt tokens, 64 out): TPOT 23.3 ms with those processes as Ray starts them, 16.9 ms with them
@@ -99,7 +99,8 @@ def set_idle_priority(pid: int) -> int:
 
 def idle_control_plane(root: int | None = None) -> list[int]:
     """Move the control plane of the cluster this process (or ``root``) started to idle priority.
-    Returns the pids moved; logs and moves nothing where Linux's ``SCHED_IDLE`` is not there."""
+    Returns the pids moved: none where Linux's ``SCHED_IDLE`` is not there; a process that
+    refuses is logged and skipped."""
     if not hasattr(os, "SCHED_IDLE"):
         return []
     moved = []
