@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import os
 
+from pagefleet.cluster.cpu_priority import descendants
+
 HZ = os.sysconf("SC_CLK_TCK")
 # (cmdline fragment, role): the first that matches names the process. "proxy" is what holds the
 # HTTP port: Serve's Python proxy actor, or HAProxy and the actor that manages it.
@@ -18,18 +20,6 @@ def _cpu_s(stat_path: str) -> float:
     text = open(stat_path).read()
     fields = text[text.rindex(")") + 2:].split()
     return (int(fields[11]) + int(fields[12])) / HZ  # utime + stime
-
-
-def _children() -> dict[int, list[int]]:
-    out: dict[int, list[int]] = {}
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                text = open(f"/proc/{name}/stat").read()
-            except OSError:
-                continue
-            out.setdefault(int(text[text.rindex(")") + 2:].split()[1]), []).append(int(name))
-    return out
 
 
 def role_of(pid: int | str, roles=ROLES, default: str | None = "other") -> str | None:
@@ -45,10 +35,8 @@ def tree_cpu_s(root: int) -> dict[str, float]:
     """CPU seconds so far of ``root`` and its descendants, summed by role. Everything unnamed
     (Ray's GCS, raylet, dashboard, the CLI itself, vLLM's processes) is ``other``. (Python
     does not name OS threads, so the engine thread is not told apart from its replica.)"""
-    children, totals, stack = _children(), {}, [root]
-    while stack:
-        pid = stack.pop()
-        stack.extend(children.get(pid, []))
+    totals: dict[str, float] = {}
+    for pid in [root, *descendants(root)]:
         try:
             role = role_of(pid)
             totals[role] = totals.get(role, 0.0) + _cpu_s(f"/proc/{pid}/stat")

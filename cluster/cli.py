@@ -90,7 +90,7 @@ def _serve(args: argparse.Namespace) -> int:
     from pagefleet.cluster.launch import run_server
 
     return run_server(opts, address=args.address, metrics_export_port=args.metrics_export_port,
-                      idle_control_plane=args.ray_control_priority == "idle")
+                      ray_control_priority=args.ray_control_priority)
 
 
 def _demo_model(args: argparse.Namespace) -> int:

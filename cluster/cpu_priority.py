@@ -47,7 +47,7 @@ def _argv(pid: int) -> list[str]:
         return f.read().decode(errors="replace").split("\0")
 
 
-def _descendants(root: int) -> list[int]:
+def descendants(root: int) -> list[int]:
     """Every process below ``root`` (not ``root`` itself), from /proc."""
     children: dict[int, list[int]] = {}
     for name in os.listdir("/proc"):
@@ -69,7 +69,7 @@ def _descendants(root: int) -> list[int]:
 def control_plane_processes(root: int) -> list[int]:
     """The processes below ``root`` (the driver that started the cluster) that go to idle priority."""
     pids = []
-    for pid in _descendants(root):
+    for pid in descendants(root):
         try:
             argv = _argv(pid)
         except OSError:  # exited meanwhile

@@ -16,6 +16,7 @@ import sys
 import time
 
 from pagefleet.cluster.config import API_KEY_ENV, ServeOptions
+from pagefleet.cluster.cpu_priority import idle_control_plane
 from pagefleet.cluster.ray_join import join_error, running_serve_http, serve_conflict
 from pagefleet.cluster.serve_env import LOCAL_QUIET_ENV, fast_path_env, raylet_env
 
@@ -31,9 +32,9 @@ def prepare_model(opts: ServeOptions) -> str:
 
 
 def run_server(opts: ServeOptions, *, address: str | None = None, metrics_export_port: int = 8080,
-               idle_control_plane: bool = True) -> int:
+               ray_control_priority: str = "idle") -> int:
     """``address``: join that Ray cluster, else start a local one whose metrics agent serves
-    Prometheus on ``metrics_export_port`` and, with ``idle_control_plane``, whose control
+    Prometheus on ``metrics_export_port`` and, with ``ray_control_priority`` "idle", whose control
     processes run at idle CPU priority once the app is up (``cpu_priority``)."""
     started = time.monotonic()
     local = address is None
@@ -85,10 +86,8 @@ def run_server(opts: ServeOptions, *, address: str | None = None, metrics_export
     try:
         serve.start(http_options={"host": opts.serve.host, "port": opts.serve.port})
         serve.run(build_app(opts), name=APP_NAME, route_prefix="/")
-        if local and idle_control_plane:
-            from pagefleet.cluster.cpu_priority import idle_control_plane as lower
-
-            moved = lower()
+        if local and ray_control_priority == "idle":
+            moved = idle_control_plane()
             if moved:
                 print(f"pagefleet: {len(moved)} Ray control processes (GCS, agents, log monitor, Serve controller, "
                       f"global scheduler) run at idle CPU priority", flush=True)

@@ -167,10 +167,11 @@ class DecodePlan:
     lens: list[int]
 
 
-def plan_decode(block_table: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: list[int],
+def plan_decode(block_table: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: list[int], lens: list[int],
                 kernel: Callable[..., None]) -> DecodePlan | None:
     """The step's decode rows, or None if it has none. block_table: [B_all, W] int32; seq_lens:
-    [B_all] int32; query_start_loc: B_all + 1 ints; kernel: decode_kernel()."""
+    [B_all] int32; query_start_loc: B_all + 1 ints; lens: seq_lens as the step's list (the twin's
+    rows read it); kernel: decode_kernel()."""
     q_lens = [query_start_loc[b + 1] - query_start_loc[b] for b in range(len(query_start_loc) - 1)]
     multi = [b for b, n in enumerate(q_lens) if n != 1]
     if not multi:
@@ -180,7 +181,7 @@ def plan_decode(block_table: torch.Tensor, seq_lens: torch.Tensor, query_start_l
         return None
     index = torch.tensor(decode)
     return DecodePlan(kernel, torch.tensor([query_start_loc[b] for b in decode]), block_table.index_select(0, index),
-                      seq_lens.index_select(0, index), multi, query_start_loc, seq_lens.tolist())
+                      seq_lens.index_select(0, index), multi, query_start_loc, lens)
 
 
 def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, plan: DecodePlan,

@@ -48,7 +48,8 @@ def _check(batch, query=None):
     num_heads, head_dim = batch.query.shape[1:]
     block_size, num_kv_heads = batch.key_cache.shape[1:3]
     kernel = cpu.decode_kernel(batch.query.dtype, head_dim, num_heads // num_kv_heads, num_kv_heads, block_size)
-    plan = cpu.plan_decode(batch.block_table, batch.seq_lens, batch.query_start_loc.tolist(), kernel)
+    plan = cpu.plan_decode(batch.block_table, batch.seq_lens, batch.query_start_loc.tolist(), batch.seq_lens.tolist(),
+                           kernel)
     with torch.inference_mode():  # as the engine calls it
         got = cpu.paged_attention(*args, scale, plan)
     want = reference.paged_attention(*(t.float() if t.is_floating_point() else t for t in args), scale)
@@ -91,7 +92,7 @@ def test_plan_splits_decode_rows_from_the_rest():
 
 def test_no_decode_rows_is_no_plan():
     batch = _batch([(5, 5), (3, 20)], 64, seed=3)
-    assert cpu.plan_decode(batch.block_table, batch.seq_lens, [0, 5, 8], kernel=None) is None
+    assert cpu.plan_decode(batch.block_table, batch.seq_lens, [0, 5, 8], [5, 20], kernel=None) is None
 
 
 def test_shared_prefix_blocks_and_wide_tables():

@@ -133,7 +133,8 @@ class ModelRunner:
             seq_lens=torch.tensor(step.seq_lens, dtype=torch.int32, device=dev),
         )
         if self.compiled_kernels:
-            meta.decode_plan = plan_decode(meta.block_table, meta.seq_lens, step.query_start_loc, self.decode_kernel)
+            meta.decode_plan = plan_decode(meta.block_table, meta.seq_lens, step.query_start_loc, step.seq_lens,
+                                           self.decode_kernel)
         return (torch.tensor(step.input_ids, dtype=torch.int64, device=dev),
                 torch.tensor(step.positions, dtype=torch.int64, device=dev), meta,
                 torch.tensor(step.logits_indices, dtype=torch.int64, device=dev))

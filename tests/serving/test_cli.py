@@ -94,10 +94,10 @@ def test_ray_control_priority_is_a_ray_bring_up_flag_idle_by_default(monkeypatch
     from pagefleet.cluster import launch
 
     seen = []
-    monkeypatch.setattr(launch, "run_server", lambda opts, **kw: seen.append(kw["idle_control_plane"]) or 0)
+    monkeypatch.setattr(launch, "run_server", lambda opts, **kw: seen.append(kw["ray_control_priority"]) or 0)
     assert main(["serve", "--model", "/ckpt"]) == 0
     assert main(["serve", "--model", "/ckpt", "--ray-control-priority", "normal"]) == 0
-    assert seen == [True, False]
+    assert seen == ["idle", "normal"]
     with pytest.raises(SystemExit):
         _parser().parse_args(["serve", "--ray-control-priority", "high"])
 
