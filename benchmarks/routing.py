@@ -11,6 +11,13 @@ tenants do not fit on one worker at once. The model is the tiny demo checkpoint
 shows what a prefix hit saves); ``--size small`` runs the 512 x 8 Llama (vocab
 32000) instead, with the same pools in blocks.
 
+The local Ray cluster is started the way `pagefleet serve` starts its own
+(``launch.start_local_ray``: HAProxy in front when its binary is installed,
+Ray's quieter control loops, and Ray's control processes moved to idle CPU
+priority once each app is up), so the figures are those of the server users run.
+Summary lines without ``http_front`` came from a plain ``ray.init`` (Serve's
+Python proxy, Ray's defaults).
+
 Per policy, on a fresh app (fresh caches) on one local Ray cluster:
   normal    Poisson arrivals at ``--load`` x capacity for ``--normal-s``
   overload  Poisson arrivals at 3 x capacity for ``--overload-s``
@@ -249,6 +256,8 @@ def deploy(policy: str, ckpt: Path, args: argparse.Namespace) -> str:
 
     from pagefleet.cluster.app import build_app
 
+    from pagefleet.cluster.cpu_priority import idle_control_plane
+
     app = f"bench-{policy}"
     serve.run(build_app({
         "model": str(ckpt), "workers": WORKERS, "worker_num_cpus": 0.5, "ingress_num_cpus": 0.5,
@@ -256,6 +265,7 @@ def deploy(policy: str, ckpt: Path, args: argparse.Namespace) -> str:
         "admission_queue_size": args.admission_queue, "admission_max_wait_s": args.admission_wait_s,
         "routing_max_staleness_s": args.routing_max_staleness_s}),
         name=app, route_prefix=f"/{policy}")
+    idle_control_plane()  # as `pagefleet serve` does (this app's global scheduler is a new process)
     return app
 
 
@@ -327,12 +337,15 @@ def main() -> None:
     from ray import serve
 
     from pagefleet.cluster.demo_model import write_demo_checkpoint
+    from pagefleet.cluster.launch import start_local_ray
     from pagefleet.router.scheduler_actor import stop_scheduler
 
     ckpt = write_demo_checkpoint(Path(tempfile.mkdtemp(prefix="pf-routing-")) / f"demo-{args.size}-llama",
                                  size=args.size)
-    port = free_port()
-    ray.init(num_cpus=16, include_dashboard=False, log_to_driver=False)
+    # The cluster `pagefleet serve` runs: HAProxy in front, Ray's quieter control loops, and its
+    # control processes at idle CPU priority once each app is up.
+    fast_path = start_local_ray(num_cpus=16, log_to_driver=False)
+    port = free_port()  # after Ray's own processes took theirs (they bind ports the kernel picks)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     capacity = args.capacity
     lines = []
@@ -374,6 +387,7 @@ def main() -> None:
                                                   "load": args.load, "seed": args.seed, "model": args.size},
                "admission": {"queue": args.admission_queue, "max_wait_s": args.admission_wait_s},
                "routing_max_staleness_s": args.routing_max_staleness_s,
+               "http_front": "haproxy" if fast_path else "python_proxy",
                "machine": machine()}
     kv, rr = by.get("kv"), by.get("round_robin")
     if kv and rr:

@@ -57,12 +57,9 @@ def run_server(opts: ServeOptions, *, address: str | None = None, metrics_export
         # Logical CPUs: replicas reserve Ray CPUs, not cores, so a small machine still fits
         # every replica (they share the cores).
         num_cpus = max(os.cpu_count() or 1, math.ceil(opts.logical_cpus_needed()) + 1)
-        # A known metrics export port: Prometheus scrapes this node's Ray metrics agent there.
-        # Serve's high-throughput path (HAProxy in front, direct ingress) for every Ray process.
-        fast_env = fast_path_env()
-        with raylet_env({**fast_env, **LOCAL_QUIET_ENV}):
-            ray.init(num_cpus=num_cpus, include_dashboard=False, _metrics_export_port=metrics_export_port)
+        fast_path = start_local_ray(num_cpus, metrics_export_port)
     else:
+        fast_path = False  # the cluster's own configuration (deploy/) decides
         print(f"pagefleet: joining the Ray cluster at {address}", flush=True)
         try:
             ray.init(address=address)
@@ -91,7 +88,7 @@ def run_server(opts: ServeOptions, *, address: str | None = None, metrics_export
             if moved:
                 print(f"pagefleet: {len(moved)} Ray control processes (GCS, agents, log monitor, Serve controller, "
                       f"global scheduler) run at idle CPU priority", flush=True)
-        front = None if not local else HAPROXY_FRONT if fast_env else PYTHON_PROXY_FRONT
+        front = None if not local else HAPROXY_FRONT if fast_path else PYTHON_PROXY_FRONT
         print(banner(opts, model_name, time.monotonic() - started, local, metrics_targets(),
                      started_serve=running is None, front=front), flush=True)
         while True:
@@ -106,6 +103,22 @@ def run_server(opts: ServeOptions, *, address: str | None = None, metrics_export
         stop_scheduler()  # detached: it would outlive the app on a joined cluster
         ray.shutdown()
     return 0
+
+
+def start_local_ray(num_cpus: int, metrics_export_port: int | None = None, log_to_driver: bool = True) -> bool:
+    """Start the one-node Ray cluster ``pagefleet serve`` runs on (benchmarks start theirs here too,
+    so that they measure what users run): Serve's high-throughput path (HAProxy in front, direct
+    ingress) when an HAProxy binary is found, and the quieter control loops of ``LOCAL_QUIET_ENV``,
+    for every Ray process. ``metrics_export_port``: where this node's Ray metrics agent serves
+    Prometheus (None: Ray picks). Returns whether the high-throughput path is on. Call
+    ``cpu_priority.idle_control_plane`` once the app is up."""
+    import ray
+
+    fast_env = fast_path_env()
+    with raylet_env({**fast_env, **LOCAL_QUIET_ENV}):
+        ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=log_to_driver,
+                 **({} if metrics_export_port is None else {"_metrics_export_port": metrics_export_port}))
+    return bool(fast_env)
 
 
 def metrics_targets() -> list[str]:
