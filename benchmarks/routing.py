@@ -32,8 +32,9 @@ polls).
 One JSON line per policy: prefix hit rate from the workers' own counters
 (normal phase) and the hit rate an oracle would get on the same requests (every
 tenant's prefix cached after its first request), TTFT p50/p99 and output
-tokens/s (normal phase), preemptions, 429s and their latency, timeouts (each
-phase), time to choose a replica p50/p99 and fallbacks (kv: the ingress's
+tokens/s (normal phase), preemptions, 429s and their latency (all of them, and
+those refused on arrival: the rest waited out admission's maximum wait first),
+timeouts (each phase), time to choose a replica p50/p99 and fallbacks (kv: the ingress's
 decisions with its copy of the view, and the requests routed while the copy was
 stale or empty; the other policies choose inside Serve's router), then a summary line with the ratios the issue asks for and the
 machine (load average included: on a shared machine it says how much of the
@@ -71,6 +72,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads, here 
 import aiohttp  # noqa: E402
 from _machine import machine_with_load as machine  # noqa: E402
 
+from pagefleet.router.admission import WAITED_OUT  # noqa: E402  (how a 429 after waiting reads)
+
 POLICIES = ("round_robin", "kv", "least_loaded", "pow2", "prefix")
 TENANTS = 16
 SYSTEM_TOKENS = 512
@@ -86,6 +89,7 @@ VOCAB = (5, 999)  # the demo tokenizer's ids, special ones excluded
 class Result:
     tenant: int
     kind: str = "ok"  # ok | 429 | timeout | error
+    waited: bool = False  # a 429 after waiting out admission's maximum wait (not refused on arrival)
     status: int = 0
     ttft_s: float | None = None
     latency_s: float = 0.0
@@ -149,8 +153,9 @@ async def one_request(http: aiohttp.ClientSession, base: str, model: str, tenant
             async with http.post(f"{base}/v1/completions", json=body) as r:
                 result.status = r.status
                 if r.status != 200:
-                    await r.read()
+                    text = await r.text()
                     result.kind = "429" if r.status == 429 else "error"
+                    result.waited = WAITED_OUT in text
                 else:
                     async for raw in r.content:  # one SSE line at a time
                         line = raw.decode().rstrip("\r\n")
@@ -276,6 +281,7 @@ def summarize(policy: str, normal: Phase, overload: Phase, oracle: float, routin
 
     ok = [r for r in normal.results if r.kind == "ok"]
     over_429 = [r.latency_s for r in overload.results if r.kind == "429"]
+    on_arrival = [r.latency_s for r in overload.results if r.kind == "429" and not r.waited]
     line = {
         "policy": policy,
         "requests": {"normal": len(normal.results), "overload": len(overload.results)},
@@ -290,6 +296,10 @@ def summarize(policy: str, normal: Phase, overload: Phase, oracle: float, routin
         "overload_429s": len(over_429),
         "overload_429_ms": {"p50": ms(pct(over_429, 0.5)), "p99": ms(pct(over_429, 0.99)),
                             "max": ms(max(over_429)) if over_429 else None},
+        # Refused without waiting (queue full, or too long a wait ahead): what "answered at once" means.
+        "overload_429_on_arrival_ms": {"n": len(on_arrival), "p50": ms(pct(on_arrival, 0.5)),
+                                       "p99": ms(pct(on_arrival, 0.99)),
+                                       "max": ms(max(on_arrival)) if on_arrival else None},
         "overload_timeouts": sum(r.kind == "timeout" for r in overload.results),
         "overload_errors": sum(r.kind == "error" for r in overload.results),
         "choose_ms": None, "fallbacks": None,

@@ -26,6 +26,10 @@ from typing import Awaitable, Callable, TypeVar
 
 T = TypeVar("T")
 
+# How the message of a request refused after waiting out its time begins (clients and benchmarks
+# tell it from a refusal on arrival by it).
+WAITED_OUT = "no worker had room for this request within"
+
 
 class AdmissionRejected(Exception):
     def __init__(self, message: str, reason: str, retry_after_s: int) -> None:
@@ -131,8 +135,8 @@ class AdmissionQueue:
                     break
                 await asyncio.sleep(min(self.retry_s, left))
             self.counters.rejected_waited_too_long += 1
-            raise AdmissionRejected(f"no worker had room for this request within {self.max_wait_s:g} s; "
-                                    "retry later", "waited_too_long", self.retry_after_s)
+            raise AdmissionRejected(f"{WAITED_OUT} {self.max_wait_s:g} s; retry later", "waited_too_long",
+                                    self.retry_after_s)
         finally:
             waited = self.clock() - started
             self.counters.wait_s_total += waited
