@@ -13,8 +13,8 @@ shows what a prefix hit saves); ``--size small`` runs the 512 x 8 Llama (vocab
 
 The local Ray cluster is started the way `pagefleet serve` starts its own
 (``launch.start_local_ray``: HAProxy in front when its binary is installed,
-Ray's quieter control loops, and Ray's control processes moved to idle CPU
-priority once each app is up), so the figures are those of the server users run.
+Ray's quieter control loops, token authentication, and Ray's control processes
+moved to idle CPU priority once each app is up), so the figures are those of the server users run.
 Summary lines without ``http_front`` came from a plain ``ray.init`` (Serve's
 Python proxy, Ray's defaults).
 
@@ -68,6 +68,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads, here and in the replicas
+os.environ.setdefault("RAY_AUTH_MODE", "token")  # as `pagefleet serve` runs its local Ray (read at `import ray`)
 
 import aiohttp  # noqa: E402
 from _machine import machine_with_load as machine  # noqa: E402
@@ -89,11 +90,11 @@ VOCAB = (5, 999)  # the demo tokenizer's ids, special ones excluded
 class Result:
     tenant: int
     kind: str = "ok"  # ok | 429 | timeout | error
-    waited: bool = False  # a 429 after waiting out admission's maximum wait (not refused on arrival)
     status: int = 0
     ttft_s: float | None = None
     latency_s: float = 0.0
     output_tokens: int = 0
+    waited: bool = False  # a 429 after waiting out admission's maximum wait (not refused on arrival)
 
 
 @dataclass
@@ -115,6 +116,10 @@ def pct(values: list[float], q: float) -> float | None:
         return None
     values = sorted(values)
     return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def spread_ms(values: list[float]) -> dict:
+    return {"p50": ms(pct(values, 0.5)), "p99": ms(pct(values, 0.99)), "max": ms(max(values)) if values else None}
 
 
 def ms(v: float | None) -> float | None:
@@ -294,12 +299,10 @@ def summarize(policy: str, normal: Phase, overload: Phase, oracle: float, routin
         "preemptions": {"normal": delta(normal, "preemptions"), "overload": delta(overload, "preemptions")},
         "overload_ok": sum(r.kind == "ok" for r in overload.results),
         "overload_429s": len(over_429),
-        "overload_429_ms": {"p50": ms(pct(over_429, 0.5)), "p99": ms(pct(over_429, 0.99)),
-                            "max": ms(max(over_429)) if over_429 else None},
-        # Refused without waiting (queue full, or too long a wait ahead): what "answered at once" means.
-        "overload_429_on_arrival_ms": {"n": len(on_arrival), "p50": ms(pct(on_arrival, 0.5)),
-                                       "p99": ms(pct(on_arrival, 0.99)),
-                                       "max": ms(max(on_arrival)) if on_arrival else None},
+        "overload_429_ms": spread_ms(over_429),
+        # Not after waiting out admission's maximum wait (queue full, too long a wait ahead, or a
+        # worker's own full queue): what "answered at once" means.
+        "overload_429_on_arrival_ms": {"n": len(on_arrival), **spread_ms(on_arrival)},
         "overload_timeouts": sum(r.kind == "timeout" for r in overload.results),
         "overload_errors": sum(r.kind == "error" for r in overload.results),
         "choose_ms": None, "fallbacks": None,
