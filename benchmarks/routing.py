@@ -60,7 +60,6 @@ import asyncio
 import json
 import os
 import random
-import socket
 import sys
 import tempfile
 import time
@@ -103,12 +102,6 @@ class Phase:
     wall_s: float = 0.0
     counters_before: dict = field(default_factory=dict)
     counters_after: dict = field(default_factory=dict)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def pct(values: list[float], q: float) -> float | None:
@@ -351,6 +344,7 @@ def main() -> None:
 
     from pagefleet.cluster.demo_model import write_demo_checkpoint
     from pagefleet.cluster.launch import start_local_ray
+    from pagefleet.cluster.serve_env import free_ports
     from pagefleet.router.scheduler_actor import stop_scheduler
 
     ckpt = write_demo_checkpoint(Path(tempfile.mkdtemp(prefix="pf-routing-")) / f"demo-{args.size}-llama",
@@ -358,7 +352,7 @@ def main() -> None:
     # The cluster `pagefleet serve` runs: HAProxy in front, Ray's quieter control loops, and its
     # control processes at idle CPU priority once each app is up.
     fast_path = start_local_ray(num_cpus=16, log_to_driver=False)
-    port = free_port()  # after Ray's own processes took theirs (they bind ports the kernel picks)
+    port = free_ports(1)[0]  # outside the range Ray's own processes get theirs from
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     capacity = args.capacity
     lines = []

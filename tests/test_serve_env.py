@@ -7,6 +7,7 @@ import socket
 import stat
 
 import pytest
+from pagefleet.cluster import serve_env
 from pagefleet.cluster.config import ServeOptions
 from pagefleet.cluster.launch import HAPROXY_FRONT, PYTHON_PROXY_FRONT, banner
 from pagefleet.cluster.serve_env import (FAST_PATH_ENV, LOCAL_MIN_DRAINING_PERIOD_S, LOCAL_QUIET_ENV, SIDE_PORTS,
@@ -49,6 +50,27 @@ def test_a_local_cluster_moves_serves_fixed_side_ports_to_free_ones(tmp_path, mo
         ports = [int(fast_path_env()[name]) for name in SIDE_PORTS]
         assert len(set(ports)) == 3 and held.getsockname()[1] not in ports
     for port in ports:  # free on every interface, where HAProxy binds them
+        with socket.socket() as s:
+            s.bind(("", port))
+
+
+@pytest.mark.skipif(platform.system() != "Linux", reason="reads Linux's ephemeral port range")
+def test_free_ports_are_outside_the_range_ray_gets_its_ports_from(monkeypatch):
+    low, high = serve_env.ephemeral_port_range()
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        assert (low, high) == tuple(map(int, f.read().split()))
+    assert low > serve_env.QUIET_PORTS_START  # this machine has a quiet range (Linux's default)
+    ports = serve_env.free_ports(5)
+    assert len(set(ports)) == 5
+    assert all(serve_env.QUIET_PORTS_START <= p < low for p in ports), ports
+    for port in ports:  # free on every interface once chosen
+        with socket.socket() as s:
+            s.bind(("", port))
+    # No quiet range: the kernel's own choice, still distinct and free.
+    monkeypatch.setattr(serve_env, "ephemeral_port_range", lambda: (1024, 65535))
+    ports = serve_env.free_ports(3)
+    assert len(set(ports)) == 3
+    for port in ports:
         with socket.socket() as s:
             s.bind(("", port))
 
