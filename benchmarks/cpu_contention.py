@@ -57,17 +57,25 @@ def sample() -> dict[tuple[str, str], tuple[str, float, float, int]]:
     return out
 
 
-def per_role(before: dict, after: dict, seconds: float) -> dict[str, dict]:
+def role_deltas(before: dict, after: dict) -> dict[str, dict]:
+    """Per role, between two samples: ms on a CPU and ms waiting on a run queue summed over its
+    threads, the largest single thread's wait, and the threads' niceness values."""
     roles: dict[str, dict] = {}
     for key, (r, run, wait, nice) in after.items():
         _, run0, wait0, _ = before.get(key, (r, 0.0, 0.0, nice))  # a thread born since: its whole life
-        row = roles.setdefault(r, {"cpu_ms_per_s": 0.0, "wait_ms_per_s": 0.0, "max_thread_wait_ms_per_s": 0.0,
-                                   "nice": set()})
-        row["cpu_ms_per_s"] += (run - run0) / seconds
-        row["wait_ms_per_s"] += (wait - wait0) / seconds
-        row["max_thread_wait_ms_per_s"] = max(row["max_thread_wait_ms_per_s"], (wait - wait0) / seconds)
+        row = roles.setdefault(r, {"cpu_ms": 0.0, "wait_ms": 0.0, "max_thread_wait_ms": 0.0, "nice": set()})
+        row["cpu_ms"] += run - run0
+        row["wait_ms"] += wait - wait0
+        row["max_thread_wait_ms"] = max(row["max_thread_wait_ms"], wait - wait0)
         row["nice"].add(nice)
-    return {r: {k: sorted(v) if k == "nice" else round(v, 1) for k, v in row.items()} for r, row in sorted(roles.items())}
+    return dict(sorted(roles.items()))
+
+
+def per_role(before: dict, after: dict, seconds: float) -> dict[str, dict]:
+    """``role_deltas`` per second of ``seconds``."""
+    return {r: {"cpu_ms_per_s": round(row["cpu_ms"] / seconds, 1), "wait_ms_per_s": round(row["wait_ms"] / seconds, 1),
+                "max_thread_wait_ms_per_s": round(row["max_thread_wait_ms"] / seconds, 1), "nice": sorted(row["nice"])}
+            for r, row in role_deltas(before, after).items()}
 
 
 def main() -> None:

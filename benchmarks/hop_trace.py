@@ -18,6 +18,13 @@ request in); engine_first_token (the step that made its first token returned); w
 (on the delta channel); ingress_channel_recv (the ingress read it off the channel);
 ingress_first_delta; ingress_first_chunk (about to become an SSE event); client_first_chunk.
 Then the last token: engine_finished and client_done.
+
+Beside the hops, per process role (``cpu_contention``: worker, ingress, proxy, scheduler,
+controller, GCS, raylet), the median over requests of the CPU ms its threads used and the ms
+they waited on a run queue while one request was in flight (``cpu_per_request_ms``), and the
+same over windows of the same length with no request (``cpu_per_idle_window_ms``). On a small
+machine a served engine's threads computing at the lowest priority lose what the serving
+threads take during its steps: the worker's wait and the others' CPU say how much. Linux only.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ from pathlib import Path
 import httpx
 
 from _machine import machine
+from cpu_contention import role_deltas, sample
 from serving import BIN, Server, checkpoint, free_port
 
 HOPS = ("client_sent", "ingress_http", "ingress_prepared", "ingress_routed", "ingress_sent", "worker_generate",
@@ -77,6 +85,14 @@ def summarize(client_times: list[dict], trace: Path) -> dict:
     return {"requests": len(rows), "hops": out}
 
 
+def cpu_medians(windows: list[dict]) -> dict:
+    """Per process role, the median over windows of its CPU ms and run-queue wait ms (summed over
+    its threads) and its worst thread's wait."""
+    roles = sorted({r for w in windows for r in w})
+    zero = {"cpu_ms": 0.0, "wait_ms": 0.0, "max_thread_wait_ms": 0.0}
+    return {r: {k: round(statistics.median(w.get(r, zero)[k] for w in windows), 1) for k in zero} for r in roles}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="checkpoint directory (default: the random-weight 512x8 Llama)")
@@ -100,13 +116,24 @@ def main() -> None:
             for _ in range(3):  # untimed: first requests are slow
                 stream_one(client, server.base, model, [rng.randrange(1000, 30000) for _ in range(args.input_len)],
                            args.output_len)
-            times = [stream_one(client, server.base, model,
-                                [rng.randrange(1000, 30000) for _ in range(args.input_len)], args.output_len)
-                     for _ in range(args.requests)]
+            times, busy, walls = [], [], []
+            for _ in range(args.requests):
+                prompt = [rng.randrange(1000, 30000) for _ in range(args.input_len)]
+                before, t0 = sample(), time.monotonic()
+                times.append(stream_one(client, server.base, model, prompt, args.output_len))
+                walls.append(time.monotonic() - t0)
+                busy.append(role_deltas(before, sample()))
+            idle = []  # the same windows with no request: what the processes spend anyway
+            for _ in range(args.requests):
+                before = sample()
+                time.sleep(statistics.median(walls))
+                idle.append(role_deltas(before, sample()))
     finally:
         server.stop()
     print(json.dumps({"benchmark": "hop_trace", "input_len": args.input_len, "output_len": args.output_len,
-                      **summarize(times, trace), "machine": machine()}))
+                      **summarize(times, trace), "request_wall_ms": round(1e3 * statistics.median(walls), 1),
+                      "cpu_per_request_ms": cpu_medians(busy), "cpu_per_idle_window_ms": cpu_medians(idle),
+                      "machine": machine()}))
     print(f"trace and server log: {workdir}", file=sys.stderr)
 
 

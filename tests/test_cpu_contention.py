@@ -25,6 +25,16 @@ def test_per_role_sums_threads_keeps_the_worst_thread_and_counts_a_new_threads_w
     }
 
 
+def test_role_deltas_are_the_raw_sums_per_role_behind_the_rates():
+    before = {("1", "1"): ("ingress", 100.0, 50.0, 15), ("2", "2"): ("worker", 0.0, 0.0, 19)}
+    after = {("1", "1"): ("ingress", 112.5, 53.0, 15), ("1", "4"): ("ingress", 2.0, 1.0, 15),
+             ("2", "2"): ("worker", 270.0, 33.0, 19)}
+    assert cpu_contention.role_deltas(before, after) == {
+        "ingress": {"cpu_ms": 14.5, "wait_ms": 4.0, "max_thread_wait_ms": 3.0, "nice": {15}},
+        "worker": {"cpu_ms": 270.0, "wait_ms": 33.0, "max_thread_wait_ms": 33.0, "nice": {19}},
+    }
+
+
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="Linux /proc only")
 def test_a_live_sample_sees_a_busy_thread_of_a_process_with_a_role(monkeypatch):
     me = str(os.getpid())
