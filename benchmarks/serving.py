@@ -34,7 +34,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -60,9 +59,10 @@ def num_prompts(concurrency: int) -> int:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port for a server this starts: outside the range Ray's processes get theirs from."""
+    from pagefleet.cluster.serve_env import free_ports
+
+    return free_ports(1)[0]
 
 
 def load() -> float:

@@ -6,18 +6,11 @@ from __future__ import annotations
 import json
 import os
 import platform
-import socket
 import time
 
 from pagefleet.worker.stats import ReplicaStats
 
 FIGURES_ENV = "PAGEFLEET_FIGURES"  # a file: each figure is appended to it as one JSON line
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def listeners() -> dict[int, str]:

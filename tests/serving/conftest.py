@@ -36,11 +36,10 @@ def client(service):
 
 
 def free_port() -> int:
-    import socket
+    """A port for the tests' servers: outside the range Ray's processes get theirs from."""
+    from pagefleet.cluster.serve_env import free_ports
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
 
 
 @pytest.fixture(scope="session")

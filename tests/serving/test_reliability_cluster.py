@@ -24,8 +24,8 @@ import pytest
 
 from pagefleet.cluster.bench_metrics import percentile
 
-from cluster_helpers import (free_port, listeners, record_figure, wait_until_running, worker_actors,
-                             worker_stats)
+from cluster_helpers import listeners, record_figure, wait_until_running, worker_actors, worker_stats
+from conftest import free_port
 
 APP = "pagefleet-rel"
 PREFIX = "/pf"
