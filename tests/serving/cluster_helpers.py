@@ -82,3 +82,62 @@ def record_figure(name: str, value, target: str | None = None, **detail) -> dict
         with open(path, "a") as f:
             f.write(json.dumps(line) + "\n")
     return line
+
+
+def serve_log_warnings(ray_temp_dir: str, per_file: int = 40, total: int = 150) -> list[str]:
+    """The WARNING and ERROR lines of Serve's logs (controller, proxy, replicas) in a Ray temp
+    dir, the last ``per_file`` of each file and ``total`` in all, each prefixed with its file."""
+    from pathlib import Path
+
+    lines = []
+    for path in sorted({p.resolve() for p in Path(ray_temp_dir).glob("session_*/logs/serve/*.log")}):
+        try:
+            text = path.read_text(errors="replace").splitlines()
+        except OSError:
+            continue
+        picked = [line for line in text if line.startswith(("WARNING", "ERROR", "CRITICAL"))]
+        lines += [f"{path.name}: {line[:400]}" for line in picked[-per_file:]]
+    return lines[-total:]
+
+
+def cpu_watch():
+    """Starts watching the cores; the function it returns tells, since then, the seconds passed,
+    the machine's busy share (``/proc/stat``), the CPU ms of processes it does not watch (servers
+    other tests left, neighbours; and threads that ended meanwhile), and per process role
+    (``benchmarks/cpu_contention``; this process's threads as "driver") the CPU ms and the ms
+    spent runnable but waiting for a core: what a timing failure on a shared machine is read
+    against."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import cpu_contention
+
+    def busy_total() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            ticks = [int(v) for v in f.readline().split()[1:]]
+        idle = ticks[3] + ticks[4]  # idle + iowait
+        return sum(ticks) - idle, sum(ticks)
+
+    def sample() -> dict:  # the watched roles' threads, and this test process's as "driver"
+        own = {}
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                run_ns, wait_ns = open(f"/proc/self/task/{tid}/schedstat").read().split()[:2]
+            except (OSError, ValueError):
+                continue
+            own[("self", tid)] = ("driver", int(run_ns) / 1e6, int(wait_ns) / 1e6, 0)
+        return {**cpu_contention.sample(), **own}
+
+    start, before, machine = time.monotonic(), sample(), busy_total()
+
+    def since() -> dict:
+        busy, total = busy_total()
+        roles = cpu_contention.role_deltas(before, sample())
+        busy_ms = (busy - machine[0]) * 1000 / os.sysconf("SC_CLK_TCK")
+        return {"seconds": round(time.monotonic() - start, 1),
+                "machine_busy": round((busy - machine[0]) / max(1, total - machine[1]), 2),
+                "unwatched_cpu_ms": round(busy_ms - sum(v["cpu_ms"] for v in roles.values())),
+                **{r: {"cpu_ms": round(v["cpu_ms"]), "wait_ms": round(v["wait_ms"]),
+                       "max_thread_wait_ms": round(v["max_thread_wait_ms"])} for r, v in roles.items()}}
+    return since

@@ -42,16 +42,46 @@ def free_port() -> int:
     return free_ports(1)[0]
 
 
+# Tests on the session's Ray cluster that failed, and its temp dir when they did: the dir is then
+# kept, and the end of the run shows what Serve's controller and the replicas warned about.
+_CLUSTER_FAILURES: list[str] = []
+_KEPT_RAY_DIR: list[str] = []
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed and "ray_cluster" in getattr(item, "fixturenames", ()):
+        _CLUSTER_FAILURES.append(item.nodeid)
+
+
 @pytest.fixture(scope="session")
 def ray_temp_dir():
     """This session's own Ray temp dir (short: Ray's unix socket paths must fit 107 bytes), so its
-    Prometheus service-discovery file is not another Ray's on the same machine."""
+    Prometheus service-discovery file is not another Ray's on the same machine. Removed at the
+    end, unless a test on the cluster failed: its logs are the evidence."""
     import shutil
     import tempfile
 
     path = tempfile.mkdtemp(prefix="/tmp/pf-ray-")
     yield path
-    shutil.rmtree(path, ignore_errors=True)
+    if _CLUSTER_FAILURES:
+        _KEPT_RAY_DIR.append(path)
+    else:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not _KEPT_RAY_DIR:
+        return
+    from cluster_helpers import serve_log_warnings
+
+    tr = terminalreporter
+    tr.section("Ray logs of the failed cluster tests")
+    tr.write_line(f"kept at {_KEPT_RAY_DIR[0]} (failed: {', '.join(_CLUSTER_FAILURES)})")
+    for line in serve_log_warnings(_KEPT_RAY_DIR[0]):
+        tr.write_line(line)
 
 
 @pytest.fixture(scope="session")
@@ -64,11 +94,12 @@ def ray_cluster(ray_temp_dir):
     """
     import ray
 
-    from pagefleet.cluster.serve_env import fast_path_env, raylet_env
+    from pagefleet.cluster.serve_env import LOCAL_PRIORITY_ENV, fast_path_env, raylet_env
 
     started = not ray.is_initialized()
     if started:
-        with raylet_env(fast_path_env()):  # the HTTP path `pagefleet serve` runs: HAProxy in front
+        # the HTTP path `pagefleet serve` runs (HAProxy in front), its processes at its priorities
+        with raylet_env({**fast_path_env(), **LOCAL_PRIORITY_ENV}):
             ray.init(num_cpus=8, include_dashboard=True, dashboard_port=free_port(), log_to_driver=False,
                      _temp_dir=ray_temp_dir, _metrics_export_port=free_port(),
                      _system_config={"metrics_report_interval_ms": 1000})
