@@ -21,6 +21,7 @@ import json
 import os
 import time
 from pathlib import Path
+from typing import Callable
 
 from _proc_cpu import ROLES, role_of
 
@@ -32,14 +33,14 @@ def role(pid: str) -> str | None:
     return role_of(pid, WATCHED, default=None)
 
 
-def sample() -> dict[tuple[str, str], tuple[str, float, float, int]]:
+def sample(role_of_pid: Callable[[str], str | None] = role) -> dict[tuple[str, str], tuple[str, float, float, int]]:
     """(pid, tid) -> (role, ms on a CPU, ms waiting on a run queue, nice), for every thread of a
-    process with a role."""
+    process with a role (``role_of_pid``: a pid's role, None for one not watched)."""
     out = {}
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
             continue
-        r = role(pid)
+        r = role_of_pid(pid)
         if r is None:
             continue
         try:

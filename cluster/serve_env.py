@@ -55,11 +55,13 @@ LOCAL_QUIET_ENV = {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5", "RAY_LOG_MONITOR_
 # instead: a CPU engine's compute threads go to 19 (``worker.cpu_threads``), the control plane to
 # SCHED_IDLE (``cpu_priority``). At 15 the request path (the ingress, HAProxy and its manager, the
 # replicas' event loops) loses the cores to any busy process at 0 (the client, a neighbour) by
-# 28 to 1: with one busy loop beside a test, the ingress replica's threads waited 27 s on the
-# run queue in 129, its streams went silent, and Serve, getting no answer to its health checks
-# for 90 s, replaced it. Measured on 2
-# cores (benchmarks/serving.py, 1 worker, alternating 15/0/0/15): c1 TPOT over the engine alone
-# 8.3, 4.6 -> 4.1, 2.0 ms; c16 output tok/s 0.74, 0.73 -> 0.79, 0.85 of the engine's.
+# 28 to 1. With one busy loop beside the killed-replica test (2 cores): at 15 the ingress's
+# busiest thread waited 15-16 s of 24-26 on the run queue (2 runs), and in 1 of 3 other runs
+# every stream went silent and Serve, getting no answer to its health checks for 90 s, replaced
+# the ingress; at 0, 5.8-5.9 s of 27-30 and none replaced in 3 runs (in 2, the streams retried
+# from the dead replica still waited over 15 s for a seat on the busy survivor). With nothing
+# else running the speed is the same (benchmarks/serving.py, 1 worker, alternating 15/0/0/15:
+# c1 TPOT 25.2, 19.8 ms at 15 and 20.5, 19.8 at 0; c16 164, 155 tok/s at 15 and 164, 164 at 0).
 LOCAL_PRIORITY_ENV = {"RAY_worker_niceness": "0"}
 # Serve's fixed ports in this mode (HAProxy's stats page and Prometheus exporter, the backup proxy).
 SIDE_PORTS = ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT", "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT")

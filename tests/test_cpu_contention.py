@@ -36,9 +36,9 @@ def test_role_deltas_are_the_raw_sums_per_role_behind_the_rates():
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="Linux /proc only")
-def test_a_live_sample_sees_a_busy_thread_of_a_process_with_a_role(monkeypatch):
+def test_a_live_sample_sees_a_busy_thread_of_a_process_with_a_role():
     me = str(os.getpid())
-    monkeypatch.setattr(cpu_contention, "role", lambda pid: "worker" if pid == me else None)
+    role = lambda pid: "worker" if pid == me else None  # noqa: E731 — this process plays a worker
     spun, done = threading.Event(), threading.Event()
 
     def spin():  # runnable for 0.3 s, then asleep until sampled (an ended thread leaves /proc)
@@ -49,10 +49,10 @@ def test_a_live_sample_sees_a_busy_thread_of_a_process_with_a_role(monkeypatch):
         done.wait()
 
     thread = threading.Thread(target=spin)
-    before, t0 = cpu_contention.sample(), time.monotonic()
+    before, t0 = cpu_contention.sample(role), time.monotonic()
     thread.start()
     spun.wait()
-    after, t1 = cpu_contention.sample(), time.monotonic()
+    after, t1 = cpu_contention.sample(role), time.monotonic()
     done.set()
     thread.join()
     assert {r for r, *_ in after.values()} == {"worker"}

@@ -84,60 +84,81 @@ def record_figure(name: str, value, target: str | None = None, **detail) -> dict
     return line
 
 
-def serve_log_warnings(ray_temp_dir: str, per_file: int = 40, total: int = 150) -> list[str]:
-    """The WARNING and ERROR lines of Serve's logs (controller, proxy, replicas) in a Ray temp
-    dir, the last ``per_file`` of each file and ``total`` in all, each prefixed with its file."""
+def serve_log_warnings(ray_temp_dir: str, per_file: int = 40, total: int = 200) -> list[str]:
+    """The WARNING and ERROR records of Serve's logs (replicas and proxy first, the controller's
+    last, so that a cut keeps them), with up to 8 lines of each one's traceback: the last
+    ``per_file`` records of each file and ``total`` lines in all, each prefixed with its file."""
     from pathlib import Path
 
+    paths = sorted({p.resolve() for p in Path(ray_temp_dir).glob("session_*/logs/serve/*.log")},
+                   key=lambda p: (p.name.startswith("controller"), p.name))
     lines = []
-    for path in sorted({p.resolve() for p in Path(ray_temp_dir).glob("session_*/logs/serve/*.log")}):
+    for path in paths:
         try:
             text = path.read_text(errors="replace").splitlines()
         except OSError:
             continue
-        picked = [line for line in text if line.startswith(("WARNING", "ERROR", "CRITICAL"))]
-        lines += [f"{path.name}: {line[:400]}" for line in picked[-per_file:]]
+        records, keep = [], False
+        for line in text:
+            if line.startswith(("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")):
+                keep = line.startswith(("WARNING", "ERROR", "CRITICAL"))
+                if keep:
+                    records.append([line])
+            elif keep and len(records[-1]) < 9:
+                records[-1].append(line)
+        lines += [f"{path.name}: {line[:400]}" for record in records[-per_file:] for line in record]
     return lines[-total:]
+
+
+def _cpu_contention():
+    """benchmarks/cpu_contention.py (per-thread schedstat by process role)."""
+    import sys
+    from pathlib import Path
+
+    benchmarks = str(Path(__file__).resolve().parents[2] / "benchmarks")
+    if benchmarks not in sys.path:
+        sys.path.insert(0, benchmarks)
+    import cpu_contention
+
+    return cpu_contention
+
+
+def session_threads() -> dict:
+    """Every thread of this test process ("driver") and of the processes below it (this session's
+    Ray cluster, by ``cpu_contention``'s roles), as ``cpu_contention.sample`` gives them:
+    (pid, tid) -> (role, CPU ms, run-queue wait ms, niceness). Another Ray on the machine is not in it."""
+    from pagefleet.cluster.cpu_priority import descendants
+
+    contention = _cpu_contention()
+    me = str(os.getpid())
+    below = {str(pid) for pid in descendants(os.getpid())}
+    return contention.sample(lambda pid: "driver" if pid == me else contention.role(pid) if pid in below else None)
 
 
 def cpu_watch():
     """Starts watching the cores; the function it returns tells, since then, the seconds passed,
-    the machine's busy share (``/proc/stat``), the CPU ms of processes it does not watch (servers
-    other tests left, neighbours; and threads that ended meanwhile), and per process role
-    (``benchmarks/cpu_contention``; this process's threads as "driver") the CPU ms and the ms
-    spent runnable but waiting for a core: what a timing failure on a shared machine is read
-    against."""
-    import sys
-    from pathlib import Path
+    the machine's busy share and the CPU ms stolen by the hypervisor (``/proc/stat``), the CPU ms
+    of processes outside this session's cluster (other tests' servers, neighbours; and threads
+    that ended meanwhile), and per role of ``session_threads`` the CPU ms and the ms spent
+    runnable but waiting for a core: what a timing failure on a shared machine is read against."""
+    hz = os.sysconf("SC_CLK_TCK")
+    role_deltas = _cpu_contention().role_deltas
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-    import cpu_contention
-
-    def busy_total() -> tuple[int, int]:
+    def ticks() -> tuple[int, int, int]:  # busy, busy + idle, stolen
         with open("/proc/stat") as f:
-            ticks = [int(v) for v in f.readline().split()[1:]]
-        idle = ticks[3] + ticks[4]  # idle + iowait
-        return sum(ticks) - idle, sum(ticks)
+            user, nice, system, idle, iowait, irq, softirq, steal = map(int, f.readline().split()[1:9])
+        busy = user + nice + system + irq + softirq
+        return busy, busy + idle + iowait, steal
 
-    def sample() -> dict:  # the watched roles' threads, and this test process's as "driver"
-        own = {}
-        for tid in os.listdir("/proc/self/task"):
-            try:
-                run_ns, wait_ns = open(f"/proc/self/task/{tid}/schedstat").read().split()[:2]
-            except (OSError, ValueError):
-                continue
-            own[("self", tid)] = ("driver", int(run_ns) / 1e6, int(wait_ns) / 1e6, 0)
-        return {**cpu_contention.sample(), **own}
-
-    start, before, machine = time.monotonic(), sample(), busy_total()
+    start, before, machine = time.monotonic(), session_threads(), ticks()
 
     def since() -> dict:
-        busy, total = busy_total()
-        roles = cpu_contention.role_deltas(before, sample())
-        busy_ms = (busy - machine[0]) * 1000 / os.sysconf("SC_CLK_TCK")
-        return {"seconds": round(time.monotonic() - start, 1),
-                "machine_busy": round((busy - machine[0]) / max(1, total - machine[1]), 2),
-                "unwatched_cpu_ms": round(busy_ms - sum(v["cpu_ms"] for v in roles.values())),
+        now = ticks()
+        busy, total, steal = (a - b for a, b in zip(now, machine))
+        roles = role_deltas(before, session_threads())
+        return {"seconds": round(time.monotonic() - start, 1), "machine_busy": round(busy / max(1, total), 2),
+                "steal_ms": round(steal * 1000 / hz),
+                "outside_cpu_ms": round(busy * 1000 / hz - sum(v["cpu_ms"] for v in roles.values())),
                 **{r: {"cpu_ms": round(v["cpu_ms"]), "wait_ms": round(v["wait_ms"]),
                        "max_thread_wait_ms": round(v["max_thread_wait_ms"])} for r, v in roles.items()}}
     return since
