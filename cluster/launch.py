@@ -18,7 +18,7 @@ import time
 from pagefleet.cluster.config import API_KEY_ENV, ServeOptions
 from pagefleet.cluster.cpu_priority import idle_control_plane
 from pagefleet.cluster.ray_join import join_error, running_serve_http, serve_conflict
-from pagefleet.cluster.serve_env import LOCAL_PRIORITY_ENV, LOCAL_QUIET_ENV, fast_path_env, raylet_env
+from pagefleet.cluster.serve_env import WORKER_PRIORITY_ENV, LOCAL_QUIET_ENV, fast_path_env, raylet_env
 
 def prepare_model(opts: ServeOptions) -> str:
     """Resolve (and, for the demo, write) the checkpoint before any Ray process starts, so a bad
@@ -109,14 +109,14 @@ def start_local_ray(num_cpus: int, metrics_export_port: int | None = None, log_t
     """Start the one-node Ray cluster ``pagefleet serve`` runs on (benchmarks start theirs here too,
     so that they measure what users run): Serve's high-throughput path (HAProxy in front, direct
     ingress) when an HAProxy binary is found, the quieter control loops of ``LOCAL_QUIET_ENV`` and
-    Ray's worker processes at niceness 0 (``LOCAL_PRIORITY_ENV``), for every Ray process.
+    Ray's worker processes at niceness 0 (``WORKER_PRIORITY_ENV``), for every Ray process.
     ``metrics_export_port``: where this node's Ray metrics agent serves Prometheus (None: Ray
     picks). Returns whether the high-throughput path is on. Call
     ``cpu_priority.idle_control_plane`` once the app is up."""
     import ray
 
     fast_env = fast_path_env()
-    with raylet_env({**fast_env, **LOCAL_QUIET_ENV, **LOCAL_PRIORITY_ENV}):
+    with raylet_env({**fast_env, **LOCAL_QUIET_ENV, **WORKER_PRIORITY_ENV}):
         ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=log_to_driver,
                  **({} if metrics_export_port is None else {"_metrics_export_port": metrics_export_port}))
     return bool(fast_env)

@@ -51,8 +51,9 @@ LOCAL_MIN_DRAINING_PERIOD_S = 1.0
 # 14 -> 7 ms/s.
 LOCAL_QUIET_ENV = {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5", "RAY_LOG_MONITOR_MANY_FILES_THRESHOLD": "0"}
 # Ray starts its worker processes at niceness 15 (its ``worker_niceness``), below every ordinary
-# process on the machine. On a cluster pagefleet starts, priorities are set where they matter
-# instead: a CPU engine's compute threads go to 19 (``worker.cpu_threads``), the control plane to
+# process on the machine (its own GCS, raylet and dashboard included). On the clusters pagefleet
+# starts, and on every node of the deploy/ files, they run at 0 and priorities are set where they
+# matter instead: a CPU engine's compute threads go to 19 (``worker.cpu_threads``), the control plane to
 # SCHED_IDLE (``cpu_priority``). At 15 the request path (the ingress, HAProxy and its manager, the
 # replicas' event loops) loses the cores to any busy process at 0 (the client, a neighbour) by
 # 28 to 1. With one busy loop beside the killed-replica test (2 cores): at 15 the ingress's
@@ -62,7 +63,7 @@ LOCAL_QUIET_ENV = {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5", "RAY_LOG_MONITOR_
 # from the dead replica still waited over 15 s for a seat on the busy survivor). With nothing
 # else running the speed is the same (benchmarks/serving.py, 1 worker, alternating 15/0/0/15:
 # c1 TPOT 25.2, 19.8 ms at 15 and 20.5, 19.8 at 0; c16 164, 155 tok/s at 15 and 164, 164 at 0).
-LOCAL_PRIORITY_ENV = {"RAY_worker_niceness": "0"}
+WORKER_PRIORITY_ENV = {"RAY_worker_niceness": "0"}
 # Serve's fixed ports in this mode (HAProxy's stats page and Prometheus exporter, the backup proxy).
 SIDE_PORTS = ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT", "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT")
 

@@ -38,10 +38,11 @@ def yield_cpu_to_serving_threads() -> None:
 
     On a CPU box the serving path (HTTP proxy, ingress, scheduler, the replica's own event loop)
     shares the cores with the matmuls, and Ray starts every worker process at one niceness
-    (15 by default, 0 on a cluster pagefleet starts: ``serve_env.LOCAL_PRIORITY_ENV``). At equal priority a busy engine delays each request's parse, route and 429 by whole
-    scheduler slices; at the lowest, a step waits only while those short tasks run. Measured on
-    2 cores (routing benchmark, kv policy, 3x overload): 429 latency p50 601 -> 64 ms at the same
-    301 tok/s. Lowering one's own priority needs no privilege."""
+    (15 by default, 0 on pagefleet's clusters: ``serve_env.WORKER_PRIORITY_ENV``). At equal
+    priority a busy engine delays each request's parse, route and 429 by whole scheduler slices;
+    at the lowest, a step waits only while those short tasks run. Measured on 2 cores (routing
+    benchmark, kv policy, 3x overload): 429 latency p50 601 -> 64 ms at the same 301 tok/s.
+    Lowering one's own priority needs no privilege."""
     try:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), LOWEST_NICE)  # Linux: this thread only
     except (AttributeError, OSError) as e:  # no per-thread priority on this platform

@@ -94,12 +94,12 @@ def ray_cluster(ray_temp_dir):
     """
     import ray
 
-    from pagefleet.cluster.serve_env import LOCAL_PRIORITY_ENV, fast_path_env, raylet_env
+    from pagefleet.cluster.serve_env import WORKER_PRIORITY_ENV, fast_path_env, raylet_env
 
     started = not ray.is_initialized()
     if started:
         # the HTTP path `pagefleet serve` runs (HAProxy in front), its processes at its priorities
-        with raylet_env({**fast_path_env(), **LOCAL_PRIORITY_ENV}):
+        with raylet_env({**fast_path_env(), **WORKER_PRIORITY_ENV}):
             ray.init(num_cpus=8, include_dashboard=True, dashboard_port=free_port(), log_to_driver=False,
                      _temp_dir=ray_temp_dir, _metrics_export_port=free_port(),
                      _system_config={"metrics_report_interval_ms": 1000})

@@ -111,7 +111,7 @@ def test_http_is_haproxy_straight_to_the_ingress_replica(server):
 
 def test_the_request_path_runs_at_niceness_0_and_the_engine_computes_at_19(server):
     """Ray would start its workers at 15, behind every ordinary process; this session's cluster
-    runs them at the driver's niceness, 0 (serve_env.LOCAL_PRIORITY_ENV, as `pagefleet serve`
+    runs them at the driver's niceness, 0 (serve_env.WORKER_PRIORITY_ENV, as `pagefleet serve`
     does), and only a CPU engine's compute threads go to 19."""
     import torch
 
