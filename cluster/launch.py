@@ -18,7 +18,8 @@ import time
 from pagefleet.cluster.config import API_KEY_ENV, ServeOptions
 from pagefleet.cluster.cpu_priority import idle_control_plane
 from pagefleet.cluster.ray_join import join_error, running_serve_http, serve_conflict
-from pagefleet.cluster.serve_env import WORKER_PRIORITY_ENV, LOCAL_QUIET_ENV, fast_path_env, raylet_env
+from pagefleet.cluster.serve_env import LOCAL_QUIET_ENV, WORKER_PRIORITY_ENV, fast_path_env, raylet_env
+
 
 def prepare_model(opts: ServeOptions) -> str:
     """Resolve (and, for the demo, write) the checkpoint before any Ray process starts, so a bad
