@@ -13,9 +13,12 @@ ITL and output tok/s mean exactly what they mean for the servers. One JSON line 
 from __future__ import annotations
 
 import json
+import os
 import random
 import sys
 import time
+
+from _proc_cpu import sched_per_token, thread_sched
 
 from pagefleet.cluster.bench_metrics import RequestResult, compute_metrics
 from pagefleet.worker.engine import LLMEngine
@@ -34,6 +37,7 @@ def run(engine: LLMEngine, prompts: list[list[int]], output_len: int, concurrenc
     waiting = list(range(len(prompts)))[::-1]
     running: set[int] = set()
     started, cpu_started = time.perf_counter(), time.process_time()
+    sched_started = thread_sched(os.getpid())  # this process's threads: the engine's and OpenMP's
     while waiting or running:
         while waiting and len(running) < concurrency:
             i = waiting.pop()
@@ -57,6 +61,7 @@ def run(engine: LLMEngine, prompts: list[list[int]], output_len: int, concurrenc
                 r.latency, r.success = now - r.start_time, True
                 running.discard(i)
     cpu_s = time.process_time() - cpu_started  # every thread of this process
+    sched = thread_sched(os.getpid())
     m = compute_metrics(results, time.perf_counter() - started, PERCENTILES)
     if m.total_output != output_len * len(prompts):
         raise RuntimeError(f"the engine made {m.total_output} tokens, not {output_len} x {len(prompts)}")
@@ -64,7 +69,8 @@ def run(engine: LLMEngine, prompts: list[list[int]], output_len: int, concurrenc
             "output_tok_s": round(m.output_throughput, 2),
             "ttft_p50_ms": round(m.ms["ttft"].median, 2), "ttft_p99_ms": round(m.ms["ttft"].percentiles[99.0], 2),
             "tpot_mean_ms": round(m.ms["tpot"].mean, 3), "itl_p50_ms": round(m.ms["itl"].median, 3),
-            "cpu_ms_per_token": {"engine": round(1000 * cpu_s / m.total_output, 3)}}
+            "cpu_ms_per_token": {"engine": round(1000 * cpu_s / m.total_output, 3)},
+            "engine_threads": sched_per_token(sched_started, sched, m.total_output, m.duration)}
 
 
 def main() -> None:

@@ -18,8 +18,11 @@ EOS ignored), at each concurrency (1, 4, 16):
 Each line: output tok/s, TTFT p50/p99, TPOT mean, ITL p50, the machine and its load average
 before the run, and the server's CPU time per output token by process role (engine thread,
 worker, ingress, proxy, ...; benchmarks/_proc_cpu.py): on a shared machine wall-clock figures
-carry the neighbours' load, CPU per token does not. Then one line per concurrency with the overhead of the Ray path (TTFT p50 and
-TPOT over the engine alone, tok/s as a fraction of it and of vllm-serve's), and, with vLLM
+carry the neighbours' load, CPU per token does not. For the engine alone and pagefleet serve,
+``engine_threads``: the engine's compute threads' CPU and run-queue wait per output token and
+how often a wake-up elsewhere preempted them (per second). Then one line per concurrency with
+the overhead of the Ray path (TTFT p50 and TPOT over the engine alone, tok/s as a fraction of
+it and of vllm-serve's, the engine threads' added run-queue wait), and, with vLLM
 installed, one line for `vllm bench serve --model CKPT` run against pagefleet (every request
 must complete).
 
@@ -43,7 +46,10 @@ from pathlib import Path
 import httpx
 
 from _machine import machine
-from _proc_cpu import per_token_ms, tree_cpu_s
+from _proc_cpu import per_token_ms, role_of, sched_per_token, thread_sched, tree_cpu_s
+
+from pagefleet.cluster.cpu_priority import descendants
+from pagefleet.worker.cpu_threads import LOWEST_NICE
 
 HERE = Path(__file__).resolve().parent
 BIN = Path(sys.executable).parent
@@ -152,6 +158,8 @@ def bench(base: str, ckpt: str, concurrency: int, n: int, args, workdir: Path, t
             "--ignore-eos", "--num-prompts", str(n), "--max-concurrency", str(concurrency), "--seed",
             str(concurrency), "--disable-tqdm", "--percentiles", "50,99", "--save-result", str(result)]
     cpu_before = tree_cpu_s(server_pid) if server_pid else {}
+    engine = engine_threads_of(server_pid) if server_pid else None
+    sched_before = thread_sched(engine, LOWEST_NICE) if engine else {}
     done = subprocess.run(argv, capture_output=True, text=True, timeout=1800)
     if done.returncode != 0:
         raise RuntimeError(f"pagefleet bench failed: {done.stderr[-2000:]}")
@@ -162,7 +170,16 @@ def bench(base: str, ckpt: str, concurrency: int, n: int, args, workdir: Path, t
            "itl_p50_ms": round(r["median_itl_ms"], 3)}
     if server_pid:  # the server's CPU per output token, by process role (the client's is not counted)
         out["cpu_ms_per_token"] = per_token_ms(cpu_before, tree_cpu_s(server_pid), r["total_output_tokens"])
+    if engine:
+        out["engine_threads"] = sched_per_token(sched_before, thread_sched(engine, LOWEST_NICE),
+                                                r["total_output_tokens"], r["duration"])
     return out
+
+
+def engine_threads_of(server_pid: int) -> int | None:
+    """The pid of a pagefleet server's worker replica, whose CPU engine computes on its threads at
+    ``LOWEST_NICE`` (the engine thread and its OpenMP team); None for other servers."""
+    return next((pid for pid in descendants(server_pid) if role_of(pid, default=None) == "worker"), None)
 
 
 def drive(system: str, server: Server, ckpt: str, args, workdir: Path, out: Path | None, info: dict) -> dict:
@@ -227,6 +244,15 @@ def overhead(c: int, engine: dict, served: dict, peers: dict[str, dict]) -> dict
         line["served_cpu_ms_per_token"] = round(served_ms, 3)
         line["path_cpu_ms_per_token"] = round(served_ms - engine_ms, 3)
         line["cpu_bound_tok_s_ceiling_vs_engine"] = round(engine_ms / served_ms, 3)
+    if "engine_threads" in served and "engine_threads" in engine:
+        # The engine's compute threads, runnable but not running: on a machine whose cores the
+        # engine fills, each wake-up of another thread there preempts one of them (the served
+        # engine computes at the lowest priority) and its partners wait for it at the barrier.
+        alone, there = engine["engine_threads"], served["engine_threads"]
+        line["engine_runqueue_wait_ms_per_token_added"] = round(
+            there["runqueue_wait_ms_per_token"] - alone["runqueue_wait_ms_per_token"], 3)
+        line["engine_preemptions_per_s"] = {"engine_alone": alone["preemptions_per_s"],
+                                            "served": there["preemptions_per_s"]}
     for name, peer in peers.items():
         line[f"tok_s_vs_{name.replace('-', '_')}"] = round(served["output_tok_s"] / peer["output_tok_s"], 3)
     return line

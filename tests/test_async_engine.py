@@ -8,6 +8,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 from pagefleet.worker import AsyncLLMEngine, EngineArgs, LLM, SamplingParams
 
@@ -190,3 +191,21 @@ def test_a_cpu_engine_computes_at_the_lowest_priority_and_nothing_else_does(engi
     asyncio.run(collect(engine, "prio", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=2)))
     assert os.getpriority(os.PRIO_PROCESS, engine._thread.native_id) == 19
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) != 19
+
+
+def test_a_cpu_engine_pins_its_thread_and_openmp_team_one_core_each(engine):
+    # As many compute threads as cores (the default): each keeps a core of its own, so two of
+    # them never take turns on one core while a step waits at its barrier for both.
+    asyncio.run(collect(engine, "pin", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=2)))
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        assert engine.pinned_threads == {}
+        return
+    assert torch.get_num_threads() == len(cores)
+    pinned = engine.pinned_threads
+    assert pinned[engine._thread.native_id] == cores[0]
+    assert sorted(pinned.values()) == cores  # one thread per core, every core
+    for tid, core in pinned.items():
+        assert os.sched_getaffinity(tid) == {core}
+        assert os.getpriority(os.PRIO_PROCESS, tid) == 19  # the engine's own team, not another thread
+    assert os.sched_getaffinity(0) == set(cores)  # the caller's thread keeps every core

@@ -16,7 +16,7 @@ from typing import AsyncIterator, Callable
 from pagefleet.worker.block_hash import BlockHash
 from pagefleet.worker.config import ModelConfig
 from pagefleet.worker import hop_trace
-from pagefleet.worker.cpu_threads import yield_cpu_to_serving_threads
+from pagefleet.worker.cpu_threads import pin_compute_threads, yield_cpu_to_serving_threads
 from pagefleet.worker.engine import LLMEngine
 from pagefleet.worker.engine_args import EngineArgs
 from pagefleet.worker.engine_metrics import EngineMetrics, MetricsRecorder
@@ -99,6 +99,7 @@ class AsyncLLMEngine:
         self._error: BaseException | None = None
         self._kv_sink: Callable[[KVEventBatch], None] | None = None
         self._stopped = False
+        self.pinned_threads: dict[int, int] = {}  # engine thread and OpenMP team -> core (CPU engines)
         self._thread = threading.Thread(target=self._run, name="pagefleet-engine", daemon=True)
         self._thread.start()
 
@@ -260,9 +261,10 @@ class AsyncLLMEngine:
             self._kv_sink(self.engine.drain_kv_events())
 
     def _run(self) -> None:
-        if self.engine.device.type == "cpu":
-            yield_cpu_to_serving_threads()
         try:
+            if self.engine.device.type == "cpu":
+                yield_cpu_to_serving_threads()
+                self.pinned_threads = pin_compute_threads()  # after: the team inherits the priority
             while not self._stopped:
                 self._apply_commands()
                 if not self.engine.has_unfinished():
