@@ -50,38 +50,45 @@ def per_token_ms(before: dict[str, float], after: dict[str, float], tokens: int)
             for role in sorted(after)}
 
 
+def read_thread(pid: int | str, tid: int | str) -> tuple[float, float, int, int]:
+    """(ms on a CPU, ms runnable but waiting on a run queue, niceness, involuntary context
+    switches) of one thread; OSError (or ValueError) once it has ended."""
+    base = f"/proc/{pid}/task/{tid}"
+    run_ns, wait_ns = open(f"{base}/schedstat").read().split()[:2]
+    stat = open(f"{base}/stat").read()
+    nice = int(stat[stat.rindex(")") + 2:].split()[16])
+    status = open(f"{base}/status").read()
+    involuntary = int(status.rsplit("nonvoluntary_ctxt_switches:", 1)[1].split()[0])
+    return int(run_ns) / 1e6, int(wait_ns) / 1e6, nice, involuntary
+
+
 def thread_sched(pid: int | str, nice: int | None = None) -> dict[str, tuple[float, float, int]]:
     """tid -> (ms on a CPU, ms runnable but waiting on a run queue, involuntary context switches)
-    for the threads of ``pid`` (only those at niceness ``nice``, when given). A thread preempted
-    is switched out involuntarily; one that blocks or sleeps, voluntarily."""
+    for the threads of ``pid`` (only those at niceness ``nice``, when given). A thread switched
+    out involuntarily was preempted, or its time slice ran out; one that blocks or sleeps
+    leaves voluntarily."""
     out = {}
     try:
         tids = os.listdir(f"/proc/{pid}/task")
     except OSError:
         return out
     for tid in tids:
-        base = f"/proc/{pid}/task/{tid}"
         try:
-            if nice is not None:
-                stat = open(f"{base}/stat").read()
-                if int(stat[stat.rindex(")") + 2:].split()[16]) != nice:
-                    continue
-            run_ns, wait_ns = open(f"{base}/schedstat").read().split()[:2]
-            status = open(f"{base}/status").read()
+            run, wait, thread_nice, involuntary = read_thread(pid, tid)
         except (OSError, ValueError, IndexError):  # the thread ended meanwhile
             continue
-        involuntary = int(status.rsplit("nonvoluntary_ctxt_switches:", 1)[1].split()[0])
-        out[tid] = (int(run_ns) / 1e6, int(wait_ns) / 1e6, involuntary)
+        if nice is None or thread_nice == nice:
+            out[tid] = (run, wait, involuntary)
     return out
 
 
 def sched_per_token(before: dict, after: dict, tokens: int, seconds: float) -> dict[str, float]:
     """Between two ``thread_sched`` samples: the threads' CPU and run-queue wait per output token
-    and their preemptions per second (a thread born since counts its whole life)."""
+    and their involuntary context switches per second (a thread born since counts its whole life)."""
     run = wait = switches = 0.0
     for tid, (r, w, s) in after.items():
         r0, w0, s0 = before.get(tid, (0.0, 0.0, 0))
         run, wait, switches = run + r - r0, wait + w - w0, switches + s - s0
     return {"threads": len(after), "cpu_ms_per_token": round(run / tokens, 3),
             "runqueue_wait_ms_per_token": round(wait / tokens, 3),
-            "preemptions_per_s": round(switches / seconds, 1)}
+            "involuntary_switches_per_s": round(switches / seconds, 1)}

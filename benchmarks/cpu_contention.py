@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from _proc_cpu import ROLES, role_of
+from _proc_cpu import ROLES, read_thread, role_of
 
 WATCHED = (*ROLES, ("gcs_server", "gcs"), ("raylet", "raylet"))
 
@@ -49,12 +49,10 @@ def sample(role_of_pid: Callable[[str], str | None] = role) -> dict[tuple[str, s
             continue
         for tid in tids:
             try:
-                run_ns, wait_ns = open(f"/proc/{pid}/task/{tid}/schedstat").read().split()[:2]
-                stat = open(f"/proc/{pid}/task/{tid}/stat").read()
-                nice = int(stat[stat.rindex(")") + 2:].split()[16])
+                run, wait, nice, _ = read_thread(pid, tid)
             except (OSError, ValueError, IndexError):  # the thread ended meanwhile
                 continue
-            out[(pid, tid)] = (r, int(run_ns) / 1e6, int(wait_ns) / 1e6, nice)
+            out[(pid, tid)] = (r, run, wait, nice)
     return out
 
 

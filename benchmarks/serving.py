@@ -20,7 +20,7 @@ before the run, and the server's CPU time per output token by process role (engi
 worker, ingress, proxy, ...; benchmarks/_proc_cpu.py): on a shared machine wall-clock figures
 carry the neighbours' load, CPU per token does not. For the engine alone and pagefleet serve,
 ``engine_threads``: the engine's compute threads' CPU and run-queue wait per output token and
-how often a wake-up elsewhere preempted them (per second). Then one line per concurrency with
+their involuntary context switches per second (preempted, or out of time slice). Then one line per concurrency with
 the overhead of the Ray path (TTFT p50 and TPOT over the engine alone, tok/s as a fraction of
 it and of vllm-serve's, the engine threads' added run-queue wait), and, with vLLM
 installed, one line for `vllm bench serve --model CKPT` run against pagefleet (every request
@@ -246,13 +246,15 @@ def overhead(c: int, engine: dict, served: dict, peers: dict[str, dict]) -> dict
         line["cpu_bound_tok_s_ceiling_vs_engine"] = round(engine_ms / served_ms, 3)
     if "engine_threads" in served and "engine_threads" in engine:
         # The engine's compute threads, runnable but not running: on a machine whose cores the
-        # engine fills, each wake-up of another thread there preempts one of them (the served
-        # engine computes at the lowest priority) and its partners wait for it at the barrier.
+        # engine fills, a wake-up of another thread preempts one of them (the served engine
+        # computes at the lowest priority) and its partners wait for it at the barrier. The
+        # engine alone counts every thread of its process (the idle ones add nothing), unpinned
+        # at niceness 0 as LLMEngine runs; served, the threads at LOWEST_NICE, pinned.
         alone, there = engine["engine_threads"], served["engine_threads"]
         line["engine_runqueue_wait_ms_per_token_added"] = round(
             there["runqueue_wait_ms_per_token"] - alone["runqueue_wait_ms_per_token"], 3)
-        line["engine_preemptions_per_s"] = {"engine_alone": alone["preemptions_per_s"],
-                                            "served": there["preemptions_per_s"]}
+        line["engine_involuntary_switches_per_s"] = {"engine_alone": alone["involuntary_switches_per_s"],
+                                                     "served": there["involuntary_switches_per_s"]}
     for name, peer in peers.items():
         line[f"tok_s_vs_{name.replace('-', '_')}"] = round(served["output_tok_s"] / peer["output_tok_s"], 3)
     return line

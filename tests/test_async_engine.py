@@ -208,4 +208,21 @@ def test_a_cpu_engine_pins_its_thread_and_openmp_team_one_core_each(engine):
     for tid, core in pinned.items():
         assert os.sched_getaffinity(tid) == {core}
         assert os.getpriority(os.PRIO_PROCESS, tid) == 19  # the engine's own team, not another thread
-    assert os.sched_getaffinity(0) == set(cores)  # the caller's thread keeps every core
+
+
+def test_a_thread_whose_openmp_team_already_exists_is_not_pinned():
+    # Only a team started by the pinning call itself is known to be this thread's: a thread that
+    # computed before gets nothing pinned (and its own affinity stays every core).
+    from pagefleet.worker.cpu_threads import pin_compute_threads
+
+    got: list = []
+
+    def compute_then_pin() -> None:
+        torch.ones(torch.get_num_threads() * (1 << 16)).add_(1.0)
+        got.append(pin_compute_threads())
+        got.append(os.sched_getaffinity(0))
+
+    t = threading.Thread(target=compute_then_pin)
+    t.start()
+    t.join()
+    assert got == [{}, os.sched_getaffinity(0)]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -55,18 +56,21 @@ def _thread_ids() -> set[int]:
 
 def pin_compute_threads() -> dict[int, int]:
     """Give the calling thread (an engine's step thread) and the OpenMP team it starts one core
-    each, when they are as many as the cores this process may use. Returns thread id -> core
-    ({} where nothing was pinned: fewer threads than cores, one core, a team this thread had
-    started already, or a platform without per-thread affinity).
+    each, when they are as many as the cores this process may use (one worker replica of one
+    rank: `pagefleet serve`'s default; several replicas or ranks on a node share its cores and
+    are left free). Returns thread id -> core ({} where nothing was pinned: fewer threads than
+    cores, one core, a team this thread had started already, or a platform or process that
+    does not allow it).
 
     Call it before the thread's first step; the team is started here, by a parallel region over
     every thread. A step is a series of parallel regions, each ending at a barrier. Left free,
     the scheduler sometimes puts two of the team on one core (a waking OpenMP thread goes where
     its waker runs when its own core is busy) and the step then advances at the pace of the one
     waiting for its turn: serving at concurrency 16 on 2 cores, where the server's other threads
-    wake ~650 times a second beside the engine, the engine's two threads were on one core in
-    ~1 of 5 of their preemptions (perf sched, one 6 s window). Pinned, each keeps its own core
-    and waits only for what runs there."""
+    wake ~650 times a second beside the engine, the engine's two threads followed each other on
+    one core in 814 of their 3,883 involuntary switches in a 6 s window (perf sched;
+    benchmarks/results/serving_pin_ab_amd_2core_2026-12-02.jsonl). Pinned, each keeps its own
+    core and waits only for what runs there."""
     import torch
 
     if not hasattr(os, "sched_setaffinity"):
@@ -75,18 +79,24 @@ def pin_compute_threads() -> dict[int, int]:
     threads = torch.get_num_threads()
     if threads < 2 or threads != len(cores):
         return {}
+    pinned: dict[int, int] = {}
     try:
         before = _thread_ids()
         torch.ones(threads * (1 << 16)).add_(1.0)  # a parallel region over every thread: the team starts
         mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
         # The team inherits this thread's priority; a thread another one started meanwhile need not.
         team = sorted(tid for tid in _thread_ids() - before if os.getpriority(os.PRIO_PROCESS, tid) == mine)
-        if len(team) != threads - 1:  # the team existed already, or is not all there
+        if len(team) != threads - 1:
+            logger.info("engine threads not pinned: %d new OpenMP threads, expected %d (a team started "
+                        "before this thread's first step?)", len(team), threads - 1)
             return {}
-        pinned = {threading.get_native_id(): cores[0], **dict(zip(team, cores[1:]))}
-        for tid, core in pinned.items():
+        for tid, core in zip([threading.get_native_id(), *team], cores):
             os.sched_setaffinity(tid, {core})
-    except OSError as e:
+            pinned[tid] = core
+    except Exception as e:  # pinning is an optimisation: the engine computes unpinned instead
+        for tid in pinned:
+            with contextlib.suppress(OSError):
+                os.sched_setaffinity(tid, set(cores))
         logger.warning("could not pin the engine's compute threads to cores: %s", e)
         return {}
     return pinned
