@@ -41,6 +41,7 @@ import heapq
 import sys
 from collections.abc import Collection
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 from pagefleet.router.kv_index import KVBlockIndex, pack_keys, routing_keys, unpack_keys
 from pagefleet.router.predictions import Prediction, Predictions
@@ -109,6 +110,11 @@ class WorkerView:
         self.seats = self.max_seqs - self.queued - self.predicted_seqs
 
 
+# The order ``route`` walks the workers in: least loaded first (what decides among workers
+# holding as much of the prompt), then the shorter queue, then the id.
+_RANK = attrgetter("load_blocks", "queued", "worker_id")
+
+
 @dataclass(slots=True)
 class WorkerState:
     """One worker's whole view, as plain data: what a new copy of the view starts from."""
@@ -159,6 +165,7 @@ class GlobalScheduler:
         self.index = KVBlockIndex()
         self.workers: dict[str, WorkerView] = {}
         self._by_slot: dict[int, WorkerView] = {}
+        self._order: list[WorkerView] = []  # every view; sorted by _RANK when a decision starts
         self.counters = SchedulerCounters()
         self._free_slots: list[int] = []
         self._next_slot = 0
@@ -177,6 +184,7 @@ class GlobalScheduler:
                 slot, self._next_slot = self._next_slot, self._next_slot + 1
             view = self.workers[worker_id] = self._by_slot[slot] = WorkerView(worker_id, slot, last_seen=now,
                                                                               max_seqs=self.max_seqs_per_worker)
+            self._order.append(view)
         return view
 
     def drop_worker(self, worker_id: str) -> bool:
@@ -185,6 +193,7 @@ class GlobalScheduler:
         if view is None:
             return False
         del self._by_slot[view.slot]
+        self._order.remove(view)
         self.index.clear(view.slot)
         for pred in [p for p in self.predictions.by_request.values() if p.slot == view.slot]:
             self.predictions.end(pred, None)
@@ -323,34 +332,89 @@ class GlobalScheduler:
         The first choice is recorded as a prediction when the request is admitted, or
         always with ``force`` (the caller routes it whether or not a worker has room)."""
         self.expire(now)
-        views = self.workers.values() if candidates is None else [self._view(c, now) for c in candidates]
-        if not views:
+        if candidates is None:
+            order = self._order
+            order.sort(key=_RANK)  # nearly sorted already: a decision or a batch moves a worker or two
+        else:
+            order = sorted([self._view(c, now) for c in candidates], key=_RANK)
+        if not order:
             return RouteDecision([], False, "no_workers", 0)
         keys = routing_keys(req.block_hashes)
-        matched = self.index.prefix_match(keys, self.predictions.mask) if keys else {}
-        weight, num_keys, need, seqs = self.weight, len(keys), req.num_blocks, req.num_seqs
-        # One row per worker, compared as tuples: no room sorts after room, then cost, load, queue, id.
-        # Most workers hold none of the prompt: their rows need no lookup.
-        full_cost = weight * num_keys
-        rows = [((v.room_blocks is not None and v.room_blocks < need) or v.seats < seqs, full_cost + v.load_blocks,
-                 v.load_blocks, v.queued, v.worker_id, 0) for v in views if v.slot not in matched]
-        slots = self._by_slot if candidates is None else {v.slot: v for v in views}
-        for slot, cached in matched.items():
-            v = slots.get(slot)
-            if v is not None:
-                room = v.room_blocks
-                # It needs room for its new blocks and the idle ones of its prefix: look the
-                # idle ones up only where the answer depends on them.
-                if v.seats < seqs:
-                    full = True
-                elif room is None or room >= need:
-                    full = False
-                elif room < need - cached:
-                    full = True
-                else:
-                    full = room < need - cached + len(self.predictions.cached_keys(v, keys, cached, self.index.holds)[0])
-                rows.append((full, weight * (num_keys - cached) + v.load_blocks, v.load_blocks, v.queued, v.worker_id,
-                             cached))
+        # {leading prompt blocks held: bit mask of the workers holding that many}
+        runs = self.index.prefix_runs(keys, self.predictions.held) if keys else {}
+        weight, num_keys, need, seqs, k = self.weight, len(keys), req.num_blocks, req.num_seqs, self.max_ranked
+        # Rows compare as tuples: no room sorts after room, then cost, load, queue, id. Workers
+        # holding the same number of prompt blocks differ in cost by their load alone, so each such
+        # group's best rows come first in ``order``: the walk takes a group's first ``k`` with room
+        # (rows without room only while no worker has any) and stops once every group has them or
+        # has no worker left to show. Groups of at most ``k`` workers are looked at directly.
+        groups = list(runs.items())
+        by_slot = self._by_slot
+        if candidates is not None:
+            by_slot = {v.slot: v for v in order}
+            among = 0
+            for slot in by_slot:
+                among |= 1 << slot
+            groups = [(run, mask & among) for run, mask in groups]
+        left = {run: mask.bit_count() for run, mask in groups}  # workers of each group not yet walked
+        left[0] = len(order) - sum(left.values())
+        with_room = dict.fromkeys(left, 0)
+        without_room = dict(with_room)
+        room_seen = False
+        rows = []
+
+        def add_row(v: WorkerView, cached: int) -> bool:
+            """Whether ``v`` has room; its row joins ``rows`` when it could make the ranking."""
+            nonlocal room_seen
+            # It needs room for its new blocks and the idle ones of its prefix: look the idle
+            # ones up only where the answer depends on them.
+            room = v.room_blocks
+            if v.seats < seqs:
+                full = True
+            elif room is None or room >= need:
+                full = False
+            elif room < need - cached:
+                full = True
+            else:
+                full = room < need - cached + len(self.predictions.cached_keys(v, keys, cached, self.index.holds)[0])
+            if full:
+                if room_seen or without_room[cached] == k:
+                    return False
+                without_room[cached] += 1
+            else:
+                room_seen = True
+                with_room[cached] += 1
+            rows.append((full, weight * (num_keys - cached) + v.load_blocks, v.load_blocks, v.queued, v.worker_id,
+                         cached))
+            return not full
+
+        open_groups = 0
+        for run, mask in groups:
+            if left[run] > k:
+                open_groups += 1
+                continue
+            while mask:  # a small group: each of its workers, then its group is done
+                low = mask & -mask
+                add_row(by_slot[low.bit_length() - 1], run)
+                mask ^= low
+            with_room[run] = k
+        if left[0]:
+            open_groups += 1
+        for v in order if open_groups else ():
+            slot = v.slot
+            cached = 0
+            for run, mask in groups:
+                if mask >> slot & 1:
+                    cached = run
+                    break
+            if with_room[cached] == k:
+                continue  # its group is done
+            left[cached] -= 1
+            add_row(v, cached)
+            if with_room[cached] == k or not left[cached]:
+                open_groups -= 1
+                if not open_groups:
+                    break
         best = heapq.nsmallest(self.max_ranked, rows)
         admitted = not best[0][0]
         if admitted:

@@ -51,7 +51,8 @@ def unpack_keys(packed: bytes) -> list[int]:
     return keys.tolist()
 
 
-def _mask(v: int) -> int:
+def holders_mask(v: int) -> int:
+    """The bit mask of slots a holders value stands for (a slot, or a mask's complement)."""
     return 1 << v if v >= 0 else ~v
 
 
@@ -80,40 +81,40 @@ class KVBlockIndex:
     def holders(self, key: int) -> int:
         """Bit mask of the slots holding ``key`` (0: nobody)."""
         v = self._holders.get(key)
-        return 0 if v is None else _mask(v)
+        return 0 if v is None else holders_mask(v)
 
     def holds(self, slot: int, key: int) -> bool:
         v = self._holders.get(key)
         return v is not None and (v == slot if v >= 0 else bool(~v >> slot & 1))
 
-    def prefix_match(self, keys: Sequence[int], extra: dict[int, int] | None = None) -> dict[int, int]:
-        """For each slot holding ``keys[0]``: how many leading keys it holds without a gap.
+    def prefix_runs(self, keys: Sequence[int], extra: dict[int, int] | None = None) -> dict[int, int]:
+        """How many leading ``keys`` each slot holds without a gap, as ``{run length: bit mask of
+        the slots with that run}`` (runs of 0 are left out).
 
-        ``extra`` adds holders per key (bit masks), e.g. blocks predicted but not yet
-        confirmed. Slots holding none of the prefix are left out."""
+        ``extra`` adds holders per key, encoded as this index's own (a slot, or the complement
+        of a bit mask): blocks predicted but not yet confirmed (``Predictions.held``)."""
         get = self._holders.get
         xget = extra.get if extra else None
-        matched: dict[int, int] = {}
+        runs: dict[int, int] = {}
         current = 0
         for i, key in enumerate(keys):
             v = get(key)
             m = 0 if v is None else (1 << v if v >= 0 else ~v)
             if xget is not None:
-                m |= xget(key, 0)
-            following = m if i == 0 else current & m
-            lost = current ^ following
-            while lost:  # slots whose run ends here
-                low = lost & -lost
-                matched[low.bit_length() - 1] = i
-                lost ^= low
-            current = following
+                x = xget(key)
+                if x is not None:
+                    m |= 1 << x if x >= 0 else ~x
+            if i:
+                following = current & m
+                if following != current:  # the runs of these slots end here
+                    runs[i] = current ^ following
+                current = following
+            else:
+                current = m
             if not current:
-                return matched
-        while current:
-            low = current & -current
-            matched[low.bit_length() - 1] = len(keys)
-            current ^= low
-        return matched
+                return runs
+        runs[len(keys)] = current
+        return runs
 
     # ---- updates ---------------------------------------------------------------------------
 

@@ -14,7 +14,7 @@ land where the view looked emptiest. So each routed request leaves a
 - the cached keys it shares with requests holding them, at no cost while they
   stay in use: one that goes idle or leaves the cache before confirmation
   becomes a block the first sharer takes (``stop_sharing``);
-- the prompt keys it will compute there (``mask``, read by the index's prefix
+- the prompt keys it will compute there (``held``, read by the index's prefix
   match), so a burst with one prefix keeps to one worker; these stay until the
   prediction's time runs out, confirmed or not.
 
@@ -25,10 +25,12 @@ are passed in.
 from __future__ import annotations
 
 from collections import Counter, deque
-from itertools import compress, filterfalse, repeat
-from operator import not_, sub, xor
+from itertools import compress, repeat
+from operator import not_, sub
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
+
+from pagefleet.router.kv_index import holders_mask
 
 if TYPE_CHECKING:
     from pagefleet.router.global_scheduler import WorkerView
@@ -54,8 +56,12 @@ class Prediction:
 class Predictions:
     def __init__(self) -> None:
         self.by_request: dict[str, Prediction] = {}  # in expiry order
-        self.mask: dict[int, int] = {}  # routing key -> slots predicted to hold it
-        self._refs: dict[int, Counter] = {}  # slot -> routing key -> predictions saying so
+        # Routing key -> the slots predicted to hold it, encoded as the index's own holders
+        # (``kv_index``): the slot when one prediction says so (nearly every key: a prompt's
+        # keys chain), else the complement of the slots' bit mask, with the predictions per
+        # slot behind it in ``_counts``. The index's prefix match reads it as extra holders.
+        self.held: dict[int, int] = {}
+        self._counts: dict[int, dict[int, int]] = {}  # key -> slot -> predictions, for keys held by several
         self._soon_in_use: dict[int, Counter] = {}  # slot -> idle key -> unconfirmed predictions taking it
         self._sharing: dict[int, dict[int, list[Prediction]]] = {}  # slot -> key in use -> predictions sharing it
 
@@ -84,14 +90,7 @@ class Predictions:
             sharing = self._sharing.setdefault(pred.slot, {})
             for key in pred.shared_keys:
                 sharing.setdefault(key, []).append(pred)
-        refs = self._refs.setdefault(pred.slot, Counter())
-        # (not set.difference(refs): with a Counter, not a dict or set, it walks all of refs)
-        first_time = set(filterfalse(refs.__contains__, pred.keys))
-        refs.update(pred.keys)
-        if first_time:
-            mask, bit = self.mask, 1 << pred.slot
-            for key in first_time:
-                mask[key] = mask.get(key, 0) | bit
+        self._hold(pred.slot, pred.keys)
 
     def confirm(self, pred: Prediction, view: WorkerView | None) -> None:
         """The worker took the request in (or is gone: ``view`` None): from now on its own
@@ -117,11 +116,70 @@ class Predictions:
         """Forget ``pred`` entirely (its time ran out, or its worker is gone: ``view`` None)."""
         self.by_request.pop(pred.request_id, None)
         self.confirm(pred, view)
-        gone = _uncount(self._refs[pred.slot], pred.keys)  # keys of its last prediction on this slot
-        mask = self.mask
-        rests = list(map(xor, map(mask.__getitem__, gone), repeat(1 << pred.slot)))  # its bit is set in each
-        mask.update(zip(compress(gone, rests), compress(rests, rests)))  # still predicted elsewhere
-        deque(map(mask.__delitem__, compress(gone, map(not_, rests))), maxlen=0)
+        self._release(pred.slot, pred.keys)
+
+    def holders(self, key: int) -> int:
+        """Bit mask of the slots predicted to hold ``key`` (0: none)."""
+        v = self.held.get(key)
+        return 0 if v is None else holders_mask(v)
+
+    # Routing decisions add and end a prediction each, ~100 keys apiece at a 2k-token prompt, so
+    # keys held by one prediction (all but a burst's shared ones) take paths of C loops: set
+    # algebra, dict.fromkeys, map over bound methods, as in the index.
+
+    def _hold(self, slot: int, keys: list[int]) -> None:
+        held = self.held
+        distinct = set(keys)
+        if len(distinct) == len(keys):
+            fresh = distinct.difference(held)  # predicted nowhere yet
+            held.update(dict.fromkeys(fresh, slot))
+            if len(fresh) == len(keys):
+                return
+            keys = distinct - fresh
+        counts_of = self._counts
+        for key in keys:
+            v = held.get(key)
+            if v is None:
+                held[key] = slot
+                continue
+            counts = counts_of.get(key)
+            if counts is None:  # held by one prediction until now
+                counts_of[key] = counts = {v: 1}
+                mask = 1 << v
+            else:
+                mask = ~v
+            counts[slot] = counts.get(slot, 0) + 1
+            held[key] = ~(mask | 1 << slot)
+
+    def _release(self, slot: int, keys: list[int]) -> None:
+        held = self.held
+        if len(set(keys)) == len(keys):
+            values = list(map(held.__getitem__, keys))
+            alone = list(compress(keys, map(slot.__eq__, values)))  # held by this prediction only
+            deque(map(held.__delitem__, alone), maxlen=0)
+            if len(alone) == len(keys):
+                return
+            keys = list(compress(keys, map(slot.__ne__, values)))  # held by several
+        counts_of = self._counts
+        for key in keys:
+            v = held[key]
+            if v >= 0:  # v == slot: this prediction was the only one
+                del held[key]
+                continue
+            counts = counts_of[key]
+            left = counts[slot] - 1
+            if left:
+                counts[slot] = left
+            else:
+                del counts[slot]
+                v = ~(~v ^ 1 << slot)  # its bit cleared from the mask
+            if len(counts) == 1:
+                (only, n), = counts.items()
+                if n == 1:  # one prediction left: back to the plain slot
+                    held[key] = only
+                    del counts_of[key]
+                    continue
+            held[key] = v
 
     def stop_sharing(self, view: WorkerView, holds: Callable[[int, int], bool]) -> None:
         """After ``view`` changed: shared keys that nothing holds in use any more (idle with no

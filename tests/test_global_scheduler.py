@@ -296,8 +296,10 @@ def test_index_holder_encoding_round_trips():
     index.add(300, [11, 12])  # a slot beyond the small-int range
     index.add(3, [10])  # twice: no change
     assert (index.holders(10), index.holders(11), index.holders(12)) == (1 << 3, 1 << 3 | 1 << 300, 1 << 300)
-    assert index.prefix_match([10, 11, 12]) == {3: 2}
-    assert index.prefix_match([11, 12]) == {3: 1, 300: 2}
+    assert index.prefix_runs([10, 11, 12]) == {2: 1 << 3}
+    assert index.prefix_runs([11, 12]) == {1: 1 << 3, 2: 1 << 300}
+    assert index.prefix_runs([11, 12], extra={12: 3}) == {2: 1 << 3 | 1 << 300}  # a predicted holder extends the run
+    assert index.prefix_runs([12]) == {1: 1 << 300} and index.prefix_runs([99, 10]) == {}
     index.remove(300, [11, 99])
     assert index.holders(11) == 1 << 3 and index._holders[11] == 3  # back to the single-holder form
     index.replace(3, [11, 13])
@@ -336,9 +338,60 @@ def test_index_equals_a_plain_model(ops):
         assert index.keys_of(slot) == keys
     assert len(index) == len(set().union(*model.values())) if model else len(index) == 0
     probe = [0, 1, 2, 3]
-    expected_match = {}
+    expected_runs = {}
     for slot, keys in model.items():
         run = next((i for i, k in enumerate(probe) if k not in keys), len(probe))
         if run:
-            expected_match[slot] = run
-    assert index.prefix_match(probe) == expected_match
+            expected_runs[run] = expected_runs.get(run, 0) | 1 << slot
+    assert index.prefix_runs(probe) == expected_runs
+
+
+def reference_ranking(gs, req, max_ranked):
+    """route's ranking by its definition, worker by worker: no early stop, no grouping."""
+    keys = routing_keys(req.block_hashes)
+    rows = []
+    for v in gs.workers.values():
+        cached = 0
+        while cached < len(keys) and (gs.index.holds(v.slot, keys[cached])
+                                      or gs.predictions.holders(keys[cached]) >> v.slot & 1):
+            cached += 1
+        idle = gs.predictions.cached_keys(v, keys, cached, gs.index.holds)[0]
+        full = v.seats < req.num_seqs or (v.room_blocks is not None
+                                          and v.room_blocks < req.num_blocks - cached + len(idle))
+        rows.append((full, gs.weight * (len(keys) - cached) + v.load_blocks, v.load_blocks, v.queued, v.worker_id,
+                     cached))
+    best = sorted(rows)[:max_ranked]
+    if not best[0][0]:
+        best = [row for row in best if not row[0]]
+    return [(row[4], row[5], not row[0]) for row in best]
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_route_ranks_as_its_definition_on_random_states(seed):
+    """route walks the workers least loaded first and stops early; on random fleets (prefixes held
+    and predicted, tight rooms and seats, ties) its ranking equals one computed worker by worker."""
+    import random
+
+    rng = random.Random(seed)
+    max_ranked = rng.choice([1, 2, 3, 8])
+    gs = scheduler(max_ranked=max_ranked, max_seqs_per_worker=rng.choice([None, 2, 4]), liveness_timeout_s=1e9)
+    prompts = [[rng.randrange(1000) for _ in range(rng.randrange(4, 33))] for _ in range(6)]
+    prompts += [prompts[0][:8] + [rng.randrange(1000) for _ in range(8)]]  # shares a prefix with the first
+    chains = [hashes(p) for p in prompts]
+    for w in range(rng.randrange(1, 13)):
+        held = [h for chain in rng.sample(chains, rng.randrange(0, 3)) for h in chain[:rng.randrange(len(chain) + 1)]]
+        total = rng.choice([40, 60, 100])
+        free = rng.randrange(0, total + 1)
+        gs.apply_batch(batch(f"w{w:02d}", 0, stored=held, free=free, total=total, running=rng.randrange(3),
+                             waiting=rng.randrange(2), reserved=rng.randrange(0, 10),
+                             acquired=held[:rng.randrange(len(held) + 1)]), now=0.0)
+    now = 0.0
+    for i in range(12):
+        now += 0.1
+        p = rng.randrange(len(prompts))
+        req = RouteRequest(f"r{i}", pack_hashes(chains[p]), num_blocks=len(chains[p]) + rng.randrange(0, 20),
+                           num_seqs=rng.choice([1, 1, 2]))
+        gs.expire(now)
+        expected = reference_ranking(gs, req, max_ranked)
+        d = gs.route(req, now=now, force=rng.random() < 0.3)
+        assert [(s.worker_id, s.cached_blocks, s.has_room) for s in d.scores] == expected
