@@ -98,6 +98,7 @@ class WorkerView:
     # Derived from the numbers above by ``refresh`` whenever they change (read once per decision):
     load_blocks: int = 0  # committed: in use + reserved by unfinished sequences + predicted
     room_blocks: int | None = None  # free - reserved - predicted; None until the worker reports
+    room_bound: int = sys.maxsize  # room_blocks, or no bound until the worker reports
     queued: int = 0  # sequences running or waiting
     seats: int = sys.maxsize  # sequences it can still take: max - queued - predicted
 
@@ -105,7 +106,7 @@ class WorkerView:
         used = self.num_total_blocks - self.num_free_blocks
         self.load_blocks = used + self.num_reserved_blocks + self.predicted_blocks
         if self.reported:
-            self.room_blocks = self.num_free_blocks - self.num_reserved_blocks - self.predicted_blocks
+            self.room_blocks = self.room_bound = self.num_free_blocks - self.num_reserved_blocks - self.predicted_blocks
         self.queued = self.num_running + self.num_waiting
         self.seats = self.max_seqs - self.queued - self.predicted_seqs
 
@@ -113,6 +114,7 @@ class WorkerView:
 # The order ``route`` walks the workers in: least loaded first (what decides among workers
 # holding as much of the prompt), then the shorter queue, then the id.
 _RANK = attrgetter("load_blocks", "queued", "worker_id")
+_ROOM_BOUND = attrgetter("room_bound")
 
 
 @dataclass(slots=True)
@@ -336,7 +338,7 @@ class GlobalScheduler:
             order = self._order
             order.sort(key=_RANK)  # nearly sorted already: a decision or a batch moves a worker or two
         else:
-            order = sorted([self._view(c, now) for c in candidates], key=_RANK)
+            order = sorted([self._view(c, now) for c in dict.fromkeys(candidates)], key=_RANK)
         if not order:
             return RouteDecision([], False, "no_workers", 0)
         keys = routing_keys(req.block_hashes)
@@ -363,8 +365,8 @@ class GlobalScheduler:
         room_seen = False
         rows = []
 
-        def add_row(v: WorkerView, cached: int) -> bool:
-            """Whether ``v`` has room; its row joins ``rows`` when it could make the ranking."""
+        def add_row(v: WorkerView, cached: int) -> None:
+            """``v``'s row joins ``rows`` if it could make the ranking."""
             nonlocal room_seen
             # It needs room for its new blocks and the idle ones of its prefix: look the idle
             # ones up only where the answer depends on them.
@@ -379,39 +381,54 @@ class GlobalScheduler:
                 full = room < need - cached + len(self.predictions.cached_keys(v, keys, cached, self.index.holds)[0])
             if full:
                 if room_seen or without_room[cached] == k:
-                    return False
+                    return
                 without_room[cached] += 1
             else:
                 room_seen = True
                 with_room[cached] += 1
             rows.append((full, weight * (num_keys - cached) + v.load_blocks, v.load_blocks, v.queued, v.worker_id,
                          cached))
-            return not full
 
-        open_groups = 0
+        walked = []  # groups of more than k workers: found in the walk
+        closed = 0  # bit mask of the workers of groups that are done (the small ones from the start)
         for run, mask in groups:
             if left[run] > k:
-                open_groups += 1
+                walked.append((run, mask))
                 continue
-            while mask:  # a small group: each of its workers, then its group is done
+            closed |= mask
+            while mask:
                 low = mask & -mask
                 add_row(by_slot[low.bit_length() - 1], run)
                 mask ^= low
-            with_room[run] = k
-        if left[0]:
-            open_groups += 1
+        zero_done = not left[0]  # group 0: the workers holding none of the prompt
+        # No worker has room when even the most cached prefix leaves more new blocks than the
+        # largest room (a check at C speed): then each group's first k rows are all it can give.
+        hopeless = max(map(_ROOM_BOUND, order)) < need - max(runs, default=0)
+        open_groups = len(walked) + (not zero_done)
         for v in order if open_groups else ():
             slot = v.slot
-            cached = 0
-            for run, mask in groups:
+            if closed >> slot & 1:
+                continue
+            for run, mask in walked:
                 if mask >> slot & 1:
                     cached = run
                     break
-            if with_room[cached] == k:
-                continue  # its group is done
+            else:
+                if zero_done:
+                    continue
+                cached = 0
             left[cached] -= 1
-            add_row(v, cached)
-            if with_room[cached] == k or not left[cached]:
+            room = v.room_blocks
+            if ((v.seats < seqs or (room is not None and room < need - cached))
+                    and (room_seen or without_room[cached] == k)):
+                pass  # no room, and its row could not make the ranking (add_row's first test, inline)
+            else:
+                add_row(v, cached)
+            if with_room[cached] == k or not left[cached] or (hopeless and without_room[cached] == k):
+                if cached:
+                    closed |= runs[cached]
+                else:
+                    zero_done = True
                 open_groups -= 1
                 if not open_groups:
                     break

@@ -113,7 +113,8 @@ class KVBlockIndex:
                 current = m
             if not current:
                 return runs
-        runs[len(keys)] = current
+        if current:  # (no keys: no runs)
+            runs[len(keys)] = current
         return runs
 
     # ---- updates ---------------------------------------------------------------------------

@@ -299,7 +299,7 @@ def test_index_holder_encoding_round_trips():
     assert index.prefix_runs([10, 11, 12]) == {2: 1 << 3}
     assert index.prefix_runs([11, 12]) == {1: 1 << 3, 2: 1 << 300}
     assert index.prefix_runs([11, 12], extra={12: 3}) == {2: 1 << 3 | 1 << 300}  # a predicted holder extends the run
-    assert index.prefix_runs([12]) == {1: 1 << 300} and index.prefix_runs([99, 10]) == {}
+    assert index.prefix_runs([12]) == {1: 1 << 300} and index.prefix_runs([99, 10]) == {} and index.prefix_runs([]) == {}
     index.remove(300, [11, 99])
     assert index.holders(11) == 1 << 3 and index._holders[11] == 3  # back to the single-holder form
     index.replace(3, [11, 13])
@@ -346,11 +346,12 @@ def test_index_equals_a_plain_model(ops):
     assert index.prefix_runs(probe) == expected_runs
 
 
-def reference_ranking(gs, req, max_ranked):
+def reference_ranking(gs, req, max_ranked, candidates=None):
     """route's ranking by its definition, worker by worker: no early stop, no grouping."""
     keys = routing_keys(req.block_hashes)
+    views = gs.workers.values() if candidates is None else [gs.workers[c] for c in dict.fromkeys(candidates)]
     rows = []
-    for v in gs.workers.values():
+    for v in views:
         cached = 0
         while cached < len(keys) and (gs.index.holds(v.slot, keys[cached])
                                       or gs.predictions.holders(keys[cached]) >> v.slot & 1):
@@ -369,16 +370,19 @@ def reference_ranking(gs, req, max_ranked):
 @pytest.mark.parametrize("seed", range(40))
 def test_route_ranks_as_its_definition_on_random_states(seed):
     """route walks the workers least loaded first and stops early; on random fleets (prefixes held
-    and predicted, tight rooms and seats, ties) its ranking equals one computed worker by worker."""
+    and predicted, tight rooms and seats, ties, slots past 64, predictions expiring, candidate lists
+    with repeats and workers not heard from) its ranking equals one computed worker by worker."""
     import random
 
     rng = random.Random(seed)
     max_ranked = rng.choice([1, 2, 3, 8])
-    gs = scheduler(max_ranked=max_ranked, max_seqs_per_worker=rng.choice([None, 2, 4]), liveness_timeout_s=1e9)
+    gs = scheduler(max_ranked=max_ranked, max_seqs_per_worker=rng.choice([None, 2, 4]), liveness_timeout_s=1e9,
+                   prediction_ttl_s=rng.choice([0.25, 2.0]))
     prompts = [[rng.randrange(1000) for _ in range(rng.randrange(4, 33))] for _ in range(6)]
     prompts += [prompts[0][:8] + [rng.randrange(1000) for _ in range(8)]]  # shares a prefix with the first
     chains = [hashes(p) for p in prompts]
-    for w in range(rng.randrange(1, 13)):
+    num_workers = rng.randrange(1, 13) if seed % 4 else rng.randrange(65, 90)
+    for w in range(num_workers):
         held = [h for chain in rng.sample(chains, rng.randrange(0, 3)) for h in chain[:rng.randrange(len(chain) + 1)]]
         total = rng.choice([40, 60, 100])
         free = rng.randrange(0, total + 1)
@@ -391,7 +395,36 @@ def test_route_ranks_as_its_definition_on_random_states(seed):
         p = rng.randrange(len(prompts))
         req = RouteRequest(f"r{i}", pack_hashes(chains[p]), num_blocks=len(chains[p]) + rng.randrange(0, 20),
                            num_seqs=rng.choice([1, 1, 2]))
+        candidates = None
+        if rng.random() < 0.3:  # a subset, a repeat, and a worker never heard from (no room figure yet)
+            candidates = rng.sample(sorted(gs.workers), rng.randrange(1, len(gs.workers) + 1))
+            candidates += candidates[:1] + [f"new{i}"]
+            gs._view(f"new{i}", now)  # what route does with it: an empty view
         gs.expire(now)
-        expected = reference_ranking(gs, req, max_ranked)
-        d = gs.route(req, now=now, force=rng.random() < 0.3)
+        expected = reference_ranking(gs, req, max_ranked, candidates)
+        d = gs.route(req, now=now, candidates=candidates, force=rng.random() < 0.3)
         assert [(s.worker_id, s.cached_blocks, s.has_room) for s in d.scores] == expected
+
+
+def test_a_repeated_candidate_is_ranked_once():
+    """Candidates naming a worker twice rank as if it were named once: the repeat neither shows
+    twice nor hides a better worker of its prefix group (a's row is seen and b still wins)."""
+    gs = scheduler(max_ranked=1)
+    h = hashes(list(range(8)))
+    gs.apply_batch(batch("a", 0, stored=h[:1], free=0, total=10), now=0.0)  # the prefix, no room
+    gs.apply_batch(batch("b", 0, stored=h[:1], free=50, total=100), now=0.0)  # the prefix, room, load 50
+    gs.apply_batch(batch("c", 0, free=51, total=100), now=0.0)  # no prefix, load 49
+    d = gs.route(RouteRequest("r", pack_hashes(h[:2]), num_blocks=4), now=0.0, candidates=["a", "a", "b", "c"])
+    assert d.ranking == ["b"] and d.reason == "prefix" and d.scores[0].cost == 4.0 * 1 + 50
+
+
+def test_a_cached_prefix_can_give_room_when_no_worker_has_a_whole_requests_blocks():
+    """No worker's room covers the request's 6 blocks, but b holds 2 of them in use, so 4 new
+    blocks fit its room of 4: the walk must not give up on b's group after its first row (a, full)."""
+    gs = scheduler(max_ranked=1)
+    h = hashes(list(range(8)))
+    gs.apply_batch(batch("a", 0, stored=h, free=0, total=10), now=0.0)  # load 10, no room
+    gs.apply_batch(batch("b", 0, stored=h, free=4, total=100), now=0.0)  # load 96, room 4
+    gs.apply_batch(batch("c", 0, free=5, total=100), now=0.0)  # load 95, room 5 < 6
+    d = gs.route(RouteRequest("r", pack_hashes(h), num_blocks=6), now=0.0)
+    assert d.admitted and d.ranking == ["b"] and d.predicted_hit_blocks == 2
