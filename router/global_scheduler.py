@@ -41,10 +41,10 @@ import heapq
 import sys
 from collections.abc import Collection
 from dataclasses import dataclass, field
-from operator import attrgetter
 
 from pagefleet.router.kv_index import KVBlockIndex, pack_keys, routing_keys, unpack_keys
 from pagefleet.router.predictions import Prediction, Predictions
+from pagefleet.router.ranking import RANK, candidate_rows
 from pagefleet.worker.block_hash import HASH_SIZE
 from pagefleet.worker.kv_events import KVEventBatch, KVSnapshot
 
@@ -97,8 +97,7 @@ class WorkerView:
     in_use: set[int] = field(default_factory=set)  # routing keys it holds that a running sequence holds
     # Derived from the numbers above by ``refresh`` whenever they change (read once per decision):
     load_blocks: int = 0  # committed: in use + reserved by unfinished sequences + predicted
-    room_blocks: int | None = None  # free - reserved - predicted; None until the worker reports
-    room_bound: int = sys.maxsize  # room_blocks, or no bound until the worker reports
+    room_blocks: int = sys.maxsize  # free - reserved - predicted; no bound until the worker reports
     queued: int = 0  # sequences running or waiting
     seats: int = sys.maxsize  # sequences it can still take: max - queued - predicted
 
@@ -106,15 +105,9 @@ class WorkerView:
         used = self.num_total_blocks - self.num_free_blocks
         self.load_blocks = used + self.num_reserved_blocks + self.predicted_blocks
         if self.reported:
-            self.room_blocks = self.room_bound = self.num_free_blocks - self.num_reserved_blocks - self.predicted_blocks
+            self.room_blocks = self.num_free_blocks - self.num_reserved_blocks - self.predicted_blocks
         self.queued = self.num_running + self.num_waiting
         self.seats = self.max_seqs - self.queued - self.predicted_seqs
-
-
-# The order ``route`` walks the workers in: least loaded first (what decides among workers
-# holding as much of the prompt), then the shorter queue, then the id.
-_RANK = attrgetter("load_blocks", "queued", "worker_id")
-_ROOM_BOUND = attrgetter("room_bound")
 
 
 @dataclass(slots=True)
@@ -167,7 +160,7 @@ class GlobalScheduler:
         self.index = KVBlockIndex()
         self.workers: dict[str, WorkerView] = {}
         self._by_slot: dict[int, WorkerView] = {}
-        self._order: list[WorkerView] = []  # every view; sorted by _RANK when a decision starts
+        self._order: list[WorkerView] = []  # every view; sorted by ``ranking.RANK`` when a decision starts
         self.counters = SchedulerCounters()
         self._free_slots: list[int] = []
         self._next_slot = 0
@@ -336,102 +329,20 @@ class GlobalScheduler:
         self.expire(now)
         if candidates is None:
             order = self._order
-            order.sort(key=_RANK)  # nearly sorted already: a decision or a batch moves a worker or two
+            order.sort(key=RANK)  # nearly sorted already: a decision or a batch moves a worker or two
         else:
-            order = sorted([self._view(c, now) for c in dict.fromkeys(candidates)], key=_RANK)
+            order = sorted([self._view(c, now) for c in dict.fromkeys(candidates)], key=RANK)
         if not order:
             return RouteDecision([], False, "no_workers", 0)
         keys = routing_keys(req.block_hashes)
         # {leading prompt blocks held: bit mask of the workers holding that many}
         runs = self.index.prefix_runs(keys, self.predictions.held) if keys else {}
-        weight, num_keys, need, seqs, k = self.weight, len(keys), req.num_blocks, req.num_seqs, self.max_ranked
-        # Rows compare as tuples: no room sorts after room, then cost, load, queue, id. Workers
-        # holding the same number of prompt blocks differ in cost by their load alone, so each such
-        # group's best rows come first in ``order``: the walk takes a group's first ``k`` with room
-        # (rows without room only while no worker has any) and stops once every group has them or
-        # has no worker left to show. Groups of at most ``k`` workers are looked at directly.
-        groups = list(runs.items())
-        by_slot = self._by_slot
-        if candidates is not None:
-            by_slot = {v.slot: v for v in order}
-            among = 0
-            for slot in by_slot:
-                among |= 1 << slot
-            groups = [(run, mask & among) for run, mask in groups]
-        left = {run: mask.bit_count() for run, mask in groups}  # workers of each group not yet walked
-        left[0] = len(order) - sum(left.values())
-        with_room = dict.fromkeys(left, 0)
-        without_room = dict(with_room)
-        room_seen = False
-        rows = []
-
-        def add_row(v: WorkerView, cached: int) -> None:
-            """``v``'s row joins ``rows`` if it could make the ranking."""
-            nonlocal room_seen
-            # It needs room for its new blocks and the idle ones of its prefix: look the idle
-            # ones up only where the answer depends on them.
-            room = v.room_blocks
-            if v.seats < seqs:
-                full = True
-            elif room is None or room >= need:
-                full = False
-            elif room < need - cached:
-                full = True
-            else:
-                full = room < need - cached + len(self.predictions.cached_keys(v, keys, cached, self.index.holds)[0])
-            if full:
-                if room_seen or without_room[cached] == k:
-                    return
-                without_room[cached] += 1
-            else:
-                room_seen = True
-                with_room[cached] += 1
-            rows.append((full, weight * (num_keys - cached) + v.load_blocks, v.load_blocks, v.queued, v.worker_id,
-                         cached))
-
-        walked = []  # groups of more than k workers: found in the walk
-        closed = 0  # bit mask of the workers of groups that are done (the small ones from the start)
-        for run, mask in groups:
-            if left[run] > k:
-                walked.append((run, mask))
-                continue
-            closed |= mask
-            while mask:
-                low = mask & -mask
-                add_row(by_slot[low.bit_length() - 1], run)
-                mask ^= low
-        zero_done = not left[0]  # group 0: the workers holding none of the prompt
-        # No worker has room when even the most cached prefix leaves more new blocks than the
-        # largest room (a check at C speed): then each group's first k rows are all it can give.
-        hopeless = max(map(_ROOM_BOUND, order)) < need - max(runs, default=0)
-        open_groups = len(walked) + (not zero_done)
-        for v in order if open_groups else ():
-            slot = v.slot
-            if closed >> slot & 1:
-                continue
-            for run, mask in walked:
-                if mask >> slot & 1:
-                    cached = run
-                    break
-            else:
-                if zero_done:
-                    continue
-                cached = 0
-            left[cached] -= 1
-            room = v.room_blocks
-            if ((v.seats < seqs or (room is not None and room < need - cached))
-                    and (room_seen or without_room[cached] == k)):
-                pass  # no room, and its row could not make the ranking (add_row's first test, inline)
-            else:
-                add_row(v, cached)
-            if with_room[cached] == k or not left[cached] or (hopeless and without_room[cached] == k):
-                if cached:
-                    closed |= runs[cached]
-                else:
-                    zero_done = True
-                open_groups -= 1
-                if not open_groups:
-                    break
+        need, seqs = req.num_blocks, req.num_seqs
+        by_slot = self._by_slot if candidates is None else {v.slot: v for v in order}
+        rows = candidate_rows(order, runs, by_slot, restrict=candidates is not None, weight=self.weight,
+                              num_keys=len(keys), need=need, seqs=seqs, k=self.max_ranked,
+                              idle_count=lambda v, cached: len(self.predictions.cached_keys(
+                                  v, keys, cached, self.index.holds)[0]))
         best = heapq.nsmallest(self.max_ranked, rows)
         admitted = not best[0][0]
         if admitted:

@@ -357,8 +357,7 @@ def reference_ranking(gs, req, max_ranked, candidates=None):
                                       or gs.predictions.holders(keys[cached]) >> v.slot & 1):
             cached += 1
         idle = gs.predictions.cached_keys(v, keys, cached, gs.index.holds)[0]
-        full = v.seats < req.num_seqs or (v.room_blocks is not None
-                                          and v.room_blocks < req.num_blocks - cached + len(idle))
+        full = v.seats < req.num_seqs or v.room_blocks < req.num_blocks - cached + len(idle)  # unreported: no bound
         rows.append((full, gs.weight * (len(keys) - cached) + v.load_blocks, v.load_blocks, v.queued, v.worker_id,
                      cached))
     best = sorted(rows)[:max_ranked]
