@@ -57,7 +57,7 @@ from _machine import machine
 from _proc_cpu import per_token_ms, role_of, sched_per_token, thread_sched, tree_cpu_s
 
 from pagefleet.cluster.cpu_priority import descendants
-from pagefleet.worker.cpu_threads import LOWEST_NICE
+from pagefleet.worker.cpu_threads import LOWEST_NICE, available_cores, compute_thread_env, cpu_compute_threads
 
 HERE = Path(__file__).resolve().parent
 BIN = Path(sys.executable).parent
@@ -219,12 +219,19 @@ def vllm_bench_client(venv: str, base: str, ckpt: str, workdir: Path) -> dict:
     return {"completed": r["completed"], "failed": r.get("failed", 8 - r["completed"]), "num_prompts": 8}
 
 
+def alone_spin_env() -> dict[str, str]:
+    """libgomp's spin as `pagefleet serve` gives its one worker replica (every core to one engine,
+    as the engine alone computes): the engine alone waits at its barriers the same way."""
+    cores = available_cores()
+    return compute_thread_env(cpu_compute_threads(None, cores), cores)
+
+
 def engine_alone(ckpt: str, args, out: Path | None, info: dict) -> dict:
     plan = [f"{c}:{num_prompts(c)}" for c in args.concurrency]
     before = load()
     done = subprocess.run([sys.executable, str(HERE / "_engine_alone.py"), ckpt, str(args.input_len),
                            str(args.output_len), *plan], capture_output=True, text=True, timeout=3600,
-                          env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"})
+                          env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE", **alone_spin_env()})
     if done.returncode != 0:
         raise RuntimeError(f"engine-alone failed: {done.stderr[-2000:]}")
     lines = {}

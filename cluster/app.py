@@ -23,8 +23,9 @@ from pagefleet.router.ingress import INGRESS_DEPLOYMENT_NAME, OpenAIIngress
 from pagefleet.router.preprocess import ServingLimits
 from pagefleet.router.request_router import ROUTER_CLASSES
 from pagefleet.router.scheduler_actor import start_scheduler
-from pagefleet.worker.cpu_threads import available_cores
+from pagefleet.worker.cpu_threads import available_cores, compute_thread_env
 from pagefleet.worker.deployment import worker_deployment
+from pagefleet.worker.engine_args import EngineArgs
 
 APP_NAME = "pagefleet"
 # How often each worker publishes its load to the routers: fresh enough to steer
@@ -47,6 +48,7 @@ def build_app(args: Mapping[str, Any] | ServeOptions | None = None) -> Applicati
         num_cpus=serve_args.worker_num_cpus,
         num_gpus_per_rank=gpus,
         channels=serve_args.ingress_replicas,
+        env_vars=worker_env(engine_args, serve_args.workers, gpus, available_cores()),
         request_router_config=RequestRouterConfig(
             request_router_class=ROUTER_CLASSES[serve_args.routing],
             request_routing_stats_period_s=ROUTING_STATS_PERIOD_S,
@@ -74,6 +76,15 @@ def build_app(args: Mapping[str, Any] | ServeOptions | None = None) -> Applicati
                         kv_routing=opts.kv_routing(), serving=serving,
                         body_limits=BodyLimits(serve_args.max_request_body_bytes),
                         drain_timeout_s=serve_args.drain_timeout_s)
+
+
+def worker_env(engine_args: EngineArgs, workers: int, gpus_per_rank: float, cores: int) -> dict[str, str]:
+    """What the worker replicas' processes get in their environment: libgomp's spin
+    (``compute_thread_env``) where one CPU engine (no GPU reserved) of one rank computes on every
+    core of this machine, else nothing."""
+    if gpus_per_rank or workers != 1 or engine_args.tensor_parallel_size != 1 or engine_args.cpu_omp_threads is None:
+        return {}
+    return compute_thread_env(engine_args.cpu_omp_threads, cores)
 
 
 def _cluster_has_gpus() -> bool:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pagefleet.worker import LLM
-from pagefleet.worker.cpu_threads import available_cores, cpu_compute_threads
+from pagefleet.worker.cpu_threads import available_cores, compute_thread_env, cpu_compute_threads
 from pagefleet.worker.engine_args import EngineArgs
 
 
@@ -48,3 +48,27 @@ def test_compiled_unless_asked(tiny_checkpoint):
     eager = LLM(model=str(tiny_checkpoint(arch="llama")), dtype="float32", kv_cache_bytes=4 << 20,
                 enforce_eager=True)
     assert eager.engine.executor.runner.compiled_kernels is False
+
+
+def test_an_engine_with_every_core_to_itself_spins_its_team_unless_the_user_set_libgomp():
+    spin = {"GOMP_SPINCOUNT": "300000"}
+    passive = {"OMP_WAIT_POLICY": "PASSIVE"}  # what `pagefleet serve` gives every Ray process
+    assert compute_thread_env(2, 2, passive) == spin
+    assert compute_thread_env(64, 64, {}) == spin
+    assert compute_thread_env(1, 1, passive) == {}  # no team to wait for
+    assert compute_thread_env(2, 4, passive) == {}  # cores someone else may need
+    assert compute_thread_env(4, 2, passive) == {}  # oversubscribed
+    assert compute_thread_env(2, 2, {**passive, "GOMP_SPINCOUNT": "0"}) == {}
+    assert compute_thread_env(2, 2, {"OMP_WAIT_POLICY": "active"}) == {}
+
+
+def test_only_a_lone_one_rank_cpu_worker_gets_the_spin():
+    from pagefleet.cluster.app import worker_env
+
+    engine = EngineArgs(cpu_omp_threads=4)
+    assert worker_env(engine, workers=1, gpus_per_rank=0.0, cores=4) == compute_thread_env(4, 4, {})
+    assert worker_env(engine, workers=2, gpus_per_rank=0.0, cores=4) == {}  # replicas share the cores
+    assert worker_env(engine, workers=1, gpus_per_rank=1.0, cores=4) == {}  # the GPU computes
+    assert worker_env(EngineArgs(cpu_omp_threads=2, tensor_parallel_size=2), workers=1, gpus_per_rank=0.0,
+                      cores=4) == {}
+    assert worker_env(EngineArgs(cpu_omp_threads=2), workers=1, gpus_per_rank=0.0, cores=4) == {}

@@ -11,7 +11,7 @@ replica rather than on each request's stream (``worker.delta_channel``).
 from __future__ import annotations
 
 import logging
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, Mapping
 
 import ray
 from ray import serve
@@ -199,9 +199,11 @@ def _replica_id() -> str:
 
 def worker_deployment_options(engine_args: EngineArgs, *, num_replicas: int = 1, num_cpus: float = 1.0,
                               num_gpus_per_rank: float = 0.0, name: str = WORKER_DEPLOYMENT_NAME,
-                              channels: int = 1, **deployment_options: Any) -> dict[str, Any]:
+                              channels: int = 1, env_vars: Mapping[str, str] | None = None,
+                              **deployment_options: Any) -> dict[str, Any]:
     """``serve.deployment`` options for ``num_replicas`` engines of ``engine_args``, whose
-    ``channels`` callers (the ingress replicas) each hold one delta channel on every replica.
+    ``channels`` callers (the ingress replicas) each hold one delta channel on every replica;
+    ``env_vars``: set in each replica's process before it starts (a Ray ``runtime_env``).
 
     A tensor-parallel engine gets a placement group of one bundle per rank,
     STRICT_PACK so its ranks share a node (all-reduce stays on NVLink or
@@ -227,6 +229,8 @@ def worker_deployment_options(engine_args: EngineArgs, *, num_replicas: int = 1,
         "health_check_timeout_s": 30.0,
         "ray_actor_options": {"num_cpus": num_cpus, "num_gpus": num_gpus_per_rank},
     }
+    if env_vars:
+        options["ray_actor_options"]["runtime_env"] = {"env_vars": dict(env_vars)}
     if tp > 1:
         bundle = {"CPU": num_cpus, **({"GPU": num_gpus_per_rank} if num_gpus_per_rank else {})}
         options["placement_group_bundles"] = [dict(bundle) for _ in range(tp)]

@@ -164,6 +164,7 @@ def test_build_app_accepts_the_yaml_args_and_refuses_unknown_ones(tiny_checkpoin
     kv_routing = kwargs["kv_routing"]
     assert (kv_routing.cost_weight, kv_routing.admission_queue_size, kv_routing.admission_max_wait_s) == (4.0, 64, 2.0)
     assert worker._deployment_config.max_queued_requests == 64  # Serve's queue: the same bound
+    assert "runtime_env" not in worker.ray_actor_options  # two replicas share this machine's cores
     with pytest.raises(ValueError, match="unknown option"):
         build_app({"replicas": 3})
     with pytest.raises(ValueError, match="routing must be one of kv, least_loaded, pow2, round_robin, prefix"):
@@ -177,3 +178,14 @@ def test_serve_yaml_is_a_valid_serve_config():
     assert [a.name for a in schema.applications] == ["pagefleet"]
     assert schema.http_options.port == 8000
     assert schema.http_options.host == "127.0.0.1"
+
+
+def test_build_app_spins_the_team_of_a_lone_cpu_worker_in_its_process_environment(tiny_checkpoint, monkeypatch):
+    import pagefleet.cluster.app as app_module
+
+    monkeypatch.setattr(app_module, "available_cores", lambda: 4)
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    built = build_app({"model": str(tiny_checkpoint("llama")), "routing": "round_robin"})
+    worker_app, engine_args = built._bound_deployment.init_args
+    assert engine_args.cpu_omp_threads == 4
+    assert worker_app._bound_deployment.ray_actor_options["runtime_env"] == {"env_vars": {"GOMP_SPINCOUNT": "300000"}}
