@@ -249,10 +249,16 @@ def overhead(c: int, engine: dict, served: dict, peers: dict[str, dict]) -> dict
             "ttft_p50_added_ms": round(served["ttft_p50_ms"] - engine["ttft_p50_ms"], 2),
             "tpot_added_ms": round(served["tpot_mean_ms"] - engine["tpot_mean_ms"], 3),
             "tok_s_vs_engine": round(served["output_tok_s"] / engine["output_tok_s"], 3)}
-    if "cpu_ms_per_token" in served and "cpu_ms_per_token" in engine:
+    if "cpu_ms_per_token" in served:
+        # Every process of the server but the worker replica's (the ingress, HAProxy, Serve's
+        # controller, the global scheduler, Ray's own): CPU the engine's cores lose to the path.
+        line["outside_worker_cpu_ms_per_token"] = round(
+            sum(ms for role, ms in served["cpu_ms_per_token"].items() if role != "worker"), 3)
+    if "cpu_ms_per_token" in served and "cpu_ms_per_token" in engine and not alone_spin_env():
         # The server's CPU per token (every process of it) beyond what the engine alone spends:
         # the Ray path's cost in CPU, which on a CPU-bound machine caps tok/s at
-        # engine / (engine + path) of the engine's.
+        # engine / (engine + path) of the engine's. Not where the OpenMP team spins: its waits
+        # count as CPU then, and an engine that is preempted more spins less.
         engine_ms = engine["cpu_ms_per_token"]["engine"]
         served_ms = sum(served["cpu_ms_per_token"].values())
         line["engine_alone_cpu_ms_per_token"] = engine_ms
@@ -302,7 +308,7 @@ def run_round(order: list[str], ckpt: str, args, workdir: Path, info: dict, have
 
 # The overhead figures whose median over rounds the last lines give.
 MEDIAN_KEYS = ("ttft_p50_added_ms", "tpot_added_ms", "tok_s_vs_engine", "tok_s_vs_vllm_serve",
-               "tok_s_vs_vllm_serve_allcores", "path_cpu_ms_per_token")
+               "tok_s_vs_vllm_serve_allcores", "path_cpu_ms_per_token", "outside_worker_cpu_ms_per_token")
 
 
 def median_overhead(c: int, per_round: list[dict[str, dict]]) -> dict | None:

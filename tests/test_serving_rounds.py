@@ -32,3 +32,17 @@ def test_the_median_is_over_per_round_ratios_not_over_pooled_runs():
         "tpot_added_ms": {"median": 1.0, "rounds": [1.0, 0.2, 1.0]},
         "tok_s_vs_engine": {"median": 0.9, "rounds": [0.9, 0.95, 0.85]}}
     assert median_overhead(4, rounds[3:]) is None
+
+
+def test_cpu_per_token_outside_the_worker_always_and_the_engines_difference_only_without_spin(monkeypatch):
+    import serving
+
+    engine = {**_line(200.0, 1000.0, 50.0), "cpu_ms_per_token": {"engine": 9.0}}
+    served = {**_line(180.0, 1100.0, 55.0), "cpu_ms_per_token": {"worker": 9.5, "ingress": 0.5, "proxy": 0.25}}
+    monkeypatch.setattr(serving, "alone_spin_env", lambda: {})
+    passive = overhead(16, engine, served, {})
+    assert (passive["outside_worker_cpu_ms_per_token"], passive["path_cpu_ms_per_token"]) == (0.75, 1.25)
+    # A spinning team's waits count as CPU: the engines' difference would not be the path's work.
+    monkeypatch.setattr(serving, "alone_spin_env", lambda: {"GOMP_SPINCOUNT": "300000"})
+    spinning = overhead(16, engine, served, {})
+    assert spinning["outside_worker_cpu_ms_per_token"] == 0.75 and "path_cpu_ms_per_token" not in spinning
