@@ -50,6 +50,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Mapping
 
 import httpx
 
@@ -219,11 +220,20 @@ def vllm_bench_client(venv: str, base: str, ckpt: str, workdir: Path) -> dict:
     return {"completed": r["completed"], "failed": r.get("failed", 8 - r["completed"]), "num_prompts": 8}
 
 
-def alone_spin_env() -> dict[str, str]:
-    """libgomp's spin as `pagefleet serve` gives its one worker replica (every core to one engine,
-    as the engine alone computes): the engine alone waits at its barriers the same way."""
+def alone_env(environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """The engine alone's environment, as `pagefleet serve` gives its one worker replica (every
+    core to one engine, as the engine alone computes): OMP_WAIT_POLICY=PASSIVE unless the user set
+    one, and libgomp's spin where the served engine gets it, so both wait at their barriers alike."""
+    env = {"OMP_WAIT_POLICY": "PASSIVE", **environ}
     cores = available_cores()
-    return compute_thread_env(cpu_compute_threads(None, cores), cores)
+    return {**env, **compute_thread_env(cpu_compute_threads(None, cores), cores, environ)}
+
+
+def team_spins(environ: Mapping[str, str]) -> bool:
+    """Whether libgomp in a process with this environment spins before it sleeps."""
+    if "GOMP_SPINCOUNT" in environ:
+        return environ["GOMP_SPINCOUNT"].strip() not in ("", "0")
+    return environ.get("OMP_WAIT_POLICY", "").upper() != "PASSIVE"
 
 
 def engine_alone(ckpt: str, args, out: Path | None, info: dict) -> dict:
@@ -231,7 +241,7 @@ def engine_alone(ckpt: str, args, out: Path | None, info: dict) -> dict:
     before = load()
     done = subprocess.run([sys.executable, str(HERE / "_engine_alone.py"), ckpt, str(args.input_len),
                            str(args.output_len), *plan], capture_output=True, text=True, timeout=3600,
-                          env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE", **alone_spin_env()})
+                          env=alone_env())
     if done.returncode != 0:
         raise RuntimeError(f"engine-alone failed: {done.stderr[-2000:]}")
     lines = {}
@@ -251,10 +261,11 @@ def overhead(c: int, engine: dict, served: dict, peers: dict[str, dict]) -> dict
             "tok_s_vs_engine": round(served["output_tok_s"] / engine["output_tok_s"], 3)}
     if "cpu_ms_per_token" in served:
         # Every process of the server but the worker replica's (the ingress, HAProxy, Serve's
-        # controller, the global scheduler, Ray's own): CPU the engine's cores lose to the path.
+        # controller, the global scheduler, Ray's own): CPU the engine's cores lose to the path,
+        # a lower bound (the replica's own event loop and delta channel are in the worker's).
         line["outside_worker_cpu_ms_per_token"] = round(
             sum(ms for role, ms in served["cpu_ms_per_token"].items() if role != "worker"), 3)
-    if "cpu_ms_per_token" in served and "cpu_ms_per_token" in engine and not alone_spin_env():
+    if "cpu_ms_per_token" in served and "cpu_ms_per_token" in engine and not team_spins(alone_env()):
         # The server's CPU per token (every process of it) beyond what the engine alone spends:
         # the Ray path's cost in CPU, which on a CPU-bound machine caps tok/s at
         # engine / (engine + path) of the engine's. Not where the OpenMP team spins: its waits

@@ -9,6 +9,7 @@ detached: see ``router.scheduler_actor``), which both deployments talk to.
 
 from __future__ import annotations
 
+import os
 from typing import Any, Mapping
 
 import ray
@@ -48,7 +49,7 @@ def build_app(args: Mapping[str, Any] | ServeOptions | None = None) -> Applicati
         num_cpus=serve_args.worker_num_cpus,
         num_gpus_per_rank=gpus,
         channels=serve_args.ingress_replicas,
-        env_vars=worker_env(engine_args, serve_args.workers, gpus, available_cores()),
+        runtime_env=worker_runtime_env(engine_args, serve_args.workers, gpus, available_cores(), _job_runtime_env()),
         request_router_config=RequestRouterConfig(
             request_router_class=ROUTER_CLASSES[serve_args.routing],
             request_routing_stats_period_s=ROUTING_STATS_PERIOD_S,
@@ -78,13 +79,28 @@ def build_app(args: Mapping[str, Any] | ServeOptions | None = None) -> Applicati
                         drain_timeout_s=serve_args.drain_timeout_s)
 
 
-def worker_env(engine_args: EngineArgs, workers: int, gpus_per_rank: float, cores: int) -> dict[str, str]:
-    """What the worker replicas' processes get in their environment: libgomp's spin
-    (``compute_thread_env``) where one CPU engine (no GPU reserved) of one rank computes on every
-    core of this machine, else nothing."""
-    if gpus_per_rank or workers != 1 or engine_args.tensor_parallel_size != 1 or engine_args.cpu_omp_threads is None:
-        return {}
-    return compute_thread_env(engine_args.cpu_omp_threads, cores)
+def worker_runtime_env(engine_args: EngineArgs, workers: int, gpus_per_rank: float, cores: int,
+                       job_env: Mapping[str, Any], environ: Mapping[str, str] = os.environ) -> dict[str, Any] | None:
+    """The worker replicas' Ray ``runtime_env``: None (they inherit the job's, as any deployment
+    without one does), or the job's ``job_env`` with libgomp's spin added to its ``env_vars``
+    (``compute_thread_env``) where one CPU engine of one rank (no GPU reserved, not a CUDA
+    engine) computes on as many threads as ``cores``. ``cores`` and the thread count are this
+    machine's, where the app is built: on a multi-node cluster they stand for the worker's node.
+    The job's whole environment is carried over because Serve gives a deployment the job's
+    runtime_env only when it has none of its own. A GOMP_SPINCOUNT or OMP_WAIT_POLICY=ACTIVE of
+    the user's (in ``environ`` or the job's env_vars) wins."""
+    if gpus_per_rank or engine_args.device == "cuda" or workers != 1 or engine_args.tensor_parallel_size != 1 \
+            or engine_args.cpu_omp_threads is None:
+        return None
+    job_vars = dict(job_env.get("env_vars") or {})
+    spin = compute_thread_env(engine_args.cpu_omp_threads, cores, {**environ, **job_vars})
+    if not spin:
+        return None
+    return {**job_env, "env_vars": {**job_vars, **spin}}
+
+
+def _job_runtime_env() -> dict[str, Any]:
+    return dict(ray.get_runtime_context().runtime_env) if ray.is_initialized() else {}
 
 
 def _cluster_has_gpus() -> bool:

@@ -62,13 +62,24 @@ def test_an_engine_with_every_core_to_itself_spins_its_team_unless_the_user_set_
     assert compute_thread_env(2, 2, {"OMP_WAIT_POLICY": "active"}) == {}
 
 
-def test_only_a_lone_one_rank_cpu_worker_gets_the_spin():
-    from pagefleet.cluster.app import worker_env
+def test_only_a_lone_one_rank_cpu_worker_gets_the_spin_on_top_of_the_jobs_runtime_env():
+    from pagefleet.cluster.app import worker_runtime_env
 
     engine = EngineArgs(cpu_omp_threads=4)
-    assert worker_env(engine, workers=1, gpus_per_rank=0.0, cores=4) == compute_thread_env(4, 4, {})
-    assert worker_env(engine, workers=2, gpus_per_rank=0.0, cores=4) == {}  # replicas share the cores
-    assert worker_env(engine, workers=1, gpus_per_rank=1.0, cores=4) == {}  # the GPU computes
-    assert worker_env(EngineArgs(cpu_omp_threads=2, tensor_parallel_size=2), workers=1, gpus_per_rank=0.0,
-                      cores=4) == {}
-    assert worker_env(EngineArgs(cpu_omp_threads=2), workers=1, gpus_per_rank=0.0, cores=4) == {}
+    passive = {"OMP_WAIT_POLICY": "PASSIVE"}
+    job = {"pip": ["x"], "env_vars": {"HF_TOKEN": "t"}}
+
+    def env(args=engine, workers=1, gpus=0.0, cores=4, job_env=job, environ=passive):
+        return worker_runtime_env(args, workers, gpus, cores, job_env, environ)
+
+    # Serve gives a deployment the job's runtime_env only when it has none: the spin comes on top of it.
+    assert env() == {"pip": ["x"], "env_vars": {"HF_TOKEN": "t", "GOMP_SPINCOUNT": "300000"}}
+    assert env(job_env={}) == {"env_vars": {"GOMP_SPINCOUNT": "300000"}}
+    assert env(EngineArgs(cpu_omp_threads=2), workers=2, cores=2) is None  # replicas share the cores
+    assert env(gpus=1.0) is None  # the GPU computes
+    assert env(EngineArgs(cpu_omp_threads=4, device="cuda")) is None
+    assert env(EngineArgs(cpu_omp_threads=2, tensor_parallel_size=2)) is None
+    assert env(EngineArgs(cpu_omp_threads=2)) is None  # cores someone else may use
+    # the user's own libgomp setting wins, from this process's environment or the job's
+    assert env(environ={"GOMP_SPINCOUNT": "0"}) is None
+    assert env(job_env={"env_vars": {"OMP_WAIT_POLICY": "ACTIVE"}}) is None

@@ -39,10 +39,29 @@ def test_cpu_per_token_outside_the_worker_always_and_the_engines_difference_only
 
     engine = {**_line(200.0, 1000.0, 50.0), "cpu_ms_per_token": {"engine": 9.0}}
     served = {**_line(180.0, 1100.0, 55.0), "cpu_ms_per_token": {"worker": 9.5, "ingress": 0.5, "proxy": 0.25}}
-    monkeypatch.setattr(serving, "alone_spin_env", lambda: {})
+    monkeypatch.setattr(serving, "alone_env", lambda: {"OMP_WAIT_POLICY": "PASSIVE"})
     passive = overhead(16, engine, served, {})
     assert (passive["outside_worker_cpu_ms_per_token"], passive["path_cpu_ms_per_token"]) == (0.75, 1.25)
     # A spinning team's waits count as CPU: the engines' difference would not be the path's work.
-    monkeypatch.setattr(serving, "alone_spin_env", lambda: {"GOMP_SPINCOUNT": "300000"})
+    monkeypatch.setattr(serving, "alone_env", lambda: {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "300000"})
     spinning = overhead(16, engine, served, {})
     assert spinning["outside_worker_cpu_ms_per_token"] == 0.75 and "path_cpu_ms_per_token" not in spinning
+
+
+def test_whether_libgomp_spins_follows_its_own_rules():
+    from serving import team_spins
+
+    assert not team_spins({"OMP_WAIT_POLICY": "PASSIVE"})
+    assert team_spins({"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "300000"})  # the count wins
+    assert not team_spins({"OMP_WAIT_POLICY": "ACTIVE", "GOMP_SPINCOUNT": "0"})
+    assert team_spins({"OMP_WAIT_POLICY": "active"})
+    assert team_spins({})  # libgomp's default spins
+
+
+def test_the_engine_alone_keeps_a_users_wait_policy():
+    from serving import alone_env
+
+    assert alone_env({"OMP_WAIT_POLICY": "ACTIVE"})["OMP_WAIT_POLICY"] == "ACTIVE"
+    assert "GOMP_SPINCOUNT" not in alone_env({"OMP_WAIT_POLICY": "ACTIVE"})
+    assert alone_env({"GOMP_SPINCOUNT": "7"})["GOMP_SPINCOUNT"] == "7"
+    assert alone_env({})["OMP_WAIT_POLICY"] == "PASSIVE"

@@ -199,11 +199,11 @@ def _replica_id() -> str:
 
 def worker_deployment_options(engine_args: EngineArgs, *, num_replicas: int = 1, num_cpus: float = 1.0,
                               num_gpus_per_rank: float = 0.0, name: str = WORKER_DEPLOYMENT_NAME,
-                              channels: int = 1, env_vars: Mapping[str, str] | None = None,
+                              channels: int = 1, runtime_env: Mapping[str, Any] | None = None,
                               **deployment_options: Any) -> dict[str, Any]:
     """``serve.deployment`` options for ``num_replicas`` engines of ``engine_args``, whose
     ``channels`` callers (the ingress replicas) each hold one delta channel on every replica;
-    ``env_vars``: set in each replica's process before it starts (a Ray ``runtime_env``).
+    ``runtime_env``: each replica's Ray runtime_env (None: the job's, as Serve gives it).
 
     A tensor-parallel engine gets a placement group of one bundle per rank,
     STRICT_PACK so its ranks share a node (all-reduce stays on NVLink or
@@ -229,12 +229,14 @@ def worker_deployment_options(engine_args: EngineArgs, *, num_replicas: int = 1,
         "health_check_timeout_s": 30.0,
         "ray_actor_options": {"num_cpus": num_cpus, "num_gpus": num_gpus_per_rank},
     }
-    if env_vars:
-        options["ray_actor_options"]["runtime_env"] = {"env_vars": dict(env_vars)}
+    if runtime_env is not None:
+        options["ray_actor_options"]["runtime_env"] = dict(runtime_env)
     if tp > 1:
         bundle = {"CPU": num_cpus, **({"GPU": num_gpus_per_rank} if num_gpus_per_rank else {})}
         options["placement_group_bundles"] = [dict(bundle) for _ in range(tp)]
         options["placement_group_strategy"] = "STRICT_PACK"
+    # A caller's ray_actor_options add to these (or override one key) rather than replace them.
+    options["ray_actor_options"].update(deployment_options.pop("ray_actor_options", {}))
     options.update(deployment_options)
     return options
 

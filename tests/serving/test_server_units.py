@@ -110,6 +110,11 @@ def test_deployment_options_single_rank_and_tensor_parallel():
     assert tp["ray_actor_options"] == {"num_cpus": 1, "num_gpus": 1}
     with pytest.raises(ValueError, match="num_replicas"):
         worker_deployment_options(EngineArgs(), num_replicas=0)
+    # a caller's actor options add to these; a runtime_env goes with them
+    merged = worker_deployment_options(EngineArgs(), num_cpus=0.5, runtime_env={"env_vars": {"A": "1"}},
+                                       ray_actor_options={"memory": 1 << 30})
+    assert merged["ray_actor_options"] == {"num_cpus": 0.5, "num_gpus": 0.0, "memory": 1 << 30,
+                                           "runtime_env": {"env_vars": {"A": "1"}}}
 
 
 @pytest.mark.parametrize("text, expected", [
@@ -185,6 +190,7 @@ def test_build_app_spins_the_team_of_a_lone_cpu_worker_in_its_process_environmen
 
     monkeypatch.setattr(app_module, "available_cores", lambda: 4)
     monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
     built = build_app({"model": str(tiny_checkpoint("llama")), "routing": "round_robin"})
     worker_app, engine_args = built._bound_deployment.init_args
     assert engine_args.cpu_omp_threads == 4
