@@ -58,7 +58,8 @@ from _machine import machine
 from _proc_cpu import per_token_ms, role_of, sched_per_token, thread_sched, tree_cpu_s
 
 from pagefleet.cluster.cpu_priority import descendants
-from pagefleet.worker.cpu_threads import LOWEST_NICE, available_cores, compute_thread_env, cpu_compute_threads
+from pagefleet.worker.cpu_threads import (LOWEST_NICE, available_cores, compute_thread_env, cpu_compute_threads,
+                                          libgomp_spins)
 
 HERE = Path(__file__).resolve().parent
 BIN = Path(sys.executable).parent
@@ -229,13 +230,6 @@ def alone_env(environ: Mapping[str, str] = os.environ) -> dict[str, str]:
     return {**env, **compute_thread_env(cpu_compute_threads(None, cores), cores, environ)}
 
 
-def team_spins(environ: Mapping[str, str]) -> bool:
-    """Whether libgomp in a process with this environment spins before it sleeps."""
-    if "GOMP_SPINCOUNT" in environ:
-        return environ["GOMP_SPINCOUNT"].strip() not in ("", "0")
-    return environ.get("OMP_WAIT_POLICY", "").upper() != "PASSIVE"
-
-
 def engine_alone(ckpt: str, args, out: Path | None, info: dict) -> dict:
     plan = [f"{c}:{num_prompts(c)}" for c in args.concurrency]
     before = load()
@@ -265,7 +259,7 @@ def overhead(c: int, engine: dict, served: dict, peers: dict[str, dict]) -> dict
         # a lower bound (the replica's own event loop and delta channel are in the worker's).
         line["outside_worker_cpu_ms_per_token"] = round(
             sum(ms for role, ms in served["cpu_ms_per_token"].items() if role != "worker"), 3)
-    if "cpu_ms_per_token" in served and "cpu_ms_per_token" in engine and not team_spins(alone_env()):
+    if "cpu_ms_per_token" in served and "cpu_ms_per_token" in engine and not libgomp_spins(alone_env()):
         # The server's CPU per token (every process of it) beyond what the engine alone spends:
         # the Ray path's cost in CPU, which on a CPU-bound machine caps tok/s at
         # engine / (engine + path) of the engine's. Not where the OpenMP team spins: its waits
@@ -317,6 +311,15 @@ def run_round(order: list[str], ckpt: str, args, workdir: Path, info: dict, have
     return results
 
 
+def round_overhead(c: int, results: dict[str, dict]) -> dict | None:
+    """The overhead line at concurrency ``c`` from one round's results (None without both the
+    engine alone and pagefleet serve), against whichever vLLM servers ran in that round."""
+    if "engine-alone" not in results or "pagefleet-serve" not in results:
+        return None
+    peers = {name: results[name][c] for name in ("vllm-serve", "vllm-serve-allcores") if c in results.get(name, {})}
+    return overhead(c, results["engine-alone"][c], results["pagefleet-serve"][c], peers)
+
+
 # The overhead figures whose median over rounds the last lines give.
 MEDIAN_KEYS = ("ttft_p50_added_ms", "tpot_added_ms", "tok_s_vs_engine", "tok_s_vs_vllm_serve",
                "tok_s_vs_vllm_serve_allcores", "path_cpu_ms_per_token", "outside_worker_cpu_ms_per_token")
@@ -327,12 +330,7 @@ def median_overhead(c: int, per_round: list[dict[str, dict]]) -> dict | None:
     minutes apart, the rounds further apart) and their median. On a shared machine whose speed
     drifts by a quarter within the hour, a ratio taken within a round is what compares; the median
     over rounds is the run's figure."""
-    lines = []
-    for results in per_round:
-        if "engine-alone" in results and "pagefleet-serve" in results:
-            peers = {name: results[name][c] for name in ("vllm-serve", "vllm-serve-allcores")
-                     if c in results.get(name, {})}
-            lines.append(overhead(c, results["engine-alone"][c], results["pagefleet-serve"][c], peers))
+    lines = [line for line in (round_overhead(c, results) for results in per_round) if line is not None]
     if not lines:
         return None
     out: dict = {"summary": "ray_path_overhead_median", "concurrency": c, "rounds": len(lines)}
@@ -371,12 +369,10 @@ def main() -> None:
         order = args.systems if r % 2 == 0 else args.systems[::-1]
         results = run_round(order, ckpt, args, workdir, {**info, "round": r}, have_vllm, check_client=r == 0)
         per_round.append(results)
-        if "engine-alone" in results and "pagefleet-serve" in results:
-            for c in args.concurrency:
-                peers = {name: results[name][c] for name in ("vllm-serve", "vllm-serve-allcores")
-                         if c in results.get(name, {})}
-                emit({**overhead(c, results["engine-alone"][c], results["pagefleet-serve"][c], peers),
-                      "round": r, "label": args.label}, args.out)
+        for c in args.concurrency:
+            line = round_overhead(c, results)
+            if line is not None:
+                emit({**line, "round": r, "label": args.label}, args.out)
     if args.rounds > 1:
         for c in args.concurrency:
             line = median_overhead(c, per_round)

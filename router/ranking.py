@@ -102,10 +102,9 @@ def candidate_rows(order: list[WorkerView], runs: dict[int, int], by_slot: dict[
                 continue
             cached = 0
         left[cached] -= 1
-        if ((v.seats < seqs or v.room_blocks < need - cached)
-                and (room_seen or without_room[cached] == k)):
-            pass  # no room, and its row could not make the ranking (add_row's first test, inline)
-        else:
+        # add_row's first test inline (most walked workers fail it): no room, and a row without
+        # room could not make the ranking.
+        if not ((v.seats < seqs or v.room_blocks < need - cached) and (room_seen or without_room[cached] == k)):
             add_row(v, cached)
         if with_room[cached] == k or not left[cached] or (hopeless and without_room[cached] == k):
             if cached:

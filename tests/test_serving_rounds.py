@@ -49,13 +49,13 @@ def test_cpu_per_token_outside_the_worker_always_and_the_engines_difference_only
 
 
 def test_whether_libgomp_spins_follows_its_own_rules():
-    from serving import team_spins
+    from pagefleet.worker.cpu_threads import libgomp_spins
 
-    assert not team_spins({"OMP_WAIT_POLICY": "PASSIVE"})
-    assert team_spins({"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "300000"})  # the count wins
-    assert not team_spins({"OMP_WAIT_POLICY": "ACTIVE", "GOMP_SPINCOUNT": "0"})
-    assert team_spins({"OMP_WAIT_POLICY": "active"})
-    assert team_spins({})  # libgomp's default spins
+    assert not libgomp_spins({"OMP_WAIT_POLICY": "PASSIVE"})
+    assert libgomp_spins({"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "300000"})  # the count wins
+    assert not libgomp_spins({"OMP_WAIT_POLICY": "ACTIVE", "GOMP_SPINCOUNT": "0"})
+    assert libgomp_spins({"OMP_WAIT_POLICY": "active"})
+    assert libgomp_spins({})  # libgomp's default spins
 
 
 def test_the_engine_alone_keeps_a_users_wait_policy():

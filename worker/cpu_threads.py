@@ -41,6 +41,14 @@ LOWEST_NICE = 19
 SPIN_WAIT_ENV = {"GOMP_SPINCOUNT": "300000"}
 
 
+def libgomp_spins(environ: Mapping[str, str]) -> bool:
+    """Whether libgomp, loaded in a process with this environment, spins before a waiting thread
+    sleeps: GOMP_SPINCOUNT decides when set, else any OMP_WAIT_POLICY but PASSIVE (unset spins)."""
+    if "GOMP_SPINCOUNT" in environ:
+        return environ["GOMP_SPINCOUNT"].strip() not in ("", "0")
+    return environ.get("OMP_WAIT_POLICY", "").upper() != "PASSIVE"
+
+
 def compute_thread_env(threads: int, cores: int, environ: Mapping[str, str] = os.environ) -> dict[str, str]:
     """Environment for a CPU engine's process (read by libgomp when torch loads, so it goes in the
     process's environment at start: a Ray ``runtime_env``): ``SPIN_WAIT_ENV`` when the engine
