@@ -10,6 +10,7 @@ replica rather than on each request's stream (``worker.delta_channel``).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any, AsyncIterator, Callable, Mapping
 
@@ -101,15 +102,15 @@ class WorkerReplica:
                 yield delta
             return
         channel.requests += 1
+        # The engine takes the request while Serve sends the Placed, not once it is sent.
+        pump = asyncio.ensure_future(_put_on(channel, deltas))
         try:
             yield Placed(self.replica_id)
-            sent = 0
-            async for delta in deltas:
-                channel.put(delta)
-                sent += 1
-            yield Ended(sent)
+            yield Ended(await pump)
         finally:
-            await deltas.aclose()  # at once, not when collected: a cancelled request is aborted now
+            if not pump.done():  # the caller cancelled: the engine aborts the request now
+                pump.cancel()
+            await asyncio.gather(pump, return_exceptions=True)
             channel.requests -= 1
             self._drop_if_unused(request.channel)
 
@@ -182,6 +183,18 @@ class WorkerReplica:
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()
+
+
+async def _put_on(channel: DeltaChannel, deltas: AsyncIterator[RequestOutputDelta]) -> int:
+    """Puts a request's deltas on its channel; how many it put."""
+    sent = 0
+    try:
+        async for delta in deltas:
+            channel.put(delta)
+            sent += 1
+    finally:
+        await deltas.aclose()  # at once, not when collected: a cancelled request is aborted now
+    return sent
 
 
 def _node_ip() -> str:

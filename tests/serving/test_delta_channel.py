@@ -32,9 +32,11 @@ class SteppedEngine:
     def __init__(self, args):
         self.model_config = SimpleNamespace(served_model_name="m", max_model_len=64)
         self.steps = [asyncio.Event() for _ in range(8)]
+        self.started: list[str] = []
         self.closed: list[str] = []
 
     async def generate(self, request_id, prompt_token_ids, params, extra_keys=(), block_hashes=None):
+        self.started.append(request_id)
         try:
             for step in range(params.max_tokens):
                 await self.steps[step].wait()
@@ -117,6 +119,23 @@ def test_a_cancelled_channel_request_is_aborted_at_once_and_leaves_nothing():
 
     replica = asyncio.run(run())
     assert replica._channels == {}
+
+
+def test_the_engine_takes_a_channel_request_while_its_placed_is_on_the_way():
+    async def run():
+        replica = WorkerReplica(EngineArgs(), engine_factory=SteppedEngine)
+        channel = replica.channel(ChannelOpen("c1", "local"))
+        assert await channel.__anext__() == []
+        gen = replica.generate(_request("a", 3))
+        assert await gen.__anext__() == Placed("local")
+        await _settle()  # Serve is sending the Placed: nothing asks for the next item yet
+        assert replica.engine.started == ["a"] and replica.engine.closed == []
+        await gen.aclose()  # the caller went away before it asked for more
+        assert replica.engine.closed == ["a"] and replica._channels["c1"].requests == 0
+        await channel.aclose()
+        assert replica._channels == {}
+
+    asyncio.run(run())
 
 
 def test_a_request_that_starts_with_no_reader_attached_streams_its_own_deltas():
