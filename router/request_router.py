@@ -77,6 +77,12 @@ class _PagefleetRouter(FIFOMixin, RequestRouter):
 
     async def choose_replicas(self, candidate_replicas: List[RunningReplica],
                               pending_request: Optional[PendingRequest] = None) -> List[List[RunningReplica]]:
+        if pending_request is not None:
+            # Every choice here is the whole ranking, so Serve should back off before asking again
+            # when it found no room; without this it asks again at once, and a choice of no replica
+            # at all (a channel to a replica that is gone) turns into a loop that never yields the
+            # event loop (Serve backs off only when a locality mixin says so).
+            pending_request.routing_context.should_backoff = True
         channel = _channel_open(pending_request)
         if channel is not None:  # its replica or none (a replica that is gone is never a candidate)
             return [[r] for r in candidate_replicas if r.replica_id.unique_id == channel.replica_id]

@@ -516,7 +516,9 @@ def _replica(unique_id: str):
 def test_the_request_routers_send_a_channel_to_its_replica_alone(router_class):
     router = object.__new__(router_class)  # choose_replicas reads nothing else for a channel
     candidates = [_replica("w0"), _replica("w1"), _replica("w2")]
-    pending = SimpleNamespace(args=[ChannelOpen("c1", "w1")])
+    pending = SimpleNamespace(args=[ChannelOpen("c1", "w1")], routing_context=SimpleNamespace(should_backoff=False))
     assert asyncio.run(router.choose_replicas(candidates, pending)) == [[candidates[1]]]
-    pending = SimpleNamespace(args=[ChannelOpen("c1", "w9")])  # gone: no replica, never another
-    assert asyncio.run(router.choose_replicas(candidates, pending)) == []
+    pending = SimpleNamespace(args=[ChannelOpen("c1", "w9")], routing_context=SimpleNamespace(should_backoff=False))
+    assert asyncio.run(router.choose_replicas(candidates, pending)) == []  # gone: no replica, never another
+    # and Serve backs off before asking again (it would otherwise ask in a loop that never yields)
+    assert pending.routing_context.should_backoff is True
