@@ -6,7 +6,11 @@ call's own Serve stream.
 
 A request registers its queue before it is sent (its first deltas can arrive before its
 ``Placed``), says where it was placed, and reads its queue (``read_deltas``), where the
-request's own stream also puts its ``Ended`` or its error (``watch``). The reader of a replica's
+request's own stream also puts its ``Ended`` or its error (``watch``). Once a replica's channel
+is an open connection, ``send`` puts a request on it instead of on a Serve call: the replica
+answers on the channel with its deltas, or a refusal (``ReplicaBusy``: send it through Serve)
+or its error, and a request whose connection ends before it finished fails with
+``ChannelLost``. The reader of a replica's
 channel runs while requests are placed there: it opens the channel again if the stream breaks
 (the replica keeps what was not taken) or ends (the replica closes a channel idle for a few
 seconds), and stops once no request of this ingress runs there: the replica is gone and its
@@ -25,8 +29,9 @@ from typing import Any, AsyncIterator, Callable
 
 from pagefleet.worker import hop_trace
 from pagefleet.worker.outputs import RequestOutputDelta, merge_deltas
-from pagefleet.worker.delta_channel import FRAME_HEADER
-from pagefleet.worker.worker_request import ChannelOpen, Ended, SocketOffer
+from pagefleet.worker.delta_channel import FRAME_HEADER, MAX_FRAME_BYTES, encode_frame
+from pagefleet.worker.worker_request import (Abort, ChannelOpen, Ended, Failed, Refused, SocketOffer,
+                                              WorkerRequest)
 
 logger = logging.getLogger(__name__)
 
@@ -37,12 +42,19 @@ LOST_OUTPUT_TIMEOUT_S = 30.0
 REOPEN_BACKOFF_S = 0.2
 # How long connecting to a replica's channel socket may take before its Serve stream is used.
 CONNECT_TIMEOUT_S = 2.0
-# A frame longer than this is not from a replica: the connection is dropped.
-MAX_FRAME_BYTES = 1 << 30
 
 
 class LostOutputError(RuntimeError):
     """The replica sent more deltas than arrived (a channel broke with them in flight)."""
+
+
+class ReplicaBusy(RuntimeError):
+    """The replica refused a request sent on its channel connection: nothing of it ran."""
+
+
+class ChannelLost(ConnectionError):
+    """The channel connection a request was sent on ended before the request finished (the
+    replica's process or node went away, or the connection broke): the replica aborted it."""
 
 
 @dataclass(slots=True)
@@ -52,6 +64,8 @@ class MuxCounters:
     batches: int = 0
     deltas: int = 0
     unclaimed: int = 0  # deltas of no running request (cancelled meanwhile) or from a replica it left
+    sent: int = 0  # requests sent on a channel connection
+    refused: int = 0  # of those, refused by the replica (then sent through Serve)
 
 
 class SocketUnusable(ConnectionError):
@@ -69,6 +83,14 @@ class _FrameReader(asyncio.Protocol):
         self._buf = bytearray()
         self.frames = 0
         self.done: asyncio.Future = asyncio.get_running_loop().create_future()
+
+    @property
+    def open(self) -> bool:
+        """Attached (the replica's first frame came) and not ended."""
+        return self.frames > 0 and not self.done.done() and not self._transport.is_closing()
+
+    def send(self, commands: list) -> None:
+        self._transport.write(encode_frame(commands))  # type: ignore[attr-defined]
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport
@@ -131,6 +153,8 @@ class ChannelMux:
         self._left: dict[str, set[str]] = {}  # request id -> replicas an earlier attempt ran on
         self._on: dict[str, set[str]] = {}  # replica -> request ids placed there
         self._readers: dict[str, asyncio.Task] = {}
+        self._connections: dict[str, _FrameReader] = {}  # replica -> its channel's open connection
+        self._sent: dict[str, str] = {}  # request id -> replica, while it runs there, sent on the connection
         self.counters = MuxCounters()
 
     def register(self, request_id: str) -> asyncio.Queue:
@@ -161,9 +185,29 @@ class ChannelMux:
         if replica_id not in self._readers:
             self._readers[replica_id] = asyncio.ensure_future(self._read(replica_id))
 
+    def send(self, request: WorkerRequest, replica_id: str) -> bool:
+        """Sends ``request`` on the replica's channel connection and says so, or says it has none
+        open (the request goes through Serve). Its deltas, refusal or error come to its queue."""
+        connection = self._connections.get(replica_id)
+        if connection is None or not connection.open:
+            return False
+        self.placed(request.request_id, replica_id)
+        self._sent[request.request_id] = replica_id
+        connection.send([request])
+        self.counters.sent += 1
+        return True
+
+    def abort(self, request_id: str) -> None:
+        """Stops a request sent on a connection that has not finished (the client went away)."""
+        replica_id = self._sent.pop(request_id, None)
+        connection = self._connections.get(replica_id) if replica_id is not None else None
+        if connection is not None and connection.open:
+            connection.send([Abort(request_id)])
+
     def release(self, request_id: str) -> None:
         self._queues.pop(request_id, None)
         self._left.pop(request_id, None)
+        self._sent.pop(request_id, None)
         self._unplace(request_id)
 
     def _unplace(self, request_id: str) -> None:
@@ -213,6 +257,7 @@ class ChannelMux:
                 offer.host, offer.port), CONNECT_TIMEOUT_S)
         except (OSError, asyncio.TimeoutError) as exc:
             raise SocketUnusable(f"connecting to {offer.host}:{offer.port}: {exc!r}") from exc
+        self._connections[replica_id] = reader
         try:
             _keep_alive(transport.get_extra_info("socket"))
             self.counters.channels_opened += 1
@@ -222,21 +267,42 @@ class ChannelMux:
                 raise SocketUnusable(f"{offer.host}:{offer.port} closed the connection unanswered")
         finally:
             transport.close()
+            if self._connections.get(replica_id) is reader:
+                del self._connections[replica_id]
+            self._lose_sent(replica_id)
+
+    def _lose_sent(self, replica_id: str) -> None:
+        """The requests sent on a replica's connection that ended: the replica aborted them."""
+        for request_id in [r for r, on in self._sent.items() if on == replica_id]:
+            del self._sent[request_id]
+            q = self._queues.get(request_id)
+            if q is not None:
+                q.put_nowait(ChannelLost(f"the channel connection to worker replica {replica_id} ended"))
 
     def _dispatch(self, replica_id: str, batch: list[RequestOutputDelta]) -> None:
         self.counters.batches += 1
         self.counters.deltas += len(batch)
-        for delta in batch:
+        for item in batch:
+            request_id = item.request_id
             if hop_trace.PATH:
-                hop_trace.mark(delta.request_id, "ingress_channel_recv")
-            q = self._queues.get(delta.request_id)
+                hop_trace.mark(request_id, "ingress_channel_recv")
+            q = self._queues.get(request_id)
             # Not from a replica a failed attempt ran on (its deltas still on the way); before
             # the request's Placed arrives, from wherever it runs.
-            if q is None or self._replica_of.get(delta.request_id, replica_id) != replica_id \
-                    or replica_id in self._left.get(delta.request_id, ()):
+            if q is None or self._replica_of.get(request_id, replica_id) != replica_id \
+                    or replica_id in self._left.get(request_id, ()):
                 self.counters.unclaimed += 1
-            else:
-                q.put_nowait(delta)
+            elif isinstance(item, RequestOutputDelta):
+                if item.finished:
+                    self._sent.pop(request_id, None)
+                q.put_nowait(item)
+            else:  # a request sent on the connection that did not run, or failed
+                self._sent.pop(request_id, None)
+                if isinstance(item, Refused):
+                    self.counters.refused += 1
+                    q.put_nowait(ReplicaBusy(f"worker replica {replica_id} holds as many requests as it may"))
+                elif isinstance(item, Failed):
+                    q.put_nowait(item.error)
 
 
 async def watch(response: Any, q: asyncio.Queue) -> None:

@@ -11,7 +11,9 @@ handle; their deltas come back on this ingress's delta channel to that replica
 (one TCP connection per replica, or a Serve stream where it cannot connect, carrying every
 request's deltas of a step: ``router.delta_mux``), their errors on their own stream. Closing a request's
 stream cancels the handle's response, which cancels the worker-side generator,
-which aborts the request in the engine.
+which aborts the request in the engine. A request whose ranking puts first a replica that this
+ingress's channel to is an open connection goes on that connection instead (Serve's handle call
+is the largest hop before the engine); if the replica refuses it (full), through Serve after all.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from typing import Any, AsyncIterator
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from pagefleet.router.delta_mux import ChannelMux, read_deltas, watch
+from pagefleet.router.delta_mux import ChannelMux, ReplicaBusy, read_deltas, watch
 from pagefleet.router.global_scheduler import SchedulerCounters
 from pagefleet.router.http_guards import BodyLimits
 from pagefleet.router.kv_mirror import MirrorCounters, SchedulerMirror, ViewFollower
@@ -34,6 +36,7 @@ from pagefleet.router.metrics import RouterMetrics
 from pagefleet.router.node_metrics import NodeMetricsReader
 from pagefleet.router.openai_app import build_openai_app
 from pagefleet.router.preprocess import ModelInfo, ServingLimits, longest_token_chars
+from pagefleet.router.request_router import routable
 from pagefleet.router.scheduler_actor import WorkerKVView, worker_kv_view
 from pagefleet.router.service import Job, OpenAIService
 from pagefleet.router.worker_errors import WorkerHealth, worker_failure
@@ -70,6 +73,7 @@ class HandleWorkerClient:
                  health: WorkerHealth | None = None, metrics: RouterMetrics | None = None,
                  follower: ViewFollower | None = None) -> None:
         self._stream = handle.options(method_name="generate", stream=True)
+        self._deployment = (handle.app_name, handle.deployment_name)
         self.metrics = metrics or RouterMetrics()
         self.mux = ChannelMux(handle.options(method_name="channel", stream=True).remote,
                               on_opened=lambda transport: self.metrics.inc("delta_channels_opened",
@@ -109,16 +113,18 @@ class HandleWorkerClient:
         request = WorkerRequest(job.request_id, job.token_ids, job.params, job.block_hashes, job.extra_keys,
                                 job.ranking, channel=self.mux.channel_id)
         q = self.mux.register(job.request_id)  # before sending: its deltas may arrive before its Placed
+        attempt, on_connection = 1, True
         try:
-            for attempt in range(1, MAX_ATTEMPTS + 1):
+            while True:
                 response = None
                 started = finished = False
-                if attempt > 1:
-                    q = self.mux.retry(job.request_id)
                 try:
                     hop_trace.mark(job.request_id, "ingress_sent")
-                    response = self._stream.remote(request)  # may refuse at once: Serve's queue is full
-                    async for delta in await self._placed(job.request_id, response, q):
+                    deltas = self._sent(request, q) if on_connection else None
+                    if deltas is None:
+                        response = self._stream.remote(request)  # may refuse at once: Serve's queue is full
+                        deltas = await self._placed(job.request_id, response, q)
+                    async for delta in deltas:
                         if not started:
                             hop_trace.mark(job.request_id, "ingress_first_delta")
                             if self.kv is not None:
@@ -127,21 +133,37 @@ class HandleWorkerClient:
                         finished = delta.finished
                         yield delta
                     return
+                except ReplicaBusy:  # refused on the connection, nothing ran: through Serve, which queues it
+                    on_connection = False
                 except Exception as exc:  # noqa: BLE001 — each becomes an OpenAI error (or a retry) below
                     error, retry = worker_failure(exc)
                     if error.status_code == 429:
                         self.metrics.inc("admission_rejections", reason="worker_queue_full")
                     if not retry or started or attempt == MAX_ATTEMPTS:
                         raise error from None
+                    attempt += 1
                     logger.warning("request %s: worker unavailable before its first output (%s); attempt %d of %d",
-                                   job.request_id, type(exc).__name__, attempt + 1, MAX_ATTEMPTS)
+                                   job.request_id, type(exc).__name__, attempt, MAX_ATTEMPTS)
                     request.ranking = None  # its first choice failed: let the request router pick again
+                    q = self.mux.retry(job.request_id)
                 finally:
+                    if not finished:
+                        self.mux.abort(job.request_id)  # sent on a connection and still running there
                     if response is not None and not finished:
                         with contextlib.suppress(Exception):  # a refused or failed call re-raises on cancel
                             response.cancel()
         finally:
             self.mux.release(job.request_id)
+
+    def _sent(self, request: WorkerRequest, q: asyncio.Queue) -> AsyncIterator[RequestOutputDelta] | None:
+        """The request's deltas (``ReplicaBusy`` first if the replica refuses it) once sent on the
+        channel connection of its first-ranked replica; None when it has no ranking, that replica
+        no open connection, or Serve no longer routes there (one it is stopping): it goes through
+        Serve."""
+        replica_id = request.ranking[0] if request.ranking else None
+        if replica_id is None or not routable(*self._deployment, replica_id) or not self.mux.send(request, replica_id):
+            return None
+        return read_deltas(q)
 
     async def _placed(self, request_id: str, response: Any, q: asyncio.Queue) -> AsyncIterator[RequestOutputDelta]:
         """Where a sent request's deltas come from, once its ``Placed`` says: its queue, fed by the
@@ -215,6 +237,11 @@ class OpenAIIngress:
         """This replica's kv routing counters (None without kv routing), for benchmarks and tests
         (Serve handle call; the HTTP app does not expose them)."""
         return None if self._client.kv is None else self._client.kv.counters
+
+    async def channel_counters(self):
+        """This replica's delta channel counters (``MuxCounters``: requests sent on connections,
+        refused there, deltas), for benchmarks and tests."""
+        return self._client.mux.counters
 
     async def mirror_view(self, worker_id: str) -> WorkerKVView | None:
         """What this ingress's copy of the scheduler's view holds for a worker (tests compare

@@ -8,6 +8,12 @@ per (ingress, replica) carrying every request's deltas of a step as one item:
 request's own stream carries only a ``Placed`` first and an ``Ended`` last, or an error; a
 request that starts while no reader is attached to the channel keeps its deltas on its own
 stream, after its ``Placed``.
+
+Once its channel is a TCP connection, the ingress sends a request on that connection instead of
+through Serve (``worker.delta_channel``): the ``WorkerRequest`` itself, then an ``Abort`` if the
+client goes away first; the replica answers on the channel with the request's deltas, or a
+``Refused`` (it holds as many requests as it may: the ingress sends it through Serve, which
+queues it) or a ``Failed`` with the error.
 """
 
 from __future__ import annotations
@@ -72,3 +78,27 @@ class SocketOffer:
     host: str
     port: int
     token: bytes
+
+
+@dataclass(slots=True)
+class Abort:
+    """Sent on a channel connection: stop a request sent on it and free its blocks."""
+
+    request_id: str
+
+
+@dataclass(slots=True)
+class Refused:
+    """On a channel: the replica did not start a request sent on the connection (it holds as many
+    as it may, or is going away); nothing of it ran."""
+
+    request_id: str
+
+
+@dataclass(slots=True)
+class Failed:
+    """On a channel: a request sent on the connection failed with ``error`` (the engine refused
+    it, or its engine died)."""
+
+    request_id: str
+    error: BaseException

@@ -10,57 +10,18 @@ from types import SimpleNamespace
 
 import pytest
 
+from channel_fakes import Call, SteppedEngine, delta, settle, until
 from pagefleet.router.delta_mux import ChannelMux, LostOutputError, _FrameReader, read_deltas
 from pagefleet.router.request_router import KVRouter, RoundRobinRouter
 from pagefleet.worker.delta_channel import TOKEN_BYTES, DeltaChannel, encode_frame
 from pagefleet.worker.deployment import WorkerReplica
 from pagefleet.worker.engine_args import EngineArgs
-from pagefleet.worker.outputs import CompletionOutput, RequestOutputDelta
 from pagefleet.worker.sampling_params import SamplingParams
-from pagefleet.worker.stats import EngineStats
 from pagefleet.worker.worker_request import ChannelOpen, Ended, Placed, SocketOffer, WorkerRequest
-
-
-def _delta(request_id: str, token: int, finished: bool = False) -> RequestOutputDelta:
-    return RequestOutputDelta(request_id, [CompletionOutput(0, f"t{token}", [token], None,
-                                                            "length" if finished else None)], 1, 0, finished)
-
-
-class SteppedEngine:
-    """Every running request gets its next delta when the test sets that step's event."""
-
-    def __init__(self, args):
-        self.model_config = SimpleNamespace(served_model_name="m", max_model_len=64)
-        self.steps = [asyncio.Event() for _ in range(8)]
-        self.started: list[str] = []
-        self.closed: list[str] = []
-
-    async def generate(self, request_id, prompt_token_ids, params, extra_keys=(), block_hashes=None):
-        self.started.append(request_id)
-        try:
-            for step in range(params.max_tokens):
-                await self.steps[step].wait()
-                yield _delta(request_id, step, step == params.max_tokens - 1)
-        finally:
-            self.closed.append(request_id)
-
-    def stats(self):
-        return EngineStats(100, 90, 1, 2, 0, 0, 0, 5, 10, 20)
-
-    def check_health(self):
-        pass
-
-    def shutdown(self):
-        pass
 
 
 def _request(request_id: str, max_tokens: int, channel: str | None = "c1") -> WorkerRequest:
     return WorkerRequest(request_id, [1, 2], SamplingParams(max_tokens=max_tokens), channel=channel)
-
-
-async def _settle() -> None:
-    for _ in range(10):
-        await asyncio.sleep(0)
 
 
 def test_one_item_per_step_carries_every_requests_delta():
@@ -73,7 +34,7 @@ def test_one_item_per_step_carries_every_requests_delta():
         ends = [asyncio.ensure_future(a.__anext__()), asyncio.ensure_future(b.__anext__())]
         items = []
         for step in range(2):
-            await _settle()
+            await settle()
             replica.engine.steps[step].set()
             items.append(await channel.__anext__())
         assert [[(d.request_id, d.sequences[0].token_ids) for d in item] for item in items] == \
@@ -108,7 +69,7 @@ def test_a_cancelled_channel_request_is_aborted_at_once_and_leaves_nothing():
         assert await gen.__anext__() == Placed("local")
         replica.engine.steps[0].set()
         pending = asyncio.ensure_future(gen.__anext__())
-        await _settle()
+        await settle()
         assert replica._channels["c1"].pending[0].sequences[0].token_ids == [0]  # queued for the reader
         pending.cancel()  # what Serve does when the ingress cancels the request
         with pytest.raises(asyncio.CancelledError):
@@ -128,7 +89,7 @@ def test_the_engine_takes_a_channel_request_while_its_placed_is_on_the_way():
         assert await channel.__anext__() == []
         gen = replica.generate(_request("a", 3))
         assert await gen.__anext__() == Placed("local")
-        await _settle()  # Serve is sending the Placed: nothing asks for the next item yet
+        await settle()  # Serve is sending the Placed: nothing asks for the next item yet
         assert replica.engine.started == ["a"] and replica.engine.closed == []
         await gen.aclose()  # the caller went away before it asked for more
         assert replica.engine.closed == ["a"] and replica._channels["c1"].requests == 0
@@ -167,15 +128,15 @@ def test_a_new_reader_takes_over_and_gets_everything_not_yet_taken():
         channel = DeltaChannel()
         first = channel.batches()
         assert await first.__anext__() == []
-        channel.put(_delta("a", 0))
-        assert await first.__anext__() == [_delta("a", 0)]
-        channel.put(_delta("a", 1))  # the first reader's stream broke before it took this one
+        channel.put(delta("a", 0))
+        assert await first.__anext__() == [delta("a", 0)]
+        channel.put(delta("a", 1))  # the first reader's stream broke before it took this one
         second = channel.batches()
         assert await second.__anext__() == []
         with pytest.raises(StopAsyncIteration):  # the old reader ends at its next wake-up
             await first.__anext__()
-        channel.put(_delta("a", 2))
-        assert await second.__anext__() == [_delta("a", 1), _delta("a", 2)]
+        channel.put(delta("a", 2))
+        assert await second.__anext__() == [delta("a", 1), delta("a", 2)]
         assert channel.attached
 
     asyncio.run(run())
@@ -195,8 +156,8 @@ def test_a_channel_with_no_request_ends_its_stream_and_one_with_requests_does_no
         waiting = asyncio.ensure_future(busy.__anext__())
         await asyncio.sleep(0.15)
         assert not waiting.done()  # a request runs there: the stream stays, however long its step
-        channel.put(_delta("a", 0))
-        assert await waiting == [_delta("a", 0)]
+        channel.put(delta("a", 0))
+        assert await waiting == [delta("a", 0)]
 
     asyncio.run(run())
 
@@ -240,11 +201,11 @@ def test_the_mux_opens_one_channel_per_replica_and_routes_each_delta_to_its_requ
         qa, qb = mux.register("a"), mux.register("b")
         mux.placed("a", "w0")
         mux.placed("b", "w0")
-        await _settle()
+        await settle()
         assert [request for request, _ in opened] == [ChannelOpen("c1", "w0")]
-        opened[0][1].items.put_nowait([_delta("a", 0), _delta("b", 0), _delta("gone", 0)])
-        await _settle()
-        assert (qa.get_nowait(), qb.get_nowait()) == (_delta("a", 0), _delta("b", 0))
+        opened[0][1].items.put_nowait([delta("a", 0), delta("b", 0), delta("gone", 0)])
+        await settle()
+        assert (qa.get_nowait(), qb.get_nowait()) == (delta("a", 0), delta("b", 0))
         assert (mux.counters.batches, mux.counters.deltas, mux.counters.unclaimed) == (1, 3, 1)
         with pytest.raises(ValueError, match="already running"):
             mux.register("a")
@@ -258,20 +219,20 @@ def test_deltas_before_placed_are_kept_and_a_failed_attempts_late_deltas_are_not
         mux.register("x")
         mux.placed("x", "w0")  # w0's channel is read for another request's sake
         q = mux.register("a")
-        await _settle()
+        await settle()
         w0 = opened[0][1]
-        w0.items.put_nowait([_delta("a", 0)])  # before a's Placed: from wherever a runs
-        await _settle()
-        assert q.get_nowait() == _delta("a", 0)
+        w0.items.put_nowait([delta("a", 0)])  # before a's Placed: from wherever a runs
+        await settle()
+        assert q.get_nowait() == delta("a", 0)
         mux.placed("a", "w0")
         q = mux.retry("a")  # w0 failed; the next attempt goes elsewhere
-        w0.items.put_nowait([_delta("a", 1)])  # w0's late delta, before the retry's Placed
+        w0.items.put_nowait([delta("a", 1)])  # w0's late delta, before the retry's Placed
         mux.placed("a", "w1")
-        await _settle()
-        opened[1][1].items.put_nowait([_delta("a", 7)])
-        w0.items.put_nowait([_delta("a", 2)])  # and after it
-        await _settle()
-        assert q.get_nowait() == _delta("a", 7) and q.empty()
+        await settle()
+        opened[1][1].items.put_nowait([delta("a", 7)])
+        w0.items.put_nowait([delta("a", 2)])  # and after it
+        await settle()
+        assert q.get_nowait() == delta("a", 7) and q.empty()
         assert mux.counters.unclaimed == 2
 
     asyncio.run(run())
@@ -282,13 +243,13 @@ def test_a_broken_channel_is_opened_again_while_requests_run_there_and_not_after
         mux, opened = _mux()
         q = mux.register("a")
         mux.placed("a", "w0")
-        await _settle()
+        await settle()
         opened[0][1].items.put_nowait(ConnectionError("stream broke"))
         await asyncio.sleep(0.3)  # the reopen backoff
         assert len(opened) == 2 and opened[0][1].cancelled
-        opened[1][1].items.put_nowait([_delta("a", 0, finished=True)])
-        await _settle()
-        assert q.get_nowait() == _delta("a", 0, finished=True)
+        opened[1][1].items.put_nowait([delta("a", 0, finished=True)])
+        await settle()
+        assert q.get_nowait() == delta("a", 0, finished=True)
         mux.release("a")
         opened[1][1].items.put_nowait(ConnectionError("the replica died"))
         await asyncio.sleep(0.3)
@@ -302,13 +263,13 @@ def test_a_channel_the_replica_closed_is_opened_again_at_once_for_a_request_plac
         mux, opened = _mux()
         mux.register("a")
         mux.placed("a", "w0")
-        await _settle()
+        await settle()
         opened[0][1].items.put_nowait(None)
-        await _settle()
+        await settle()
         assert len(opened) == 2 and mux._readers  # no backoff: nothing broke
         mux.release("a")
         opened[1][1].items.put_nowait(None)
-        await _settle()
+        await settle()
         assert len(opened) == 2 and mux._readers == {}
 
     asyncio.run(run())
@@ -317,11 +278,11 @@ def test_a_channel_the_replica_closed_is_opened_again_at_once_for_a_request_plac
 def test_read_deltas_merges_what_the_reader_missed_and_stops_at_the_finished_one():
     async def run():
         q: asyncio.Queue = asyncio.Queue()
-        for item in (_delta("a", 0), _delta("a", 1), Ended(3)):
+        for item in (delta("a", 0), delta("a", 1), Ended(3)):
             q.put_nowait(item)
         deltas = read_deltas(q)
         got = [await deltas.__anext__()]
-        q.put_nowait(_delta("a", 2, finished=True))
+        q.put_nowait(delta("a", 2, finished=True))
         got += [d async for d in deltas]
         return [(d.sequences[0].token_ids, d.finished) for d in got]
 
@@ -331,7 +292,7 @@ def test_read_deltas_merges_what_the_reader_missed_and_stops_at_the_finished_one
 def test_read_deltas_raises_the_requests_error_after_its_deltas():
     async def run():
         q: asyncio.Queue = asyncio.Queue()
-        q.put_nowait(_delta("a", 0))
+        q.put_nowait(delta("a", 0))
         q.put_nowait(RuntimeError("engine died"))
         got = []
         with pytest.raises(RuntimeError, match="engine died"):
@@ -345,7 +306,7 @@ def test_read_deltas_raises_the_requests_error_after_its_deltas():
 def test_read_deltas_gives_up_on_deltas_the_replica_sent_that_never_came():
     async def run():
         q: asyncio.Queue = asyncio.Queue()
-        q.put_nowait(_delta("a", 0))
+        q.put_nowait(delta("a", 0))
         q.put_nowait(Ended(2))
         async for _ in read_deltas(q, lost_output_timeout_s=0.05):
             pass
@@ -354,36 +315,12 @@ def test_read_deltas_gives_up_on_deltas_the_replica_sent_that_never_came():
         asyncio.run(run())
 
 
-class _Call:
-    """A replica's ``channel`` call as the mux sees a Serve stream of it."""
-
-    def __init__(self, gen):
-        self._gen = gen
-
-    def __aiter__(self):
-        return self
-
-    async def __anext__(self):
-        return await self._gen.__anext__()
-
-    def cancel(self):
-        asyncio.ensure_future(self._gen.aclose())
-
-
 def _socket_mux(replica: WorkerReplica, calls: list[ChannelOpen]) -> ChannelMux:
-    def open_channel(request: ChannelOpen) -> _Call:
+    def open_channel(request: ChannelOpen) -> Call:
         calls.append(request)
-        return _Call(replica.channel(request))
+        return Call(replica.channel(request))
 
     return ChannelMux(open_channel, channel_id="c1")
-
-
-async def _until(predicate, timeout_s: float = 5.0) -> None:
-    for _ in range(int(timeout_s / 0.01)):
-        if predicate():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("condition not reached")
 
 
 def test_a_socket_channel_carries_each_steps_deltas_to_their_requests():
@@ -393,16 +330,16 @@ def test_a_socket_channel_carries_each_steps_deltas_to_their_requests():
         mux = _socket_mux(replica, calls)
         qa, qb = mux.register("a"), mux.register("b")
         mux.placed("a", "local")  # the reader starts: the call offers a socket, the mux connects
-        await _until(lambda: "c1" in replica._channels and replica._channels["c1"].attached)
+        await until(lambda: "c1" in replica._channels and replica._channels["c1"].attached)
         assert calls == [ChannelOpen("c1", "local", socket=True)]
         a, b = replica.generate(_request("a", 2)), replica.generate(_request("b", 2))
         assert (await a.__anext__(), await b.__anext__()) == (Placed("local"), Placed("local"))
         mux.placed("b", "local")
         ends = [asyncio.ensure_future(a.__anext__()), asyncio.ensure_future(b.__anext__())]
         for step in range(2):
-            await _settle()
+            await settle()
             replica.engine.steps[step].set()
-            await _until(lambda: qa.qsize() == qb.qsize() == step + 1)
+            await until(lambda: qa.qsize() == qb.qsize() == step + 1)
         assert [qa.get_nowait().sequences[0].token_ids for _ in range(2)] == [[0], [1]]
         assert [qb.get_nowait().sequences[0].token_ids for _ in range(2)] == [[0], [1]]
         assert await asyncio.gather(*ends) == [Ended(2), Ended(2)]
@@ -424,8 +361,7 @@ def test_a_socket_offer_is_claimed_once_and_a_wrong_token_gets_nothing():
         call = replica.channel(ChannelOpen("c1", "local", socket=True))
         offer = await call.__anext__()
         assert isinstance(offer, SocketOffer) and len(offer.token) == TOKEN_BYTES
-        with pytest.raises(StopAsyncIteration):  # the call carries the offer alone
-            await call.__anext__()
+        call_ends = asyncio.ensure_future(call.__anext__())  # the call lasts until its connection ends
 
         async def claim(token: bytes) -> bytes:
             reader, writer = await asyncio.open_connection(offer.host, offer.port)
@@ -437,8 +373,11 @@ def test_a_socket_offer_is_claimed_once_and_a_wrong_token_gets_nothing():
 
         assert await claim(bytes(TOKEN_BYTES)) == b""  # closed, nothing sent
         assert replica._channels == {}
+        assert not call_ends.done()
         first = await claim(offer.token)
         assert first == encode_frame([])  # attached: the channel's first batch
+        with pytest.raises(StopAsyncIteration):  # the connection that claimed the offer ended: so does the call
+            await asyncio.wait_for(call_ends, 2.0)
         assert await claim(offer.token) == b""  # used once already
         replica._channel_server.close()
 
@@ -465,11 +404,11 @@ def test_a_replica_whose_socket_cannot_be_reached_gets_serve_stream_channels():
         mux = ChannelMux(open_channel, channel_id="c1")
         q = mux.register("a")
         mux.placed("a", "w0")
-        await _until(lambda: len(opened) == 2)
+        await until(lambda: len(opened) == 2)
         assert [request for request, _ in opened] == [ChannelOpen("c1", "w0", socket=True),
                                                        ChannelOpen("c1", "w0", socket=False)]
-        opened[1][1].items.put_nowait([_delta("a", 0)])
-        assert await asyncio.wait_for(q.get(), 2.0) == _delta("a", 0)
+        opened[1][1].items.put_nowait([delta("a", 0)])
+        assert await asyncio.wait_for(q.get(), 2.0) == delta("a", 0)
         assert mux._no_socket == {"w0"} and mux.counters.socket_channels == 0
         mux.release("a")
         opened[1][1].items.put_nowait(None)
@@ -496,10 +435,10 @@ def test_the_frame_reader_takes_frames_however_the_bytes_arrive():
         sent = SimpleNamespace(data=b"")
         reader.connection_made(SimpleNamespace(write=lambda b: setattr(sent, "data", sent.data + b)))
         assert sent.data == b"t" * TOKEN_BYTES
-        frames = encode_frame([]) + encode_frame([_delta("a", 0)]) + encode_frame([_delta("a", 1), _delta("b", 1)])
+        frames = encode_frame([]) + encode_frame([delta("a", 0)]) + encode_frame([delta("a", 1), delta("b", 1)])
         for i in range(0, len(frames), 7):  # in 7-byte pieces: headers and bodies split anywhere
             reader.data_received(frames[i:i + 7])
-        assert got == [[], [_delta("a", 0)], [_delta("a", 1), _delta("b", 1)]]
+        assert got == [[], [delta("a", 0)], [delta("a", 1), delta("b", 1)]]
         reader.data_received(frames)  # all at once
         assert len(got) == 6 and reader.frames == 6
         reader.connection_lost(None)

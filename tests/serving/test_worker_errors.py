@@ -125,6 +125,7 @@ class _Handle:
     """The worker deployment's handle: ``generate`` answers with the scripted responses in turn,
     ``channel`` with the stream of the one replica's channel."""
 
+    app_name = "app"
     deployment_name = "PagefleetWorker"
 
     def __init__(self, responses):

@@ -1,0 +1,71 @@
+"""A worker replica's engine and Serve calls, scripted, for the delta channel's tests."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+from pagefleet.worker.outputs import CompletionOutput, RequestOutputDelta
+from pagefleet.worker.stats import EngineStats
+
+
+def delta(request_id: str, token: int, finished: bool = False) -> RequestOutputDelta:
+    return RequestOutputDelta(request_id, [CompletionOutput(0, f"t{token}", [token], None,
+                                                            "length" if finished else None)], 1, 0, finished)
+
+
+class SteppedEngine:
+    """Every running request gets its next delta when the test sets that step's event."""
+
+    def __init__(self, args):
+        self.model_config = SimpleNamespace(served_model_name="m", max_model_len=64)
+        self.steps = [asyncio.Event() for _ in range(8)]
+        self.started: list[str] = []
+        self.closed: list[str] = []
+
+    async def generate(self, request_id, prompt_token_ids, params, extra_keys=(), block_hashes=None):
+        self.started.append(request_id)
+        try:
+            for step in range(params.max_tokens):
+                await self.steps[step].wait()
+                yield delta(request_id, step, step == params.max_tokens - 1)
+        finally:
+            self.closed.append(request_id)
+
+    def stats(self):
+        return EngineStats(100, 90, 1, 2, 0, 0, 0, 5, 10, 20)
+
+    def check_health(self):
+        pass
+
+    def shutdown(self):
+        pass
+
+
+class Call:
+    """A replica's ``channel`` call as the mux sees a Serve stream of it."""
+
+    def __init__(self, gen):
+        self._gen = gen
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        return await self._gen.__anext__()
+
+    def cancel(self):
+        asyncio.ensure_future(self._gen.aclose())
+
+
+async def settle() -> None:
+    for _ in range(10):
+        await asyncio.sleep(0)
+
+
+async def until(predicate, timeout_s: float = 5.0) -> None:
+    for _ in range(int(timeout_s / 0.01)):
+        if predicate():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("condition not reached")

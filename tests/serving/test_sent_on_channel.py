@@ -1,0 +1,274 @@
+"""Requests sent on a replica's channel connection instead of through Serve: a real worker
+replica (its engine scripted) and a real ingress mux over loopback TCP."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from pagefleet.router import request_router
+from pagefleet.router.delta_mux import ChannelLost, ChannelMux, ReplicaBusy, read_deltas
+from pagefleet.router.ingress import HandleWorkerClient
+from pagefleet.router.service import Job
+from pagefleet.router.worker_errors import worker_failure
+from pagefleet.worker import delta_channel
+from pagefleet.worker.deployment import WorkerReplica
+from pagefleet.worker.engine_args import EngineArgs
+from pagefleet.worker.request_check import InvalidRequest
+from pagefleet.worker.sampling_params import SamplingParams
+from pagefleet.worker.worker_request import ChannelOpen, Ended, Placed, WorkerRequest
+
+from channel_fakes import Call, SteppedEngine, settle, until
+
+
+class RefusingEngine(SteppedEngine):
+    """Refuses every request the way the engine refuses a bad one: when its stream is first read."""
+
+    async def generate(self, request_id, prompt_token_ids, params, extra_keys=(), block_hashes=None):
+        self.started.append(request_id)
+        raise InvalidRequest("stop has 40 strings", "stop")
+        yield  # an async generator, like the engine's
+
+
+def _request(request_id: str, max_tokens: int) -> WorkerRequest:
+    return WorkerRequest(request_id, [1, 2], SamplingParams(max_tokens=max_tokens), ranking=["local"],
+                         channel="c1")
+
+
+def _mux(replica: WorkerReplica, opened: list[ChannelOpen] | None = None) -> ChannelMux:
+    def open_channel(request: ChannelOpen) -> Call:
+        if opened is not None:
+            opened.append(request)
+        return Call(replica.channel(request))
+
+    return ChannelMux(open_channel, channel_id="c1")
+
+
+async def _connected(replica: WorkerReplica) -> ChannelMux:
+    """A mux whose channel to the replica is an open connection (opened for an earlier request)."""
+    mux = _mux(replica)
+    mux.register("earlier")
+    mux.placed("earlier", "local")
+    await until(lambda: "local" in mux._connections and mux._connections["local"].open)
+    mux.release("earlier")
+    return mux
+
+
+async def _close(replica: WorkerReplica, mux: ChannelMux) -> None:
+    replica._channel_server.close()
+    for connection in list(mux._connections.values()):
+        connection._transport.close()
+    for task in list(mux._readers.values()):
+        task.cancel()
+    await settle()
+
+
+def test_a_request_sent_on_the_connection_streams_its_deltas_and_leaves_nothing_behind():
+    async def run():
+        replica = WorkerReplica(EngineArgs(), engine_factory=SteppedEngine, channel_host="127.0.0.1")
+        mux = await _connected(replica)
+        q = mux.register("a")
+        assert mux.send(_request("a", 2), "local")
+        await until(lambda: replica.engine.started == ["a"])
+        assert replica.num_ongoing == 1 and replica._channels["c1"].requests == 1
+        tokens = []
+        for step in range(2):
+            replica.engine.steps[step].set()
+        async for delta in read_deltas(q):
+            tokens += delta.sequences[0].token_ids
+        await until(lambda: replica.num_ongoing == 0)
+        assert tokens == [0, 1] and replica.engine.closed == ["a"]
+        assert replica._channels["c1"].requests == 0 and mux._sent == {}
+        assert (mux.counters.sent, mux.counters.refused, mux.counters.unclaimed) == (1, 0, 0)
+        await _close(replica, mux)
+
+    asyncio.run(run())
+
+
+def test_a_full_replica_refuses_a_request_on_the_connection_and_runs_nothing_of_it():
+    async def run():
+        replica = WorkerReplica(EngineArgs(), engine_factory=SteppedEngine, channel_host="127.0.0.1")
+        mux = await _connected(replica)
+        replica.max_ongoing = 0
+        q = mux.register("a")
+        assert mux.send(_request("a", 2), "local")
+        with pytest.raises(ReplicaBusy):
+            await asyncio.wait_for(read_deltas(q).__anext__(), 2.0)
+        assert replica.engine.started == [] and replica.num_ongoing == 0 and mux.counters.refused == 1
+        assert mux._sent == {}
+        await _close(replica, mux)
+
+    asyncio.run(run())
+
+
+def test_a_request_the_engine_refuses_fails_with_the_engines_error_and_words():
+    async def run():
+        replica = WorkerReplica(EngineArgs(), engine_factory=RefusingEngine, channel_host="127.0.0.1")
+        mux = await _connected(replica)
+        q = mux.register("a")
+        assert mux.send(_request("a", 2), "local")
+        with pytest.raises(InvalidRequest) as refused:
+            await asyncio.wait_for(read_deltas(q).__anext__(), 2.0)
+        await until(lambda: replica.num_ongoing == 0)
+        assert replica._channels["c1"].requests == 0
+        await _close(replica, mux)
+        return refused.value
+
+    refused = asyncio.run(run())
+    error, retry = worker_failure(refused)
+    assert (error.status_code, error.param, error.message, retry) == (400, "stop", "stop has 40 strings", False)
+
+
+def test_an_abort_on_the_connection_stops_the_request_in_the_engine():
+    async def run():
+        replica = WorkerReplica(EngineArgs(), engine_factory=SteppedEngine, channel_host="127.0.0.1")
+        mux = await _connected(replica)
+        mux.register("a")
+        assert mux.send(_request("a", 3), "local")
+        await until(lambda: replica.engine.started == ["a"])
+        mux.abort("a")  # the client went away
+        await until(lambda: replica.engine.closed == ["a"])
+        await until(lambda: replica.num_ongoing == 0)
+        assert replica._channels["c1"].requests == 0 and mux._sent == {}
+        await _close(replica, mux)
+
+    asyncio.run(run())
+
+
+def test_a_lost_connection_fails_its_running_requests_on_both_sides():
+    async def run():
+        replica = WorkerReplica(EngineArgs(), engine_factory=SteppedEngine, channel_host="127.0.0.1")
+        mux = await _connected(replica)
+        q = mux.register("a")
+        assert mux.send(_request("a", 3), "local")
+        await until(lambda: replica.engine.started == ["a"])
+        mux._connections["local"]._transport.close()
+        with pytest.raises(ChannelLost):
+            await asyncio.wait_for(read_deltas(q).__anext__(), 2.0)
+        await until(lambda: replica.engine.closed == ["a"])  # the replica aborted it
+        await until(lambda: replica.num_ongoing == 0)
+        assert mux._sent == {} and replica._channels["c1"].requests == 0
+        mux.release("a")
+        await _close(replica, mux)
+
+    asyncio.run(run())
+    error, retry = worker_failure(ChannelLost("gone"))
+    assert (error.status_code, error.code, retry) == (503, "worker_failed", True)
+
+
+def test_an_offer_nobody_claims_ends_its_channel_call(monkeypatch):
+    monkeypatch.setattr(delta_channel, "OFFER_TTL_S", 0.05)
+
+    async def run():
+        replica = WorkerReplica(EngineArgs(), engine_factory=SteppedEngine, channel_host="127.0.0.1")
+        call = replica.channel(ChannelOpen("c1", "local", socket=True))
+        await call.__anext__()
+        with pytest.raises(StopAsyncIteration):
+            await asyncio.wait_for(call.__anext__(), 2.0)
+        replica._channel_server.close()
+
+    asyncio.run(run())
+
+
+class _Router:
+    """What ``routable`` reads of a request router: the replicas it routes to."""
+
+    def __init__(self, *replica_ids: str) -> None:
+        self.curr_replicas = {_ReplicaID(r): None for r in replica_ids}
+
+
+class _ReplicaID:
+    def __init__(self, unique_id: str) -> None:
+        self.unique_id = unique_id
+
+
+class _ReplicaHandle:
+    """The worker deployment's handle over one real replica: Serve calls become direct calls."""
+
+    app_name = "app"
+    deployment_name = "PagefleetWorker"
+
+    def __init__(self, replica: WorkerReplica) -> None:
+        self.replica = replica
+        self.generate_calls: list[str] = []
+
+    def options(self, method_name, stream):
+        return _ReplicaMethod(self, method_name)
+
+
+class _ReplicaMethod:
+    def __init__(self, handle: _ReplicaHandle, name: str) -> None:
+        self.handle, self.name = handle, name
+
+    def remote(self, arg):
+        if self.name == "channel":
+            return Call(self.handle.replica.channel(arg))
+        self.handle.generate_calls.append(arg.request_id)
+        return Call(self.handle.replica.generate(arg))
+
+
+def test_the_ingress_sends_on_the_connection_and_through_serve_when_it_must(monkeypatch):
+    router = _Router("local")
+    monkeypatch.setitem(request_router._ROUTERS, ("app", "PagefleetWorker"), lambda: router)
+
+    async def run():
+        replica = WorkerReplica(EngineArgs(), engine_factory=SteppedEngine, channel_host="127.0.0.1")
+        handle = _ReplicaHandle(replica)
+        client = HandleWorkerClient(handle)
+
+        async def tokens(request_id: str) -> list[int]:
+            job = Job(request_id, [1, 2], SamplingParams(max_tokens=2), ranking=["local"])
+            return [t async for d in client.generate(job) for t in d.sequences[0].token_ids]
+
+        first = asyncio.ensure_future(tokens("first"))  # no connection yet: through Serve, which opens the channel
+        await until(lambda: "local" in client.mux._connections and client.mux._connections["local"].open)
+        for step in replica.engine.steps:
+            step.set()
+        assert await first == [0, 1]
+        assert await tokens("on-connection") == [0, 1]
+        replica.engine.steps = [asyncio.Event() for _ in range(8)]  # requests wait for their steps again
+        replica.max_ongoing = 1
+        holder = asyncio.ensure_future(tokens("holder"))
+        await until(lambda: replica.engine.started[-1:] == ["holder"])
+        refused = asyncio.ensure_future(tokens("refused"))  # the replica is full: through Serve
+        await until(lambda: len(replica._seat_waiters) == 1)  # whose call waits there for a seat
+        assert replica.engine.started[-1] == "holder" and replica.num_ongoing == 1
+        for step in replica.engine.steps:
+            step.set()
+        assert (await holder, await refused) == ([0, 1], [0, 1])
+        replica.max_ongoing = 8
+        router.curr_replicas = {}  # Serve is stopping the replica: no more requests on its connection
+        assert await tokens("stopping") == [0, 1]
+        assert handle.generate_calls == ["first", "refused", "stopping"]
+        assert (client.mux.counters.sent, client.mux.counters.refused) == (3, 1)
+        assert replica.num_ongoing == 0 and replica._channels[client.mux.channel_id].requests == 0
+        await _close(replica, client.mux)
+
+    asyncio.run(run())
+
+
+def test_a_serve_call_past_the_limit_waits_for_a_seat_and_one_that_leaves_gives_it_up():
+    async def run():
+        replica = WorkerReplica(EngineArgs(), engine_factory=SteppedEngine, channel_host="127.0.0.1")
+        replica.max_ongoing = 1
+        mux = await _connected(replica)
+        mux.register("a")
+        assert mux.send(_request("a", 1), "local")  # holds the one seat
+        await until(lambda: replica.engine.started == ["a"])
+        leaving = asyncio.ensure_future(replica.generate(_request("b", 1)).__anext__())
+        waiting_call = replica.generate(_request("c", 1))
+        waiting = asyncio.ensure_future(waiting_call.__anext__())
+        await until(lambda: len(replica._seat_waiters) == 2)
+        leaving.cancel()  # its client went away while it waited
+        await settle()
+        assert len(replica._seat_waiters) == 1 and replica.engine.started == ["a"]
+        replica.engine.steps[0].set()  # a finishes: its seat goes to c, the next in line
+        assert await asyncio.wait_for(waiting, 2.0) == Placed("local")
+        assert replica.engine.started == ["a", "c"] and replica.num_ongoing == 1
+        assert await waiting_call.__anext__() == Ended(1)
+        await waiting_call.aclose()
+        assert replica.num_ongoing == 0 and not replica._seat_waiters
+        await _close(replica, mux)
+
+    asyncio.run(run())
