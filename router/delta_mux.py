@@ -22,14 +22,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import pickle
-import socket
 import uuid
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
 
 from pagefleet.worker import hop_trace
 from pagefleet.worker.outputs import RequestOutputDelta, merge_deltas
-from pagefleet.worker.delta_channel import FRAME_HEADER, MAX_FRAME_BYTES, encode_frame
+from pagefleet.worker.delta_channel import FRAME_HEADER, MAX_FRAME_BYTES, encode_frame, keep_alive
 from pagefleet.worker.worker_request import (Abort, ChannelOpen, Ended, Failed, Refused, SocketOffer,
                                               WorkerRequest)
 
@@ -120,16 +119,6 @@ class _FrameReader(asyncio.Protocol):
                 self.done.set_exception(exc)
             else:
                 self.done.set_result(self.frames > 0)
-
-
-def _keep_alive(sock: socket.socket | None) -> None:
-    """Probe an idle connection so one to a node that vanished (no FIN) errors within ~30 s."""
-    if sock is None:
-        return
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-    for name, value in (("TCP_KEEPIDLE", 15), ("TCP_KEEPINTVL", 5), ("TCP_KEEPCNT", 3)):
-        if hasattr(socket, name):
-            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
 
 
 class ChannelMux:
@@ -259,7 +248,7 @@ class ChannelMux:
             raise SocketUnusable(f"connecting to {offer.host}:{offer.port}: {exc!r}") from exc
         self._connections[replica_id] = reader
         try:
-            _keep_alive(transport.get_extra_info("socket"))
+            keep_alive(transport.get_extra_info("socket"))
             self.counters.channels_opened += 1
             self.counters.socket_channels += 1
             self._on_opened("socket")
@@ -298,7 +287,8 @@ class ChannelMux:
                 q.put_nowait(item)
             else:  # a request sent on the connection that did not run, or failed
                 self._sent.pop(request_id, None)
-                if isinstance(item, Refused):
+                if isinstance(item, Refused):  # it goes through Serve, to this replica or another
+                    self._unplace(request_id)
                     self.counters.refused += 1
                     q.put_nowait(ReplicaBusy(f"worker replica {replica_id} holds as many requests as it may"))
                 elif isinstance(item, Failed):

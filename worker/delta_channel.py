@@ -26,6 +26,7 @@ import asyncio
 import logging
 import pickle
 import secrets
+import socket
 import struct
 import time
 from typing import AsyncIterator, Callable
@@ -46,6 +47,16 @@ MAX_FRAME_BYTES = 1 << 30
 # An offer not claimed within this long is void; a connection that sends no token this long is closed.
 OFFER_TTL_S = 30.0
 HELLO_TIMEOUT_S = 5.0
+
+
+def keep_alive(sock: socket.socket | None) -> None:
+    """Probe an idle connection so one to a peer that vanished (no FIN) errors within ~30 s."""
+    if sock is None:
+        return
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in (("TCP_KEEPIDLE", 15), ("TCP_KEEPINTVL", 5), ("TCP_KEEPCNT", 3)):
+        if hasattr(socket, name):
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
 
 
 def encode_frame(batch: list[RequestOutputDelta]) -> bytes:
@@ -174,6 +185,7 @@ class ChannelServer:
             if offered is None or time.monotonic() > offered.valid_until:
                 return
             offered.claimed.set()
+            keep_alive(writer.get_extra_info("socket"))  # a caller that vanished ends its requests here too
             running: dict[str, asyncio.Task] = {}
             try:
                 sending = asyncio.ensure_future(self._send_batches(offered.channel_id, writer))
@@ -184,6 +196,9 @@ class ChannelServer:
                     for task in (sending, receiving, *running.values()):
                         task.cancel()
                     await asyncio.gather(sending, receiving, return_exceptions=True)
+                    if running:  # their deltas not yet taken go to no one (a retry may come back here)
+                        channel = self._channel_for(offered.channel_id)
+                        channel.pending = [d for d in channel.pending if d.request_id not in running]
             finally:
                 offered.ended.set()
         except (asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError) as e:

@@ -101,8 +101,9 @@ class WorkerReplica:
         hung up), Serve cancels this generator and the engine aborts the request and frees its
         blocks."""
         await self._take_seat()
-        deltas = self._start(request)
+        deltas = pump = None
         try:
+            deltas = self._start(request)
             channel = None if request.channel is None else self._channels.get(request.channel)
             if channel is None or not channel.attached:  # no channel, or nobody reads it yet: this stream
                 if request.channel is not None:
@@ -112,19 +113,20 @@ class WorkerReplica:
                 return
             channel.requests += 1
             # The engine takes the request while Serve sends the Placed, not once it is sent.
-            pump = asyncio.ensure_future(_put_on(channel, deltas))
+            pump = asyncio.ensure_future(_put_on(channel, deltas))  # it closes ``deltas`` when it ends
             try:
                 yield Placed(self.replica_id)
                 yield Ended(await pump)
             finally:
                 if not pump.done():  # the caller cancelled: the engine aborts the request now
                     pump.cancel()
-                await asyncio.gather(pump, return_exceptions=True)
                 channel.requests -= 1
                 self._drop_if_unused(request.channel)
+                await asyncio.gather(pump, return_exceptions=True)
         finally:
-            await deltas.aclose()  # at once, not when collected: a cancelled request is aborted now
-            self._free_seat()
+            self._free_seat()  # before any await: a second cancellation cannot skip it
+            if deltas is not None and pump is None:
+                await deltas.aclose()  # at once, not when collected: a cancelled request is aborted now
 
     async def _take_seat(self) -> None:
         if self.num_ongoing < self.max_ongoing and not self._seat_waiters:
@@ -137,7 +139,7 @@ class WorkerReplica:
         except asyncio.CancelledError:
             if seat.done() and not seat.cancelled():  # handed over as the caller went away
                 self._free_seat()
-            else:
+            elif seat in self._seat_waiters:
                 self._seat_waiters.remove(seat)
             raise
 

@@ -90,7 +90,7 @@ class Abort:
 @dataclass(slots=True)
 class Refused:
     """On a channel: the replica did not start a request sent on the connection (it holds as many
-    as it may, or is going away); nothing of it ran."""
+    as it may); nothing of it ran."""
 
     request_id: str
 

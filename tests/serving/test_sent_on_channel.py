@@ -19,7 +19,7 @@ from pagefleet.worker.request_check import InvalidRequest
 from pagefleet.worker.sampling_params import SamplingParams
 from pagefleet.worker.worker_request import ChannelOpen, Ended, Placed, WorkerRequest
 
-from channel_fakes import Call, SteppedEngine, settle, until
+from channel_fakes import Call, SteppedEngine, delta, settle, until
 
 
 class RefusingEngine(SteppedEngine):
@@ -75,8 +75,8 @@ def test_a_request_sent_on_the_connection_streams_its_deltas_and_leaves_nothing_
         tokens = []
         for step in range(2):
             replica.engine.steps[step].set()
-        async for delta in read_deltas(q):
-            tokens += delta.sequences[0].token_ids
+        async for d in read_deltas(q):
+            tokens += d.sequences[0].token_ids
         await until(lambda: replica.num_ongoing == 0)
         assert tokens == [0, 1] and replica.engine.closed == ["a"]
         assert replica._channels["c1"].requests == 0 and mux._sent == {}
@@ -97,6 +97,9 @@ def test_a_full_replica_refuses_a_request_on_the_connection_and_runs_nothing_of_
             await asyncio.wait_for(read_deltas(q).__anext__(), 2.0)
         assert replica.engine.started == [] and replica.num_ongoing == 0 and mux.counters.refused == 1
         assert mux._sent == {}
+        # it goes through Serve, maybe to another replica, whose deltas can come before its Placed
+        mux._dispatch("elsewhere", [delta("a", 0)])
+        assert q.get_nowait() == delta("a", 0) and mux.counters.unclaimed == 0
         await _close(replica, mux)
 
     asyncio.run(run())
@@ -270,5 +273,16 @@ def test_a_serve_call_past_the_limit_waits_for_a_seat_and_one_that_leaves_gives_
         await waiting_call.aclose()
         assert replica.num_ongoing == 0 and not replica._seat_waiters
         await _close(replica, mux)
+
+    asyncio.run(run())
+
+
+def test_a_serve_call_that_fails_before_the_engine_gives_its_seat_back():
+    async def run():
+        replica = WorkerReplica(EngineArgs(), engine_factory=SteppedEngine, channel_host="127.0.0.1")
+        bad = WorkerRequest("a", [1, 2], SamplingParams(max_tokens=1), block_hashes=b"abc")  # not 16-byte hashes
+        with pytest.raises(ValueError, match="multiple of 16"):
+            await replica.generate(bad).__anext__()
+        assert replica.num_ongoing == 0 and replica.engine.started == []
 
     asyncio.run(run())
