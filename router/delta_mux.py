@@ -143,7 +143,7 @@ class ChannelMux:
         self._on: dict[str, set[str]] = {}  # replica -> request ids placed there
         self._readers: dict[str, asyncio.Task] = {}
         self._connections: dict[str, _FrameReader] = {}  # replica -> its channel's open connection
-        self._sent: dict[str, str] = {}  # request id -> replica, while it runs there, sent on the connection
+        self._sent: set[str] = set()  # requests sent on their replica's connection, still running there
         self.counters = MuxCounters()
 
     def register(self, request_id: str) -> asyncio.Queue:
@@ -181,22 +181,24 @@ class ChannelMux:
         if connection is None or not connection.open:
             return False
         self.placed(request.request_id, replica_id)
-        self._sent[request.request_id] = replica_id
+        self._sent.add(request.request_id)
         connection.send([request])
         self.counters.sent += 1
         return True
 
     def abort(self, request_id: str) -> None:
         """Stops a request sent on a connection that has not finished (the client went away)."""
-        replica_id = self._sent.pop(request_id, None)
-        connection = self._connections.get(replica_id) if replica_id is not None else None
+        if request_id not in self._sent:
+            return
+        self._sent.discard(request_id)
+        connection = self._connections.get(self._replica_of.get(request_id, ""))
         if connection is not None and connection.open:
             connection.send([Abort(request_id)])
 
     def release(self, request_id: str) -> None:
         self._queues.pop(request_id, None)
         self._left.pop(request_id, None)
-        self._sent.pop(request_id, None)
+        self._sent.discard(request_id)
         self._unplace(request_id)
 
     def _unplace(self, request_id: str) -> None:
@@ -262,8 +264,8 @@ class ChannelMux:
 
     def _lose_sent(self, replica_id: str) -> None:
         """The requests sent on a replica's connection that ended: the replica aborted them."""
-        for request_id in [r for r, on in self._sent.items() if on == replica_id]:
-            del self._sent[request_id]
+        for request_id in [r for r in self._sent if self._replica_of.get(r) == replica_id]:
+            self._sent.discard(request_id)
             q = self._queues.get(request_id)
             if q is not None:
                 q.put_nowait(ChannelLost(f"the channel connection to worker replica {replica_id} ended"))
@@ -283,10 +285,10 @@ class ChannelMux:
                 self.counters.unclaimed += 1
             elif isinstance(item, RequestOutputDelta):
                 if item.finished:
-                    self._sent.pop(request_id, None)
+                    self._sent.discard(request_id)
                 q.put_nowait(item)
             else:  # a request sent on the connection that did not run, or failed
-                self._sent.pop(request_id, None)
+                self._sent.discard(request_id)
                 if isinstance(item, Refused):  # it goes through Serve, to this replica or another
                     self._unplace(request_id)
                     self.counters.refused += 1

@@ -149,9 +149,9 @@ class HandleWorkerClient:
                 finally:
                     if not finished:
                         self.mux.abort(job.request_id)  # sent on a connection and still running there
-                    if response is not None and not finished:
-                        with contextlib.suppress(Exception):  # a refused or failed call re-raises on cancel
-                            response.cancel()
+                        if response is not None:
+                            with contextlib.suppress(Exception):  # a refused or failed call re-raises on cancel
+                                response.cancel()
         finally:
             self.mux.release(job.request_id)
 

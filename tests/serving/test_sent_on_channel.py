@@ -55,6 +55,17 @@ async def _connected(replica: WorkerReplica) -> ChannelMux:
     return mux
 
 
+async def _sent(max_tokens: int, engine_factory=SteppedEngine, max_ongoing: int | None = None):
+    """A replica, a mux connected to it, and request "a" sent on that connection: (replica, mux, a's queue)."""
+    replica = WorkerReplica(EngineArgs(), engine_factory=engine_factory, channel_host="127.0.0.1")
+    mux = await _connected(replica)
+    if max_ongoing is not None:
+        replica.max_ongoing = max_ongoing
+    q = mux.register("a")
+    assert mux.send(_request("a", max_tokens), "local")
+    return replica, mux, q
+
+
 async def _close(replica: WorkerReplica, mux: ChannelMux) -> None:
     replica._channel_server.close()
     for connection in list(mux._connections.values()):
@@ -66,10 +77,7 @@ async def _close(replica: WorkerReplica, mux: ChannelMux) -> None:
 
 def test_a_request_sent_on_the_connection_streams_its_deltas_and_leaves_nothing_behind():
     async def run():
-        replica = WorkerReplica(EngineArgs(), engine_factory=SteppedEngine, channel_host="127.0.0.1")
-        mux = await _connected(replica)
-        q = mux.register("a")
-        assert mux.send(_request("a", 2), "local")
+        replica, mux, q = await _sent(2)
         await until(lambda: replica.engine.started == ["a"])
         assert replica.num_ongoing == 1 and replica._channels["c1"].requests == 1
         tokens = []
@@ -79,7 +87,7 @@ def test_a_request_sent_on_the_connection_streams_its_deltas_and_leaves_nothing_
             tokens += d.sequences[0].token_ids
         await until(lambda: replica.num_ongoing == 0)
         assert tokens == [0, 1] and replica.engine.closed == ["a"]
-        assert replica._channels["c1"].requests == 0 and mux._sent == {}
+        assert replica._channels["c1"].requests == 0 and mux._sent == set()
         assert (mux.counters.sent, mux.counters.refused, mux.counters.unclaimed) == (1, 0, 0)
         await _close(replica, mux)
 
@@ -88,15 +96,11 @@ def test_a_request_sent_on_the_connection_streams_its_deltas_and_leaves_nothing_
 
 def test_a_full_replica_refuses_a_request_on_the_connection_and_runs_nothing_of_it():
     async def run():
-        replica = WorkerReplica(EngineArgs(), engine_factory=SteppedEngine, channel_host="127.0.0.1")
-        mux = await _connected(replica)
-        replica.max_ongoing = 0
-        q = mux.register("a")
-        assert mux.send(_request("a", 2), "local")
+        replica, mux, q = await _sent(2, max_ongoing=0)
         with pytest.raises(ReplicaBusy):
             await asyncio.wait_for(read_deltas(q).__anext__(), 2.0)
         assert replica.engine.started == [] and replica.num_ongoing == 0 and mux.counters.refused == 1
-        assert mux._sent == {}
+        assert mux._sent == set()
         # it goes through Serve, maybe to another replica, whose deltas can come before its Placed
         mux._dispatch("elsewhere", [delta("a", 0)])
         assert q.get_nowait() == delta("a", 0) and mux.counters.unclaimed == 0
@@ -107,10 +111,7 @@ def test_a_full_replica_refuses_a_request_on_the_connection_and_runs_nothing_of_
 
 def test_a_request_the_engine_refuses_fails_with_the_engines_error_and_words():
     async def run():
-        replica = WorkerReplica(EngineArgs(), engine_factory=RefusingEngine, channel_host="127.0.0.1")
-        mux = await _connected(replica)
-        q = mux.register("a")
-        assert mux.send(_request("a", 2), "local")
+        replica, mux, q = await _sent(2, engine_factory=RefusingEngine)
         with pytest.raises(InvalidRequest) as refused:
             await asyncio.wait_for(read_deltas(q).__anext__(), 2.0)
         await until(lambda: replica.num_ongoing == 0)
@@ -125,15 +126,12 @@ def test_a_request_the_engine_refuses_fails_with_the_engines_error_and_words():
 
 def test_an_abort_on_the_connection_stops_the_request_in_the_engine():
     async def run():
-        replica = WorkerReplica(EngineArgs(), engine_factory=SteppedEngine, channel_host="127.0.0.1")
-        mux = await _connected(replica)
-        mux.register("a")
-        assert mux.send(_request("a", 3), "local")
+        replica, mux, _ = await _sent(3)
         await until(lambda: replica.engine.started == ["a"])
         mux.abort("a")  # the client went away
         await until(lambda: replica.engine.closed == ["a"])
         await until(lambda: replica.num_ongoing == 0)
-        assert replica._channels["c1"].requests == 0 and mux._sent == {}
+        assert replica._channels["c1"].requests == 0 and mux._sent == set()
         await _close(replica, mux)
 
     asyncio.run(run())
@@ -141,17 +139,14 @@ def test_an_abort_on_the_connection_stops_the_request_in_the_engine():
 
 def test_a_lost_connection_fails_its_running_requests_on_both_sides():
     async def run():
-        replica = WorkerReplica(EngineArgs(), engine_factory=SteppedEngine, channel_host="127.0.0.1")
-        mux = await _connected(replica)
-        q = mux.register("a")
-        assert mux.send(_request("a", 3), "local")
+        replica, mux, q = await _sent(3)
         await until(lambda: replica.engine.started == ["a"])
         mux._connections["local"]._transport.close()
         with pytest.raises(ChannelLost):
             await asyncio.wait_for(read_deltas(q).__anext__(), 2.0)
         await until(lambda: replica.engine.closed == ["a"])  # the replica aborted it
         await until(lambda: replica.num_ongoing == 0)
-        assert mux._sent == {} and replica._channels["c1"].requests == 0
+        assert mux._sent == set() and replica._channels["c1"].requests == 0
         mux.release("a")
         await _close(replica, mux)
 
