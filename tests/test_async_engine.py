@@ -226,3 +226,38 @@ def test_a_thread_whose_openmp_team_already_exists_is_not_pinned():
     t.start()
     t.join()
     assert got == [{}, os.sched_getaffinity(0)]
+
+
+def test_the_engine_is_built_on_its_step_thread_after_that_thread_took_the_lowest_priority(
+        tiny_checkpoint, monkeypatch):
+    # libgomp keeps a thread pool per thread that starts parallel regions, and with more pooled
+    # threads than cores it stops spinning at barriers: an engine built on the caller's thread
+    # and stepped on its own had two pools, and every region of every step ended asleep.
+    from pagefleet.worker import async_engine
+
+    built_on: list = []
+
+    class Recording(async_engine.LLMEngine):
+        def __init__(self, args):
+            built_on.append((threading.get_ident(), os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))
+            super().__init__(args)
+
+    monkeypatch.setattr(async_engine, "LLMEngine", Recording)
+    eng = AsyncLLMEngine(EngineArgs(model=str(tiny_checkpoint(arch="llama")), dtype="float32",
+                                    kv_cache_bytes=16 << 20))
+    try:
+        assert built_on == [(eng._thread.ident, 19)]
+        assert threading.get_ident() != eng._thread.ident
+        out = asyncio.run(collect(eng, "built", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=3,
+                                                                         ignore_eos=True)))
+        assert sum(len(d.sequences[0].token_ids) for d in out) == 3 and out[-1].finished
+    finally:
+        eng.shutdown()
+
+
+def test_an_engine_that_cannot_be_built_raises_from_the_constructor_and_leaves_no_thread(tmp_path):
+    before = {t.ident for t in threading.enumerate()}
+    with pytest.raises(Exception, match=str(tmp_path / "missing")):
+        AsyncLLMEngine(EngineArgs(model=str(tmp_path / "missing"), dtype="float32"))
+    time.sleep(0.1)
+    assert [t.name for t in threading.enumerate() if t.ident not in before and t.name == "pagefleet-engine"] == []

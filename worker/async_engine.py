@@ -16,8 +16,8 @@ from typing import AsyncIterator, Callable
 from pagefleet.worker.block_hash import BlockHash
 from pagefleet.worker.config import ModelConfig
 from pagefleet.worker import hop_trace
-from pagefleet.worker.cpu_threads import pin_compute_threads, yield_cpu_to_serving_threads
-from pagefleet.worker.engine import LLMEngine
+from pagefleet.worker.cpu_threads import available_cores, cpu_compute_threads, prepare_engine_thread
+from pagefleet.worker.engine import LLMEngine, resolve_device
 from pagefleet.worker.engine_args import EngineArgs
 from pagefleet.worker.engine_metrics import EngineMetrics, MetricsRecorder
 from pagefleet.worker.errors import EngineDeadError
@@ -81,27 +81,42 @@ class AsyncLLMEngine:
     def __init__(self, args: EngineArgs, stall_timeout_s: float = 60.0,
                  metrics: Callable[[ModelConfig], MetricsRecorder] | None = None,
                  step_timeout_s: float | None = None) -> None:
-        """``metrics`` makes the recorder for this engine's metrics (None: none recorded)."""
-        self.engine = LLMEngine(args)
-        self.tokenizer = self.engine.tokenizer
-        self.model_config = self.engine.model_config
+        """``metrics`` makes the recorder for this engine's metrics (None: none recorded).
+
+        The engine is built on its own step thread (``_build_and_run``), so that one thread starts every
+        OpenMP parallel region in this process (see ``cpu_threads.prepare_engine_thread``)."""
         self.stall_timeout_s = stall_timeout_s
         self.step_timeout_s = step_timeout_s or float(os.environ.get(STEP_TIMEOUT_ENV, DEFAULT_STEP_TIMEOUT_S))
         self._step_started: float | None = None  # monotonic start of the step running now
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._stats = self.engine.stats()
-        self._metrics = EngineMetrics(self._stats, time.monotonic(),
-                                      recorder=metrics(self.model_config) if metrics is not None else None,
-                                      log_interval_s=args.log_stats_interval)
-        self._last_progress = time.monotonic()
         self._error: BaseException | None = None
         self._kv_sink: Callable[[KVEventBatch], None] | None = None
         self._stopped = False
         self.pinned_threads: dict[int, int] = {}  # engine thread and OpenMP team -> core (CPU engines)
-        self._thread = threading.Thread(target=self._run, name="pagefleet-engine", daemon=True)
+        self._built = threading.Event()  # the step thread built the engine (or failed to)
+        self._started = threading.Event()  # this constructor is done: the step loop may run
+        self._build_error: BaseException | None = None
+        self._thread = threading.Thread(target=self._build_and_run, args=(args,), name="pagefleet-engine",
+                                        daemon=True)
         self._thread.start()
+        self._built.wait()
+        try:
+            if self._build_error is not None:
+                raise self._build_error
+            self.tokenizer = self.engine.tokenizer
+            self.model_config = self.engine.model_config
+            self._stats = self.engine.stats()
+            self._metrics = EngineMetrics(self._stats, time.monotonic(),
+                                          recorder=metrics(self.model_config) if metrics is not None else None,
+                                          log_interval_s=args.log_stats_interval)
+            self._last_progress = time.monotonic()
+        except BaseException:
+            self._stopped = True  # the step thread ends without running
+            raise
+        finally:
+            self._started.set()
 
     # ---- caller side (any event loop) -------------------------------------------------------
 
@@ -260,11 +275,24 @@ class AsyncLLMEngine:
         if self._kv_sink is not None:
             self._kv_sink(self.engine.drain_kv_events())
 
+    def _build_and_run(self, args: EngineArgs) -> None:
+        try:
+            if resolve_device(args.device).type == "cpu":
+                self.pinned_threads = prepare_engine_thread(
+                    cpu_compute_threads(args.cpu_omp_threads, available_cores())
+                    if args.tensor_parallel_size == 1 else None)
+            self.engine = LLMEngine(args)
+        except BaseException as e:  # the constructor raises it
+            self._build_error = e
+            return
+        finally:
+            self._built.set()
+        self._started.wait()
+        if not self._stopped:
+            self._run()
+
     def _run(self) -> None:
         try:
-            if self.engine.device.type == "cpu":
-                yield_cpu_to_serving_threads()
-                self.pinned_threads = pin_compute_threads()  # after: the team inherits the priority
             while not self._stopped:
                 self._apply_commands()
                 if not self.engine.has_unfinished():

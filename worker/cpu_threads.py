@@ -61,7 +61,9 @@ def compute_thread_env(threads: int, cores: int, environ: Mapping[str, str] = os
     lowest priority keeps the core and still yields it the moment a server thread wakes. Measured
     on 2 cores (benchmarks/serving.py, c16, 256 in / 64 out, five alternating pairs): served 170,
     186, 255, 249, 265 tok/s spinning against 153, 167, 188, 203, 256 passive (the engine alone,
-    given the same, 214, 227, 292, 305, 312 against 189, 183, 290, 289, 293); c1 the same either way."""
+    given the same, 214, 227, 292, 305, 312 against 189, 183, 290, 289, 293); c1 the same either way.
+    (The served engine then had a second OpenMP pool, where libgomp ignores the spin count:
+    ``prepare_engine_thread``; the served figures are of that engine.)"""
     if threads < 2 or threads != cores or "GOMP_SPINCOUNT" in environ or \
             environ.get("OMP_WAIT_POLICY", "").upper() == "ACTIVE":
         return {}
@@ -85,6 +87,31 @@ def yield_cpu_to_serving_threads() -> None:
         logger.warning("could not lower the engine thread's priority: %s", e)
 
 
+def prepare_engine_thread(compute_threads: int | None) -> dict[int, int]:
+    """Make the calling thread a served CPU engine's step thread, before the engine is built on
+    it: torch computes with ``compute_threads`` (None: torch's count as it is), the thread takes
+    the lowest priority (``yield_cpu_to_serving_threads``) and starts its OpenMP team here, which
+    inherits that priority and is pinned (``pin_compute_threads``). Returns what was pinned.
+
+    The engine must then be built on this thread too, and nothing else in the process compute:
+    libgomp keeps one thread pool per thread that starts a parallel region, and once its pools
+    hold more threads than the process has cores its barriers spin at most a thousand times
+    (none under OMP_WAIT_POLICY=PASSIVE) whatever GOMP_SPINCOUNT says, so each of a step's
+    hundreds of regions ends with its threads asleep on a futex and begins with waking them. An engine built
+    on the replica's constructor thread (its own pool: loading and packing the weights are parallel
+    regions) and stepped on this one had two pools. The same engine and work on 2 cores, three
+    alternating rounds (``benchmarks/engine_thread_pools.py``, medians): 6,689 voluntary context
+    switches a second against 0, and 75.8 against 110.1 tok/s at concurrency 1 (TPOT 11.95 against
+    7.90 ms), 375 against 436 at 16
+    (benchmarks/results/engine_thread_pools_ab_amd_2core_2026-12-02.jsonl)."""
+    import torch
+
+    if compute_threads is not None:
+        torch.set_num_threads(compute_threads)
+    yield_cpu_to_serving_threads()
+    return pin_compute_threads()  # after: the team inherits the priority
+
+
 def _thread_ids() -> set[int]:
     return {int(tid) for tid in os.listdir("/proc/self/task")}
 
@@ -97,8 +124,8 @@ def pin_compute_threads() -> dict[int, int]:
     cores, one core, a team this thread had started already, or a platform or process that
     does not allow it).
 
-    Call it before the thread's first step; the team is started here, by a parallel region over
-    every thread. A step is a series of parallel regions, each ending at a barrier. Left free,
+    Call it before the thread computes anything (``prepare_engine_thread``); the team is started
+    here, by a parallel region over every thread. A step is a series of parallel regions, each ending at a barrier. Left free,
     the scheduler sometimes puts two of the team on one core (a waking OpenMP thread goes where
     its waker runs when its own core is busy) and the step then advances at the pace of the one
     waiting for its turn: serving at concurrency 16 on 2 cores, where the server's other threads
