@@ -243,7 +243,7 @@ def test_the_engine_is_built_on_its_step_thread_after_that_thread_took_the_lowes
             super().__init__(args)
 
     monkeypatch.setattr(async_engine, "LLMEngine", Recording)
-    eng = AsyncLLMEngine(EngineArgs(model=str(tiny_checkpoint(arch="llama")), dtype="float32",
+    eng = AsyncLLMEngine(EngineArgs(model=str(tiny_checkpoint(arch="llama")), dtype="float32", device="cpu",
                                     kv_cache_bytes=16 << 20))
     try:
         assert built_on == [(eng._thread.ident, 19)]
@@ -256,8 +256,41 @@ def test_the_engine_is_built_on_its_step_thread_after_that_thread_took_the_lowes
 
 
 def test_an_engine_that_cannot_be_built_raises_from_the_constructor_and_leaves_no_thread(tmp_path):
-    before = {t.ident for t in threading.enumerate()}
+    before = set(threading.enumerate())
     with pytest.raises(Exception, match=str(tmp_path / "missing")):
-        AsyncLLMEngine(EngineArgs(model=str(tmp_path / "missing"), dtype="float32"))
-    time.sleep(0.1)
-    assert [t.name for t in threading.enumerate() if t.ident not in before and t.name == "pagefleet-engine"] == []
+        AsyncLLMEngine(EngineArgs(model=str(tmp_path / "missing"), dtype="float32", device="cpu"))
+    started = [t for t in threading.enumerate() if t not in before and t.name == "pagefleet-engine"]
+    for t in started:
+        t.join(timeout=10)
+    assert [t for t in started if t.is_alive()] == []
+
+
+def test_a_constructor_that_fails_after_the_build_frees_the_engine_and_ends_its_thread(tiny_checkpoint,
+                                                                                       monkeypatch):
+    # An interrupt, or a metrics recorder that raises, once the step thread has built the engine:
+    # the constructor raises, and the thread shuts the engine down (weights and KV cache freed)
+    # instead of waiting forever for a start that never comes.
+    from pagefleet.worker import async_engine
+
+    built: list = []
+
+    class Recording(async_engine.LLMEngine):
+        def __init__(self, args):
+            super().__init__(args)
+            built.append(self)
+
+    def failing_recorder(cfg):
+        raise RuntimeError("no metrics today")
+
+    monkeypatch.setattr(async_engine, "LLMEngine", Recording)
+    before = set(threading.enumerate())
+    with pytest.raises(RuntimeError, match="no metrics today"):
+        AsyncLLMEngine(EngineArgs(model=str(tiny_checkpoint(arch="llama")), dtype="float32", device="cpu",
+                                  kv_cache_bytes=16 << 20), metrics=failing_recorder)
+    started = [t for t in threading.enumerate() if t not in before and t.name == "pagefleet-engine"]
+    for t in started:
+        t.join(timeout=10)
+    assert [t for t in started if t.is_alive()] == []
+    assert len(built) == 1
+    with pytest.raises(RuntimeError, match="shut down"):
+        built[0].executor.execute(None)

@@ -101,8 +101,8 @@ class AsyncLLMEngine:
         self._thread = threading.Thread(target=self._build_and_run, args=(args,), name="pagefleet-engine",
                                         daemon=True)
         self._thread.start()
-        self._built.wait()
         try:
+            self._built.wait()
             if self._build_error is not None:
                 raise self._build_error
             self.tokenizer = self.engine.tokenizer
@@ -112,8 +112,8 @@ class AsyncLLMEngine:
                                           recorder=metrics(self.model_config) if metrics is not None else None,
                                           log_interval_s=args.log_stats_interval)
             self._last_progress = time.monotonic()
-        except BaseException:
-            self._stopped = True  # the step thread ends without running
+        except BaseException:  # an interrupt, or a set-up that failed after the build
+            self._stopped = True  # the step thread shuts the engine down (once built) and ends
             raise
         finally:
             self._started.set()
@@ -288,8 +288,10 @@ class AsyncLLMEngine:
         finally:
             self._built.set()
         self._started.wait()
-        if not self._stopped:
-            self._run()
+        if self._stopped:  # the constructor did not finish: free the weights and KV cache now
+            self.engine.shutdown()
+            return
+        self._run()
 
     def _run(self) -> None:
         try:

@@ -95,11 +95,11 @@ def prepare_engine_thread(compute_threads: int | None) -> dict[int, int]:
 
     The engine must then be built on this thread too, and nothing else in the process compute:
     libgomp keeps one thread pool per thread that starts a parallel region, and once its pools
-    hold more threads than the process has cores its barriers spin at most a thousand times
-    (none under OMP_WAIT_POLICY=PASSIVE) whatever GOMP_SPINCOUNT says, so each of a step's
-    hundreds of regions ends with its threads asleep on a futex and begins with waking them. An engine built
-    on the replica's constructor thread (its own pool: loading and packing the weights are parallel
-    regions) and stepped on this one had two pools. The same engine and work on 2 cores, three
+    hold more threads than the process has cores its barriers spin at most 100 times (1,000
+    under OMP_WAIT_POLICY=ACTIVE, none under PASSIVE; GOMP_SPINCOUNT can only lower that), so
+    each of a step's hundreds of regions ends with its threads asleep on a futex and begins with
+    waking them. An engine built on the replica's constructor thread (its own pool: loading and
+    packing the weights are parallel regions) and stepped on this one had two pools. The same engine and work on 2 cores, three
     alternating rounds (``benchmarks/engine_thread_pools.py``, medians): 6,689 voluntary context
     switches a second against 0, and 75.8 against 110.1 tok/s at concurrency 1 (TPOT 11.95 against
     7.90 ms), 375 against 436 at 16
