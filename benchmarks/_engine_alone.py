@@ -17,6 +17,7 @@ import os
 import random
 import sys
 import time
+from typing import Callable
 
 from _proc_cpu import sched_per_token, thread_sched
 
@@ -73,13 +74,11 @@ def run(engine: LLMEngine, prompts: list[list[int]], output_len: int, concurrenc
             "engine_threads": sched_per_token(sched_started, sched, m.total_output, m.duration)}
 
 
-def main() -> None:
-    ckpt, input_len, output_len = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-    plan = [tuple(int(x) for x in arg.split(":")) for arg in sys.argv[4:]]
-    engine = LLMEngine(EngineArgs(model=ckpt, log_stats_interval=0))
-    vocab = engine.model_config.vocab_size
-    special = set(engine.tokenizer.all_special_ids)
-    rng = random.Random(0)
+def random_prompts(engine: LLMEngine, input_len: int, seed: int = 0) -> Callable[[], list[int]]:
+    """A maker of prompts of ``input_len`` random token ids (no special tokens), the same series
+    for the same seed."""
+    vocab, special = engine.model_config.vocab_size, set(engine.tokenizer.all_special_ids)
+    rng = random.Random(seed)
 
     def prompt() -> list[int]:
         out: list[int] = []
@@ -89,6 +88,14 @@ def main() -> None:
                 out.append(t)
         return out
 
+    return prompt
+
+
+def main() -> None:
+    ckpt, input_len, output_len = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    plan = [tuple(int(x) for x in arg.split(":")) for arg in sys.argv[4:]]
+    engine = LLMEngine(EngineArgs(model=ckpt, log_stats_interval=0))
+    prompt = random_prompts(engine, input_len)
     run(engine, [prompt() for _ in range(2)], 4, 2)  # warm-up, untimed
     for concurrency, num_prompts in plan:
         line = {"system": "engine-alone", "concurrency": concurrency, "num_prompts": num_prompts,

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import statistics
 import subprocess
 import sys
@@ -51,7 +50,7 @@ def voluntary_switches() -> int:
 
 
 def child(mode: str, ckpt: str, input_len: int, output_len: int, concurrency: list[int]) -> None:
-    from _engine_alone import run
+    from _engine_alone import random_prompts, run
 
     from pagefleet.worker.engine import LLMEngine
     from pagefleet.worker.engine_args import EngineArgs
@@ -63,17 +62,7 @@ def child(mode: str, ckpt: str, input_len: int, output_len: int, concurrency: li
 
     def measure() -> None:
         engine = built["engine"]
-        vocab, special = engine.model_config.vocab_size, set(engine.tokenizer.all_special_ids)
-        rng = random.Random(0)
-
-        def prompt() -> list[int]:
-            out: list[int] = []
-            while len(out) < input_len:
-                t = rng.randrange(vocab)
-                if t not in special:
-                    out.append(t)
-            return out
-
+        prompt = random_prompts(engine, input_len)
         run(engine, [prompt() for _ in range(2)], 4, 2)  # warm-up, untimed
         for c in concurrency:
             n = max(8, 3 * c)
