@@ -190,8 +190,8 @@ class ChannelMux:
         """Stops a request sent on a connection that has not finished (the client went away)."""
         if request_id not in self._sent:
             return
-        self._sent.discard(request_id)
-        connection = self._connections.get(self._replica_of.get(request_id, ""))
+        self._sent.remove(request_id)
+        connection = self._connections.get(self._replica_of.get(request_id))
         if connection is not None and connection.open:
             connection.send([Abort(request_id)])
 

@@ -255,14 +255,20 @@ def test_the_engine_is_built_on_its_step_thread_after_that_thread_took_the_lowes
         eng.shutdown()
 
 
+def _engine_threads_alive_since(before: set) -> list:
+    """The engine step threads started since ``before`` (a set of threads) still alive after
+    up to 10 s each to end."""
+    started = [t for t in threading.enumerate() if t not in before and t.name == "pagefleet-engine"]
+    for t in started:
+        t.join(timeout=10)
+    return [t for t in started if t.is_alive()]
+
+
 def test_an_engine_that_cannot_be_built_raises_from_the_constructor_and_leaves_no_thread(tmp_path):
     before = set(threading.enumerate())
     with pytest.raises(Exception, match=str(tmp_path / "missing")):
         AsyncLLMEngine(EngineArgs(model=str(tmp_path / "missing"), dtype="float32", device="cpu"))
-    started = [t for t in threading.enumerate() if t not in before and t.name == "pagefleet-engine"]
-    for t in started:
-        t.join(timeout=10)
-    assert [t for t in started if t.is_alive()] == []
+    assert _engine_threads_alive_since(before) == []
 
 
 def test_a_constructor_that_fails_after_the_build_frees_the_engine_and_ends_its_thread(tiny_checkpoint,
@@ -287,10 +293,7 @@ def test_a_constructor_that_fails_after_the_build_frees_the_engine_and_ends_its_
     with pytest.raises(RuntimeError, match="no metrics today"):
         AsyncLLMEngine(EngineArgs(model=str(tiny_checkpoint(arch="llama")), dtype="float32", device="cpu",
                                   kv_cache_bytes=16 << 20), metrics=failing_recorder)
-    started = [t for t in threading.enumerate() if t not in before and t.name == "pagefleet-engine"]
-    for t in started:
-        t.join(timeout=10)
-    assert [t for t in started if t.is_alive()] == []
+    assert _engine_threads_alive_since(before) == []
     assert len(built) == 1
     with pytest.raises(RuntimeError, match="shut down"):
         built[0].executor.execute(None)

@@ -16,10 +16,11 @@ from typing import AsyncIterator, Callable
 from pagefleet.worker.block_hash import BlockHash
 from pagefleet.worker.config import ModelConfig
 from pagefleet.worker import hop_trace
-from pagefleet.worker.cpu_threads import available_cores, cpu_compute_threads, prepare_engine_thread
+from pagefleet.worker.cpu_threads import prepare_engine_thread
 from pagefleet.worker.engine import LLMEngine, resolve_device
 from pagefleet.worker.engine_args import EngineArgs
 from pagefleet.worker.engine_metrics import EngineMetrics, MetricsRecorder
+from pagefleet.worker.executor import cpu_threads_of
 from pagefleet.worker.errors import EngineDeadError
 from pagefleet.worker.kv_events import KVEventBatch, KVSnapshot
 from pagefleet.worker.outputs import RequestOutputDelta, merge_deltas
@@ -83,8 +84,8 @@ class AsyncLLMEngine:
                  step_timeout_s: float | None = None) -> None:
         """``metrics`` makes the recorder for this engine's metrics (None: none recorded).
 
-        The engine is built on its own step thread (``_build_and_run``), so that one thread starts every
-        OpenMP parallel region in this process (see ``cpu_threads.prepare_engine_thread``)."""
+        The engine is built on its own step thread (``_build_and_run``), so that one thread starts
+        every OpenMP parallel region in this process (see ``cpu_threads.prepare_engine_thread``)."""
         self.stall_timeout_s = stall_timeout_s
         self.step_timeout_s = step_timeout_s or float(os.environ.get(STEP_TIMEOUT_ENV, DEFAULT_STEP_TIMEOUT_S))
         self._step_started: float | None = None  # monotonic start of the step running now
@@ -278,9 +279,7 @@ class AsyncLLMEngine:
     def _build_and_run(self, args: EngineArgs) -> None:
         try:
             if resolve_device(args.device).type == "cpu":
-                self.pinned_threads = prepare_engine_thread(
-                    cpu_compute_threads(args.cpu_omp_threads, available_cores())
-                    if args.tensor_parallel_size == 1 else None)
+                self.pinned_threads = prepare_engine_thread(cpu_threads_of(args))
             self.engine = LLMEngine(args)
         except BaseException as e:  # the constructor raises it
             self._build_error = e

@@ -99,10 +99,10 @@ def prepare_engine_thread(compute_threads: int | None) -> dict[int, int]:
     under OMP_WAIT_POLICY=ACTIVE, none under PASSIVE; GOMP_SPINCOUNT can only lower that), so
     each of a step's hundreds of regions ends with its threads asleep on a futex and begins with
     waking them. An engine built on the replica's constructor thread (its own pool: loading and
-    packing the weights are parallel regions) and stepped on this one had two pools. The same engine and work on 2 cores, three
-    alternating rounds (``benchmarks/engine_thread_pools.py``, medians): 6,689 voluntary context
-    switches a second against 0, and 75.8 against 110.1 tok/s at concurrency 1 (TPOT 11.95 against
-    7.90 ms), 375 against 436 at 16
+    packing the weights are parallel regions) and stepped on this one had two pools. The same
+    engine and work on 2 cores, three alternating rounds (``benchmarks/engine_thread_pools.py``,
+    medians): 6,689 voluntary context switches a second against 0, and 75.8 against 110.1 tok/s
+    at concurrency 1 (TPOT 11.95 against 7.90 ms), 375 against 436 at 16
     (benchmarks/results/engine_thread_pools_ab_amd_2core_2026-12-02.jsonl)."""
     import torch
 
@@ -125,10 +125,10 @@ def pin_compute_threads() -> dict[int, int]:
     does not allow it).
 
     Call it before the thread computes anything (``prepare_engine_thread``); the team is started
-    here, by a parallel region over every thread. A step is a series of parallel regions, each ending at a barrier. Left free,
-    the scheduler sometimes puts two of the team on one core (a waking OpenMP thread goes where
-    its waker runs when its own core is busy) and the step then advances at the pace of the one
-    waiting for its turn: serving at concurrency 16 on 2 cores, where the server's other threads
+    here, by a parallel region over every thread. A step is a series of parallel regions, each
+    ending at a barrier. Left free, the scheduler sometimes puts two of the team on one core (a
+    waking OpenMP thread goes where its waker runs when its own core is busy) and the step then
+    advances at the pace of the one waiting for its turn: serving at concurrency 16 on 2 cores, where the server's other threads
     wake ~650 times a second beside the engine, the engine's two threads followed each other on
     one core in 814 of their 3,883 involuntary switches in a 6 s window (perf sched;
     benchmarks/results/serving_pin_ab_amd_2core_2026-12-02.jsonl). Pinned, each keeps its own

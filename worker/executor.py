@@ -38,12 +38,20 @@ class Executor(Protocol):
         """Release every rank (and its memory); the executor is unusable afterwards."""
 
 
+def cpu_threads_of(args: EngineArgs) -> int | None:
+    """The torch thread count a one-rank CPU engine computes with (None: a tensor-parallel
+    engine, whose ranks keep torch's own)."""
+    if args.tensor_parallel_size != 1:
+        return None
+    return cpu_compute_threads(args.cpu_omp_threads, available_cores())
+
+
 class UniProcExecutor:
     """One rank, in this process: failures surface as exceptions from ``execute`` itself."""
 
     def __init__(self, cfg: ModelConfig, args: EngineArgs, device: torch.device) -> None:
         if device.type == "cpu":
-            torch.set_num_threads(cpu_compute_threads(args.cpu_omp_threads, available_cores()))
+            torch.set_num_threads(cpu_threads_of(args))
         self.runner: ModelRunner | None = ModelRunner(cfg, SINGLE, device, args.load_format, args.seed,
                                                       args.enforce_eager)
 
