@@ -235,18 +235,23 @@ def test_the_engine_is_built_on_its_step_thread_after_that_thread_took_the_lowes
     # and stepped on its own had two pools, and every region of every step ended asleep.
     from pagefleet.worker import async_engine
 
+    # The torch thread count it computes with is counted on the process's cores, not on the one
+    # core the step thread is pinned to before the build (that count was 1).
     built_on: list = []
+    computes_with: list = []
 
     class Recording(async_engine.LLMEngine):
         def __init__(self, args):
             built_on.append((threading.get_ident(), os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))
             super().__init__(args)
+            computes_with.append(torch.get_num_threads())  # this thread's: the one that steps
 
     monkeypatch.setattr(async_engine, "LLMEngine", Recording)
     eng = AsyncLLMEngine(EngineArgs(model=str(tiny_checkpoint(arch="llama")), dtype="float32", device="cpu",
                                     kv_cache_bytes=16 << 20))
     try:
         assert built_on == [(eng._thread.ident, 19)]
+        assert computes_with == [len(os.sched_getaffinity(0))]
         assert threading.get_ident() != eng._thread.ident
         out = asyncio.run(collect(eng, "built", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=3,
                                                                          ignore_eos=True)))

@@ -7,6 +7,7 @@ the engine's own process (tensor_parallel_size 1); ``TPExecutor``
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Protocol
 
 import torch
@@ -44,6 +45,15 @@ def cpu_threads_of(args: EngineArgs) -> int | None:
     if args.tensor_parallel_size != 1:
         return None
     return cpu_compute_threads(args.cpu_omp_threads, available_cores())
+
+
+def with_cpu_threads_counted(args: EngineArgs) -> EngineArgs:
+    """``args`` with a one-rank CPU engine's torch thread count (``cpu_threads_of``) filled in,
+    counted on the cores the calling thread may use now. A step thread calls it before it pins
+    itself to one core (``cpu_threads.prepare_engine_thread``): counted after, on that thread, the
+    executor would see one core and compute on one thread."""
+    threads = cpu_threads_of(args)
+    return args if threads is None else dataclasses.replace(args, cpu_omp_threads=threads)
 
 
 class UniProcExecutor:
