@@ -7,7 +7,11 @@ one is added as soon as one finishes, before the next step), stamps each step's 
 step returns, and reduces the stamps with ``pagefleet bench``'s own metric code, so TTFT, TPOT,
 ITL and output tok/s mean exactly what they mean for the servers. One JSON line per concurrency.
 
-    python _engine_alone.py CKPT INPUT_LEN OUTPUT_LEN C:N [C:N ...]
+``--as-served``: build and step the engine as a worker replica's step thread does
+(``cpu_threads.prepare_engine_thread``: the lowest priority, the OpenMP team pinned one thread
+per core) instead of as ``LLMEngine`` runs in a user's process (niceness 0, threads unpinned).
+
+    python _engine_alone.py [--as-served] CKPT INPUT_LEN OUTPUT_LEN C:N [C:N ...]
 """
 
 from __future__ import annotations
@@ -22,8 +26,10 @@ from typing import Callable
 from _proc_cpu import sched_per_token, thread_sched
 
 from pagefleet.cluster.bench_metrics import RequestResult, compute_metrics
+from pagefleet.worker.cpu_threads import prepare_engine_thread
 from pagefleet.worker.engine import LLMEngine
 from pagefleet.worker.engine_args import EngineArgs
+from pagefleet.worker.executor import cpu_threads_of, with_cpu_threads_counted
 from pagefleet.worker.sampling_params import SamplingParams
 
 PERCENTILES = [50.0, 99.0]
@@ -92,16 +98,24 @@ def random_prompts(engine: LLMEngine, input_len: int, seed: int = 0) -> Callable
 
 
 def main() -> None:
-    ckpt, input_len, output_len = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-    plan = [tuple(int(x) for x in arg.split(":")) for arg in sys.argv[4:]]
-    engine = LLMEngine(EngineArgs(model=ckpt, log_stats_interval=0))
+    argv = sys.argv[1:]
+    as_served = argv[0] == "--as-served"
+    if as_served:
+        argv = argv[1:]
+    ckpt, input_len, output_len = argv[0], int(argv[1]), int(argv[2])
+    plan = [tuple(int(x) for x in arg.split(":")) for arg in argv[3:]]
+    args = EngineArgs(model=ckpt, log_stats_interval=0)
+    setup: dict = {"system": "engine-alone"}
+    if as_served:  # this thread builds and steps the engine, as the replica's step thread does
+        args = with_cpu_threads_counted(args)
+        setup = {"system": "engine-as-served", "pinned_threads": len(prepare_engine_thread(cpu_threads_of(args)))}
+    engine = LLMEngine(args)
     prompt = random_prompts(engine, input_len)
     run(engine, [prompt() for _ in range(2)], 4, 2)  # warm-up, untimed
     for concurrency, num_prompts in plan:
-        line = {"system": "engine-alone", "concurrency": concurrency, "num_prompts": num_prompts,
+        line = {**setup, "concurrency": concurrency, "num_prompts": num_prompts,
                 **run(engine, [prompt() for _ in range(num_prompts)], output_len, concurrency)}
         print(json.dumps(line), flush=True)
-
 
 if __name__ == "__main__":
     main()

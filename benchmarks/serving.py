@@ -230,18 +230,23 @@ def alone_env(environ: Mapping[str, str] = os.environ) -> dict[str, str]:
     return {**env, **compute_thread_env(cpu_compute_threads(None, cores), cores, environ)}
 
 
-def engine_alone(ckpt: str, args, out: Path | None, info: dict) -> dict:
+def engine_alone(ckpt: str, args, out: Path | None, info: dict, as_served: bool = False,
+                 system: str | None = None) -> dict:
+    """The engine alone's lines by concurrency (``_engine_alone.py`` in a process of its own).
+    ``as_served``: its engine set up as a worker replica's (``_engine_alone.py --as-served``);
+    ``system``: the name its lines carry (default: the script's)."""
     plan = [f"{c}:{num_prompts(c)}" for c in args.concurrency]
     before = load()
-    done = subprocess.run([sys.executable, str(HERE / "_engine_alone.py"), ckpt, str(args.input_len),
-                           str(args.output_len), *plan], capture_output=True, text=True, timeout=3600,
-                          env=alone_env())
+    done = subprocess.run([sys.executable, str(HERE / "_engine_alone.py"), *(["--as-served"] if as_served else []),
+                           ckpt, str(args.input_len), str(args.output_len), *plan], capture_output=True, text=True,
+                          timeout=3600, env=alone_env())
     if done.returncode != 0:
         raise RuntimeError(f"engine-alone failed: {done.stderr[-2000:]}")
     lines = {}
     for text in done.stdout.splitlines():
         if text.startswith("{"):
-            line = {**json.loads(text), "load_1m_before": before, "load_1m_after": load(), **info}
+            line = {**json.loads(text), **({"system": system} if system else {}), "load_1m_before": before,
+                    "load_1m_after": load(), **info}
             emit(line, out)
             lines[line["concurrency"]] = line
     return lines
