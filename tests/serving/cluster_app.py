@@ -60,20 +60,24 @@ def ingress():
     return serve.get_deployment_handle("OpenAIIngress", APP)
 
 
-def worker_snapshots() -> dict:
+def worker_snapshots(timeout_s: float = 90.0) -> dict:
     """Every worker's own KV snapshot, by worker id (the handle routes each call to some replica:
-    call until both answered)."""
+    call until both answered). The handle ranks the replicas by the load they last published (every
+    second, through Serve's controller): one that looked busy is passed over until that refreshes,
+    which a loaded machine can hold back for many seconds (100 calls 0.1 s apart once reached one
+    replica only), so this is bounded by time, not by a count of calls."""
     from ray import serve
 
     handle = serve.get_deployment_handle("PagefleetWorker", APP)
     snaps: dict = {}
-    for _ in range(100):  # spread over seconds: stale load stats would keep choosing one replica
+    deadline = time.monotonic() + timeout_s
+    while True:
         snap = handle.kv_snapshot.remote().result(timeout_s=30)
         snaps[snap.worker_id] = snap
         if len(snaps) == 2:
             return snaps
-        time.sleep(0.1)
-    raise AssertionError(f"only reached workers {sorted(snaps)}")
+        assert time.monotonic() < deadline, f"only reached workers {sorted(snaps)} in {timeout_s} s"
+        time.sleep(0.25)
 
 
 def wait_idle(timeout_s: float = 60.0) -> None:
