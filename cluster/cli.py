@@ -9,6 +9,7 @@ import sys
 
 from pagefleet.cluster import bench, plan_cli
 from pagefleet.cluster.config import ServeArgs, ServeOptions
+from pagefleet.cluster.serve_env import THREAD_WAIT_ENV
 from pagefleet.cluster.demo_model import ARCHITECTURES, DEMO_SIZES, write_demo_checkpoint
 from pagefleet.worker.config import DTYPES
 from pagefleet.worker.engine_args import EngineArgs
@@ -18,9 +19,9 @@ logger = logging.getLogger("pagefleet")
 
 
 def main(argv: list[str] | None = None) -> int:
-    # Before torch loads (here and in the Ray workers that inherit this environment):
-    # libgomp's default spin-waiting makes small matmuls ~30x slower on a busy few-core host.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    # Before torch loads (here and in the Ray workers that inherit this environment).
+    for name, value in THREAD_WAIT_ENV.items():
+        os.environ.setdefault(name, value)
     parser = _parser()
     args = parser.parse_args(argv)
     if args.command is None:

@@ -64,6 +64,14 @@ LOCAL_QUIET_ENV = {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5", "RAY_LOG_MONITOR_
 # else running the speed is the same (benchmarks/serving.py, 1 worker, alternating 15/0/0/15:
 # c1 TPOT 25.2, 19.8 ms at 15 and 20.5, 19.8 at 0; c16 164, 155 tok/s at 15 and 164, 164 at 0).
 WORKER_PRIORITY_ENV = {"RAY_worker_niceness": "0"}
+# libgomp's spin-wait off in every process of a node (Ray's workers inherit it from the raylet): where
+# processes share a few cores, an OpenMP team spinning at its barriers holds cores the others need (small
+# matmuls about 30x slower on a busy few-core host). A CPU engine whose team has its cores to itself gets
+# its spin back in its own process's environment (``worker.cpu_threads.SPIN_WAIT_ENV``). ``pagefleet``
+# sets it for itself and the cluster it starts, unless the user set one; the deploy/ files set it too.
+THREAD_WAIT_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
+# What every node of a cluster pagefleet serves on gets, from its `ray start` (the deploy/ files).
+NODE_ENV = {**FAST_PATH_ENV, **WORKER_PRIORITY_ENV, **THREAD_WAIT_ENV}
 # Serve's fixed ports in this mode (HAProxy's stats page and Prometheus exporter, the backup proxy).
 SIDE_PORTS = ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT", "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT")
 

@@ -10,7 +10,7 @@ from ray._private.ray_constants import PROMETHEUS_SERVICE_DISCOVERY_FILE
 from ray.serve.schema import HTTPOptionsSchema, ServeApplicationSchema, ServeDeploySchema
 
 from pagefleet.cluster.config import ServeOptions
-from pagefleet.cluster.serve_env import FAST_PATH_ENV, WORKER_PRIORITY_ENV
+from pagefleet.cluster.serve_env import NODE_ENV
 from pagefleet.router.metrics import ROUTER_METRICS
 from pagefleet.worker.metrics import ENGINE_METRICS
 
@@ -52,11 +52,11 @@ def test_rayservice_serves_build_app_on_gpu_workers_and_is_scraped():
     assert gpu_group["replicas"] * gpus_per_pod == args["workers"] * args["tensor_parallel_size"]
     (worker,) = gpu_group["template"]["spec"]["containers"]
     assert worker["resources"]["limits"]["nvidia.com/gpu"] == gpus_per_pod
-    # Serve's high-throughput mode and Ray's workers at niceness 0 on every pod (each node's
-    # raylet and Serve processes read them at start)
+    # Serve's high-throughput mode, Ray's workers at niceness 0 and no OpenMP spin on every pod
+    # (each node's raylet and Serve processes read them at start)
     for group in (cluster["headGroupSpec"], gpu_group):
         (container,) = group["template"]["spec"]["containers"]
-        assert {e["name"]: e["value"] for e in container["env"]} == {**FAST_PATH_ENV, **WORKER_PRIORITY_ENV}
+        assert {e["name"]: e["value"] for e in container["env"]} == NODE_ENV
     # The PodMonitor's port is a named container port on every Ray pod, the agent's export port.
     port_name = monitor["spec"]["podMetricsEndpoints"][0]["port"]
     selector = monitor["spec"]["selector"]["matchLabels"]
@@ -73,7 +73,7 @@ def test_ray_up_cluster_exports_metrics_with_token_auth():
     workers = " ".join(config["worker_start_ray_commands"])
     for command in (head, workers):
         assert "RAY_AUTH_MODE=token" in command and "--metrics-export-port=8080" in command
-        assert all(f"{name}={value} " in command for name, value in {**FAST_PATH_ENV, **WORKER_PRIORITY_ENV}.items())
+        assert all(f"{name}={value} " in command for name, value in NODE_ENV.items())
     assert "~/.ray/auth_token" in config["file_mounts"]
 
 
