@@ -27,7 +27,7 @@ from typing import Any, AsyncIterator
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from pagefleet.router.delta_mux import ChannelMux, ReplicaBusy, read_deltas, watch
+from pagefleet.router.delta_mux import ChannelLost, ChannelMux, ReplicaBusy, read_deltas, watch
 from pagefleet.router.global_scheduler import SchedulerCounters
 from pagefleet.router.http_guards import BodyLimits
 from pagefleet.router.kv_mirror import MirrorCounters, SchedulerMirror, ViewFollower
@@ -136,6 +136,15 @@ class HandleWorkerClient:
                 except ReplicaBusy:  # refused on the connection, nothing ran: through Serve, which queues it
                     on_connection = False
                 except Exception as exc:  # noqa: BLE001 — each becomes an OpenAI error (or a retry) below
+                    if isinstance(exc, ChannelLost) and on_connection and not started:
+                        # The connection it was sent on ended before any of its output came: the
+                        # replica closes a channel idle for a few seconds and a request sent just then
+                        # goes with it, or the replica went away. Nothing reached the client and the
+                        # replica aborted whatever of it ran, so it goes through Serve as a refused one
+                        # does, with its ranking and without spending an attempt (a failure there would).
+                        on_connection = False
+                        q = self.mux.retry(job.request_id)
+                        continue
                     error, retry = worker_failure(exc)
                     if error.status_code == 429:
                         self.metrics.inc("admission_rejections", reason="worker_queue_full")

@@ -190,6 +190,7 @@ class _ReplicaHandle:
     def __init__(self, replica: WorkerReplica) -> None:
         self.replica = replica
         self.generate_calls: list[str] = []
+        self.generate_rankings: list[list[str] | None] = []
 
     def options(self, method_name, stream):
         return _ReplicaMethod(self, method_name)
@@ -203,6 +204,7 @@ class _ReplicaMethod:
         if self.name == "channel":
             return Call(self.handle.replica.channel(arg))
         self.handle.generate_calls.append(arg.request_id)
+        self.handle.generate_rankings.append(arg.ranking)
         return Call(self.handle.replica.generate(arg))
 
 
@@ -241,6 +243,52 @@ def test_the_ingress_sends_on_the_connection_and_through_serve_when_it_must(monk
         assert handle.generate_calls == ["first", "refused", "stopping"]
         assert (client.mux.counters.sent, client.mux.counters.refused) == (3, 1)
         assert replica.num_ongoing == 0 and replica._channels[client.mux.channel_id].requests == 0
+        await _close(replica, client.mux)
+
+    asyncio.run(run())
+
+
+def test_a_request_whose_connection_ends_before_its_first_output_goes_through_serve_as_ranked(monkeypatch):
+    # The replica closes a channel idle for a few seconds, and a request sent on the connection just
+    # then is lost with it. Nothing of it reached the client: it goes through Serve, still ranked for
+    # the replica it was sent to, and spends no attempt (with one allowed it used to fail with a 503).
+    from pagefleet.router import ingress
+
+    router = _Router("local")
+    monkeypatch.setitem(request_router._ROUTERS, ("app", "PagefleetWorker"), lambda: router)
+    monkeypatch.setattr(ingress, "MAX_ATTEMPTS", 1)
+
+    async def run():
+        replica = WorkerReplica(EngineArgs(), engine_factory=SteppedEngine, channel_host="127.0.0.1")
+        handle = _ReplicaHandle(replica)
+        client = HandleWorkerClient(handle)
+
+        async def tokens(request_id: str) -> list[int]:
+            job = Job(request_id, [1, 2], SamplingParams(max_tokens=2), ranking=["local"])
+            return [t async for d in client.generate(job) for t in d.sequences[0].token_ids]
+
+        first = asyncio.ensure_future(tokens("first"))  # opens the channel's connection
+        await until(lambda: "local" in client.mux._connections and client.mux._connections["local"].open)
+        for step in replica.engine.steps:
+            step.set()
+        assert await first == [0, 1]
+        replica.engine.steps = [asyncio.Event() for _ in range(8)]
+        connection = client.mux._connections["local"]
+
+        def sent_then_lost(commands: list) -> None:
+            type(connection).send(connection, commands)
+            connection._transport.abort()  # the connection ends with the request on it
+
+        monkeypatch.setattr(connection, "send", sent_then_lost)
+        lost = asyncio.ensure_future(tokens("lost"))
+        await until(lambda: handle.generate_calls[-1:] == ["lost"])
+        for step in replica.engine.steps:
+            step.set()
+        assert await lost == [0, 1]
+        assert handle.generate_calls == ["first", "lost"] and handle.generate_rankings == [["local"], ["local"]]
+        assert client.mux.counters.sent == 1  # the one sent on the connection, then lost
+        await until(lambda: replica.num_ongoing == 0)
+        assert replica._channels[client.mux.channel_id].requests == 0
         await _close(replica, client.mux)
 
     asyncio.run(run())
