@@ -117,5 +117,6 @@ def main() -> None:
                 **run(engine, [prompt() for _ in range(num_prompts)], output_len, concurrency)}
         print(json.dumps(line), flush=True)
 
+
 if __name__ == "__main__":
     main()
