@@ -208,24 +208,32 @@ class _ReplicaMethod:
         return Call(self.handle.replica.generate(arg))
 
 
+async def _ingress_connected(replica: WorkerReplica):
+    """The ingress's worker client over ``replica`` once its channel connection is open (request
+    "first" went through Serve, which opened it, and finished): (handle, client, tokens), where
+    ``tokens(request_id)`` is the output of one request ranked for the replica."""
+    handle = _ReplicaHandle(replica)
+    client = HandleWorkerClient(handle)
+
+    async def tokens(request_id: str) -> list[int]:
+        job = Job(request_id, [1, 2], SamplingParams(max_tokens=2), ranking=["local"])
+        return [t async for d in client.generate(job) for t in d.sequences[0].token_ids]
+
+    first = asyncio.ensure_future(tokens("first"))  # no connection yet: through Serve, which opens the channel
+    await until(lambda: "local" in client.mux._connections and client.mux._connections["local"].open)
+    for step in replica.engine.steps:
+        step.set()
+    assert await first == [0, 1]
+    return handle, client, tokens
+
+
 def test_the_ingress_sends_on_the_connection_and_through_serve_when_it_must(monkeypatch):
     router = _Router("local")
     monkeypatch.setitem(request_router._ROUTERS, ("app", "PagefleetWorker"), lambda: router)
 
     async def run():
         replica = WorkerReplica(EngineArgs(), engine_factory=SteppedEngine, channel_host="127.0.0.1")
-        handle = _ReplicaHandle(replica)
-        client = HandleWorkerClient(handle)
-
-        async def tokens(request_id: str) -> list[int]:
-            job = Job(request_id, [1, 2], SamplingParams(max_tokens=2), ranking=["local"])
-            return [t async for d in client.generate(job) for t in d.sequences[0].token_ids]
-
-        first = asyncio.ensure_future(tokens("first"))  # no connection yet: through Serve, which opens the channel
-        await until(lambda: "local" in client.mux._connections and client.mux._connections["local"].open)
-        for step in replica.engine.steps:
-            step.set()
-        assert await first == [0, 1]
+        handle, client, tokens = await _ingress_connected(replica)
         assert await tokens("on-connection") == [0, 1]
         replica.engine.steps = [asyncio.Event() for _ in range(8)]  # requests wait for their steps again
         replica.max_ongoing = 1
@@ -260,18 +268,7 @@ def test_a_request_whose_connection_ends_before_its_first_output_goes_through_se
 
     async def run():
         replica = WorkerReplica(EngineArgs(), engine_factory=SteppedEngine, channel_host="127.0.0.1")
-        handle = _ReplicaHandle(replica)
-        client = HandleWorkerClient(handle)
-
-        async def tokens(request_id: str) -> list[int]:
-            job = Job(request_id, [1, 2], SamplingParams(max_tokens=2), ranking=["local"])
-            return [t async for d in client.generate(job) for t in d.sequences[0].token_ids]
-
-        first = asyncio.ensure_future(tokens("first"))  # opens the channel's connection
-        await until(lambda: "local" in client.mux._connections and client.mux._connections["local"].open)
-        for step in replica.engine.steps:
-            step.set()
-        assert await first == [0, 1]
+        handle, client, tokens = await _ingress_connected(replica)
         replica.engine.steps = [asyncio.Event() for _ in range(8)]
         connection = client.mux._connections["local"]
 
