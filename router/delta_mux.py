@@ -62,9 +62,10 @@ class MuxCounters:
     socket_channels: int = 0  # of those, on a TCP connection
     batches: int = 0
     deltas: int = 0
-    unclaimed: int = 0  # deltas of no running request (cancelled meanwhile) or from a replica it left
+    unclaimed: int = 0  # deltas of no running request (cancelled meanwhile, or a send that failed)
     sent: int = 0  # requests sent on a channel connection
     refused: int = 0  # of those, refused by the replica (then sent through Serve)
+    resent_after_lost: int = 0  # of those, whose connection ended before their first output (then through Serve)
 
 
 class SocketUnusable(ConnectionError):
@@ -139,7 +140,6 @@ class ChannelMux:
         self._no_socket: set[str] = set()  # replicas whose socket could not be used
         self._queues: dict[str, asyncio.Queue] = {}
         self._replica_of: dict[str, str] = {}  # request id -> replica it was placed on
-        self._left: dict[str, set[str]] = {}  # request id -> replicas an earlier attempt ran on
         self._on: dict[str, set[str]] = {}  # replica -> request ids placed there
         self._readers: dict[str, asyncio.Task] = {}
         self._connections: dict[str, _FrameReader] = {}  # replica -> its channel's open connection
@@ -156,19 +156,9 @@ class ChannelMux:
         self._queues[request_id] = q
         return q
 
-    def retry(self, request_id: str) -> asyncio.Queue:
-        """A fresh queue for the request's next attempt (nothing the failed attempt's stream still
-        puts reaches it), deaf to the replica the failed attempt ran on."""
-        replica_id = self._replica_of.get(request_id)
-        if replica_id is not None:
-            self._left.setdefault(request_id, set()).add(replica_id)
-        self._unplace(request_id)
-        return self._new_queue(request_id)
-
     def placed(self, request_id: str, replica_id: str) -> None:
         """The request runs on ``replica_id``: its channel is read from now on."""
         self._unplace(request_id)
-        self._left.get(request_id, set()).discard(replica_id)  # a replica that came back
         self._replica_of[request_id] = replica_id
         self._on.setdefault(replica_id, set()).add(request_id)
         if replica_id not in self._readers:
@@ -197,7 +187,6 @@ class ChannelMux:
 
     def release(self, request_id: str) -> None:
         self._queues.pop(request_id, None)
-        self._left.pop(request_id, None)
         self._sent.discard(request_id)
         self._unplace(request_id)
 
@@ -278,10 +267,9 @@ class ChannelMux:
             if hop_trace.PATH:
                 hop_trace.mark(request_id, "ingress_channel_recv")
             q = self._queues.get(request_id)
-            # Not from a replica a failed attempt ran on (its deltas still on the way); before
-            # the request's Placed arrives, from wherever it runs.
-            if q is None or self._replica_of.get(request_id, replica_id) != replica_id \
-                    or replica_id in self._left.get(request_id, ()):
+            # From the replica it runs on; before its Placed arrives, from wherever it runs. A send
+            # that failed has an id of its own, whose queue is gone: its late deltas go to no one.
+            if q is None or self._replica_of.get(request_id, replica_id) != replica_id:
                 self.counters.unclaimed += 1
             elif isinstance(item, RequestOutputDelta):
                 if item.finished:

@@ -112,10 +112,19 @@ class HandleWorkerClient:
     async def _attempts(self, job: Job) -> AsyncIterator[RequestOutputDelta]:
         request = WorkerRequest(job.request_id, job.token_ids, job.params, job.block_hashes, job.extra_keys,
                                 job.ranking, channel=self.mux.channel_id)
-        q = self.mux.register(job.request_id)  # before sending: its deltas may arrive before its Placed
-        attempt, on_connection = 1, True
+        q = self.mux.register(request.request_id)  # before sending: its deltas may arrive before its Placed
+        attempt, sends, on_connection, again = 1, 1, True, False
         try:
             while True:
+                if again:
+                    # Sent again under an id of its own: the replica the last send ran on may hold
+                    # that id until its abort lands between two steps, and anything that send still
+                    # puts on its way goes to no queue.
+                    self.mux.release(request.request_id)
+                    sends += 1
+                    request.request_id = f"{job.request_id}#{sends}"
+                    q = self.mux.register(request.request_id)
+                    again = False
                 response = None
                 started = finished = False
                 try:
@@ -123,7 +132,7 @@ class HandleWorkerClient:
                     deltas = self._sent(request, q) if on_connection else None
                     if deltas is None:
                         response = self._stream.remote(request)  # may refuse at once: Serve's queue is full
-                        deltas = await self._placed(job.request_id, response, q)
+                        deltas = await self._placed(request.request_id, response, q)
                     async for delta in deltas:
                         if not started:
                             hop_trace.mark(job.request_id, "ingress_first_delta")
@@ -140,10 +149,10 @@ class HandleWorkerClient:
                         # The connection it was sent on ended before any of its output came: the
                         # replica closes a channel idle for a few seconds and a request sent just then
                         # goes with it, or the replica went away. Nothing reached the client and the
-                        # replica aborted whatever of it ran, so it goes through Serve as a refused one
+                        # replica aborts whatever of it ran, so it goes through Serve as a refused one
                         # does, with its ranking and without spending an attempt (a failure there would).
-                        on_connection = False
-                        q = self.mux.retry(job.request_id)
+                        on_connection, again = False, True
+                        self.mux.counters.resent_after_lost += 1
                         continue
                     error, retry = worker_failure(exc)
                     if error.status_code == 429:
@@ -154,15 +163,15 @@ class HandleWorkerClient:
                     logger.warning("request %s: worker unavailable before its first output (%s); attempt %d of %d",
                                    job.request_id, type(exc).__name__, attempt, MAX_ATTEMPTS)
                     request.ranking = None  # its first choice failed: let the request router pick again
-                    q = self.mux.retry(job.request_id)
+                    again = True
                 finally:
                     if not finished:
-                        self.mux.abort(job.request_id)  # sent on a connection and still running there
+                        self.mux.abort(request.request_id)  # sent on a connection and still running there
                         if response is not None:
                             with contextlib.suppress(Exception):  # a refused or failed call re-raises on cancel
                                 response.cancel()
         finally:
-            self.mux.release(job.request_id)
+            self.mux.release(request.request_id)
 
     def _sent(self, request: WorkerRequest, q: asyncio.Queue) -> AsyncIterator[RequestOutputDelta] | None:
         """The request's deltas (``ReplicaBusy`` first if the replica refuses it) once sent on the

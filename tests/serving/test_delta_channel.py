@@ -225,14 +225,15 @@ def test_deltas_before_placed_are_kept_and_a_failed_attempts_late_deltas_are_not
         await settle()
         assert q.get_nowait() == delta("a", 0)
         mux.placed("a", "w0")
-        q = mux.retry("a")  # w0 failed; the next attempt goes elsewhere
-        w0.items.put_nowait([delta("a", 1)])  # w0's late delta, before the retry's Placed
-        mux.placed("a", "w1")
+        mux.release("a")  # w0 failed; the next send has an id of its own (the ingress's "a#2")
+        q = mux.register("a#2")
+        w0.items.put_nowait([delta("a", 1)])  # w0's late delta, before the new send's Placed
+        mux.placed("a#2", "w1")
         await settle()
-        opened[1][1].items.put_nowait([delta("a", 7)])
+        opened[1][1].items.put_nowait([delta("a#2", 7)])
         w0.items.put_nowait([delta("a", 2)])  # and after it
         await settle()
-        assert q.get_nowait() == delta("a", 7) and q.empty()
+        assert q.get_nowait() == delta("a#2", 7) and q.empty()
         assert mux.counters.unclaimed == 2
 
     asyncio.run(run())

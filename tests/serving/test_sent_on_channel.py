@@ -258,8 +258,11 @@ def test_the_ingress_sends_on_the_connection_and_through_serve_when_it_must(monk
 
 def test_a_request_whose_connection_ends_before_its_first_output_goes_through_serve_as_ranked(monkeypatch):
     # The replica closes a channel idle for a few seconds, and a request sent on the connection just
-    # then is lost with it. Nothing of it reached the client: it goes through Serve, still ranked for
-    # the replica it was sent to, and spends no attempt (with one allowed it used to fail with a 503).
+    # then is lost with it (here: it started on the replica, then its connection ended). Nothing of
+    # it reached the client: it goes through Serve, still ranked for the replica it was sent to,
+    # spending no attempt (with one allowed it used to fail with a 503), and under an id of its own:
+    # that replica still holds the first send until it notices the connection is gone, and an
+    # engine refuses an id it is running (the same id failed here with a 500).
     from pagefleet.router import ingress
 
     router = _Router("local")
@@ -270,22 +273,18 @@ def test_a_request_whose_connection_ends_before_its_first_output_goes_through_se
         replica = WorkerReplica(EngineArgs(), engine_factory=SteppedEngine, channel_host="127.0.0.1")
         handle, client, tokens = await _ingress_connected(replica)
         replica.engine.steps = [asyncio.Event() for _ in range(8)]
-        connection = client.mux._connections["local"]
-
-        def sent_then_lost(commands: list) -> None:
-            type(connection).send(connection, commands)
-            connection._transport.abort()  # the connection ends with the request on it
-
-        monkeypatch.setattr(connection, "send", sent_then_lost)
         lost = asyncio.ensure_future(tokens("lost"))
-        await until(lambda: handle.generate_calls[-1:] == ["lost"])
+        await until(lambda: replica.engine.started[-1:] == ["lost"])  # running there, on the connection
+        client.mux._connections["local"]._transport.abort()  # which then ends
+        await until(lambda: handle.generate_calls[-1:] == ["lost#2"])
         for step in replica.engine.steps:
             step.set()
         assert await lost == [0, 1]
-        assert handle.generate_calls == ["first", "lost"] and handle.generate_rankings == [["local"], ["local"]]
-        assert client.mux.counters.sent == 1  # the one sent on the connection, then lost
+        assert handle.generate_calls == ["first", "lost#2"] and handle.generate_rankings == [["local"], ["local"]]
+        assert (client.mux.counters.sent, client.mux.counters.resent_after_lost) == (1, 1)
         await until(lambda: replica.num_ongoing == 0)
-        assert replica._channels[client.mux.channel_id].requests == 0
+        assert replica.engine.started == ["first", "lost", "lost#2"]
+        assert sorted(replica.engine.closed) == ["first", "lost", "lost#2"]  # the first send aborted there
         await _close(replica, client.mux)
 
     asyncio.run(run())

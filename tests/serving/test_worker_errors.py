@@ -4,6 +4,7 @@ and a retry on another replica only for a request that had produced nothing yet.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 import ray.exceptions as ray_exceptions
@@ -70,6 +71,7 @@ class _Response:
     def __init__(self, deltas, fail=None):
         self.deltas, self.fail, self.cancelled = deltas, fail, False
         self.channel = None
+        self.request_id = None  # the id it was sent under (each send has its own)
         self._items = self._run()
 
     def __aiter__(self):
@@ -81,7 +83,7 @@ class _Response:
     async def _run(self):
         yield Placed("w0")
         for d in self.deltas:
-            self.channel.put(d)
+            self.channel.put(dataclasses.replace(d, request_id=self.request_id))
             while self.channel.pending:  # taken by the ingress's channel reader
                 await asyncio.sleep(0)
             for _ in range(3):  # and handed to the request's reader
@@ -102,7 +104,7 @@ class _OwnStreamResponse(_Response):
         yield Placed("w0", on_channel=False)
         for d in self.deltas:
             await asyncio.sleep(0)
-            yield d
+            yield dataclasses.replace(d, request_id=self.request_id)
         if self.fail is not None:
             raise self.fail
 
@@ -148,7 +150,7 @@ class _Method:
             return _ChannelStream(channel)
         self.handle.sent.append((arg.request_id, arg.ranking))
         response = self.handle.responses.pop(0)
-        response.channel = channel
+        response.channel, response.request_id = channel, arg.request_id
         return response
 
 
@@ -172,7 +174,8 @@ def test_a_request_whose_worker_died_before_any_output_goes_to_another_replica()
     deltas = asyncio.run(_collect(HandleWorkerClient(handle), _job(ranking=["w1", "w0"])))
     assert [d.sequences[0].token_ids for d in deltas] == [[1], [2]]
     # the retry drops the ranking whose first choice just failed: the request router picks again
-    assert handle.sent == [("r-0", ["w1", "w0"]), ("r-0", None)] and dead.cancelled and not good.cancelled
+    # and it goes under an id of its own: the replica the first send ran on may still hold that one
+    assert handle.sent == [("r-0", ["w1", "w0"]), ("r-0#2", None)] and dead.cancelled and not good.cancelled
 
 
 def test_a_request_with_output_already_sent_is_not_repeated():
