@@ -99,9 +99,11 @@ def random_prompts(engine: LLMEngine, input_len: int, seed: int = 0) -> Callable
 
 def main() -> None:
     argv = sys.argv[1:]
-    as_served = argv[0] == "--as-served"
+    as_served = argv[:1] == ["--as-served"]
     if as_served:
         argv = argv[1:]
+    if len(argv) < 4:
+        sys.exit(__doc__)
     ckpt, input_len, output_len = argv[0], int(argv[1]), int(argv[2])
     plan = [tuple(int(x) for x in arg.split(":")) for arg in argv[3:]]
     args = EngineArgs(model=ckpt, log_stats_interval=0)

@@ -56,7 +56,7 @@ def run_system(name: str, ckpt: str, args, workdir: Path, info: dict) -> dict:
         return serving.engine_alone(ckpt, args, args.out, info)
     if name == "engine-as-served":
         return serving.engine_alone(ckpt, args, args.out, info, as_served=True)
-    server = serving.start_pagefleet(ckpt, workdir)
+    server = serving.start_pagefleet(ckpt, workdir, log_name=name)
     try:
         if name == "pagefleet-serve":
             return serving.drive(name, server, ckpt, args, workdir, args.out, info)

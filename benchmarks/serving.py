@@ -138,11 +138,11 @@ class Server:
                 self.proc.wait()
 
 
-def start_pagefleet(ckpt: str, workdir: Path) -> Server:
+def start_pagefleet(ckpt: str, workdir: Path, log_name: str = "pagefleet-serve") -> Server:
     port = free_port()
     argv = [str(BIN / "pagefleet"), "serve", "--model", ckpt, "--port", str(port),
             "--metrics-export-port", str(free_port()), "--log-stats-interval", "0"]
-    return Server(argv, f"http://127.0.0.1:{port}", workdir / "pagefleet-serve.log")
+    return Server(argv, f"http://127.0.0.1:{port}", workdir / f"{log_name}.log")
 
 
 def vllm_argv(venv: str, *args: str) -> list[str]:

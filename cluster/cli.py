@@ -9,8 +9,8 @@ import sys
 
 from pagefleet.cluster import bench, plan_cli
 from pagefleet.cluster.config import ServeArgs, ServeOptions
-from pagefleet.cluster.serve_env import THREAD_WAIT_ENV
 from pagefleet.cluster.demo_model import ARCHITECTURES, DEMO_SIZES, write_demo_checkpoint
+from pagefleet.cluster.serve_env import THREAD_WAIT_ENV
 from pagefleet.worker.config import DTYPES
 from pagefleet.worker.engine_args import EngineArgs
 from pagefleet.worker.options import add_cli_args
