@@ -201,7 +201,6 @@ def test_a_cpu_engine_pins_its_thread_and_openmp_team_one_core_each(engine):
     if len(cores) < 2:
         assert engine.pinned_threads == {}
         return
-    assert torch.get_num_threads() == len(cores)
     pinned = engine.pinned_threads
     assert pinned[engine._thread.native_id] == cores[0]
     assert sorted(pinned.values()) == cores  # one thread per core, every core
