@@ -65,7 +65,6 @@ class MuxCounters:
     unclaimed: int = 0  # deltas of no running request (cancelled meanwhile, or a send that failed)
     sent: int = 0  # requests sent on a channel connection
     refused: int = 0  # of those, refused by the replica (then sent through Serve)
-    resent_after_lost: int = 0  # of those, whose connection ended before their first output (then through Serve)
 
 
 class SocketUnusable(ConnectionError):

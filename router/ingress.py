@@ -152,7 +152,7 @@ class HandleWorkerClient:
                         # replica aborts whatever of it ran, so it goes through Serve as a refused one
                         # does, with its ranking and without spending an attempt (a failure there would).
                         on_connection, again = False, True
-                        self.mux.counters.resent_after_lost += 1
+                        self.metrics.inc("worker_resends", reason="connection_lost")
                         continue
                     error, retry = worker_failure(exc)
                     if error.status_code == 429:
@@ -164,6 +164,7 @@ class HandleWorkerClient:
                                    job.request_id, type(exc).__name__, attempt, MAX_ATTEMPTS)
                     request.ranking = None  # its first choice failed: let the request router pick again
                     again = True
+                    self.metrics.inc("worker_resends", reason="worker_failed")
                 finally:
                     if not finished:
                         self.mux.abort(request.request_id)  # sent on a connection and still running there

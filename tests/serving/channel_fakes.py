@@ -5,8 +5,23 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
+from pagefleet.router.metrics import RouterMetrics
 from pagefleet.worker.outputs import CompletionOutput, RequestOutputDelta
 from pagefleet.worker.stats import EngineStats
+
+
+class ResendMetrics(RouterMetrics):
+    """The ingress's metrics, recording nothing in Ray: the reason of each ``worker_resends``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enabled = False
+        self.resends: list[str] = []
+
+    def inc(self, key: str, value: float = 1.0, **tags: str) -> None:
+        super().inc(key, value, **tags)  # checks the key against the table
+        if key == "worker_resends":
+            self.resends.append(tags["reason"])
 
 
 def delta(request_id: str, token: int, finished: bool = False) -> RequestOutputDelta:

@@ -19,7 +19,7 @@ from pagefleet.worker.request_check import InvalidRequest
 from pagefleet.worker.sampling_params import SamplingParams
 from pagefleet.worker.worker_request import ChannelOpen, Ended, Placed, WorkerRequest
 
-from channel_fakes import Call, SteppedEngine, delta, settle, until
+from channel_fakes import Call, ResendMetrics, SteppedEngine, delta, settle, until
 
 
 class RefusingEngine(SteppedEngine):
@@ -272,6 +272,7 @@ def test_a_request_whose_connection_ends_before_its_first_output_goes_through_se
     async def run():
         replica = WorkerReplica(EngineArgs(), engine_factory=SteppedEngine, channel_host="127.0.0.1")
         handle, client, tokens = await _ingress_connected(replica)
+        client.metrics = ResendMetrics()
         replica.engine.steps = [asyncio.Event() for _ in range(8)]
         lost = asyncio.ensure_future(tokens("lost"))
         await until(lambda: replica.engine.started[-1:] == ["lost"])  # running there, on the connection
@@ -281,7 +282,8 @@ def test_a_request_whose_connection_ends_before_its_first_output_goes_through_se
             step.set()
         assert await lost == [0, 1]
         assert handle.generate_calls == ["first", "lost#2"] and handle.generate_rankings == [["local"], ["local"]]
-        assert (client.mux.counters.sent, client.mux.counters.resent_after_lost) == (1, 1)
+        assert client.mux.counters.sent == 1
+        assert client.metrics.resends == ["connection_lost"]
         await until(lambda: replica.num_ongoing == 0)
         assert replica.engine.started == ["first", "lost", "lost#2"]
         assert sorted(replica.engine.closed) == ["first", "lost", "lost#2"]  # the first send aborted there

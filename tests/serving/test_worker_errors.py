@@ -20,6 +20,8 @@ from pagefleet.worker.request_check import InvalidRequest
 from pagefleet.worker.sampling_params import SamplingParams
 from pagefleet.worker.worker_request import Ended, Placed
 
+from channel_fakes import ResendMetrics
+
 
 def _as_ray_task_error(cause: Exception) -> Exception:
     """What a Serve handle raises for an exception inside the replica: a RayTaskError whose text
@@ -171,8 +173,9 @@ def test_a_request_whose_worker_died_before_any_output_goes_to_another_replica()
     dead = _Response([], ray_exceptions.ActorDiedError())
     good = _Response([_delta(1, False), _delta(2, True)])
     handle = _Handle([dead, good])
-    deltas = asyncio.run(_collect(HandleWorkerClient(handle), _job(ranking=["w1", "w0"])))
-    assert [d.sequences[0].token_ids for d in deltas] == [[1], [2]]
+    metrics = ResendMetrics()
+    deltas = asyncio.run(_collect(HandleWorkerClient(handle, metrics=metrics), _job(ranking=["w1", "w0"])))
+    assert [d.sequences[0].token_ids for d in deltas] == [[1], [2]] and metrics.resends == ["worker_failed"]
     # the retry drops the ranking whose first choice just failed: the request router picks again
     # and it goes under an id of its own: the replica the first send ran on may still hold that one
     assert handle.sent == [("r-0", ["w1", "w0"]), ("r-0#2", None)] and dead.cancelled and not good.cancelled
@@ -195,9 +198,11 @@ def test_a_request_with_output_already_sent_is_not_repeated():
 
 def test_retries_are_bounded():
     handle = _Handle([_Response([], ray_exceptions.ActorDiedError()) for _ in range(5)])
+    metrics = ResendMetrics()
     with pytest.raises(Exception) as failed:
-        asyncio.run(_collect(HandleWorkerClient(handle)))
+        asyncio.run(_collect(HandleWorkerClient(handle, metrics=metrics)))
     assert failed.value.status_code == 503 and len(handle.sent) == 3
+    assert metrics.resends == ["worker_failed", "worker_failed"]
 
 
 def test_a_request_placed_before_a_channel_was_attached_reads_its_own_stream():
