@@ -8,7 +8,7 @@ step returns, and reduces the stamps with ``pagefleet bench``'s own metric code,
 ITL and output tok/s mean exactly what they mean for the servers. One JSON line per concurrency.
 
 ``--as-served``: build and step the engine as a worker replica's step thread does
-(``cpu_threads.prepare_engine_thread``: the lowest priority, the OpenMP team pinned one thread
+(``executor.prepare_step_thread``: the lowest priority, the OpenMP team pinned one thread
 per core) instead of as ``LLMEngine`` runs in a user's process (niceness 0, threads unpinned).
 
     python _engine_alone.py [--as-served] CKPT INPUT_LEN OUTPUT_LEN C:N [C:N ...]
@@ -26,10 +26,9 @@ from typing import Callable
 from _proc_cpu import sched_per_token, thread_sched
 
 from pagefleet.cluster.bench_metrics import RequestResult, compute_metrics
-from pagefleet.worker.cpu_threads import prepare_engine_thread
 from pagefleet.worker.engine import LLMEngine
 from pagefleet.worker.engine_args import EngineArgs
-from pagefleet.worker.executor import cpu_threads_of, with_cpu_threads_counted
+from pagefleet.worker.executor import prepare_step_thread
 from pagefleet.worker.sampling_params import SamplingParams
 
 PERCENTILES = [50.0, 99.0]
@@ -109,8 +108,8 @@ def main() -> None:
     args = EngineArgs(model=ckpt, log_stats_interval=0)
     setup: dict = {"system": "engine-alone"}
     if as_served:  # this thread builds and steps the engine, as the replica's step thread does
-        args = with_cpu_threads_counted(args)
-        setup = {"system": "engine-as-served", "pinned_threads": len(prepare_engine_thread(cpu_threads_of(args)))}
+        args, pinned = prepare_step_thread(args)
+        setup = {"system": "engine-as-served", "pinned_threads": len(pinned)}
     engine = LLMEngine(args)
     prompt = random_prompts(engine, input_len)
     run(engine, [prompt() for _ in range(2)], 4, 2)  # warm-up, untimed

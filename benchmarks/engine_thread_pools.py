@@ -51,6 +51,7 @@ def voluntary_switches() -> int:
 
 def child(mode: str, ckpt: str, input_len: int, output_len: int, concurrency: list[int]) -> None:
     from _engine_alone import random_prompts, run
+    from serving import num_prompts
 
     from pagefleet.worker.engine import LLMEngine
     from pagefleet.worker.engine_args import EngineArgs
@@ -65,7 +66,7 @@ def child(mode: str, ckpt: str, input_len: int, output_len: int, concurrency: li
         prompt = random_prompts(engine, input_len)
         run(engine, [prompt() for _ in range(2)], 4, 2)  # warm-up, untimed
         for c in concurrency:
-            n = max(8, 3 * c)
+            n = num_prompts(c)
             before, started = voluntary_switches(), time.monotonic()
             r = run(engine, [prompt() for _ in range(n)], output_len, c)
             per_s = (voluntary_switches() - before) / (time.monotonic() - started)

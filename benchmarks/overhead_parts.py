@@ -60,8 +60,7 @@ def run_system(name: str, ckpt: str, args, workdir: Path, info: dict) -> dict:
     try:
         if name == "pagefleet-serve":
             return serving.drive(name, server, ckpt, args, workdir, args.out, info)
-        server.wait_ready()
-        serving.bench(server.base, ckpt, 2, 4, args, workdir, f"{name}-warmup")  # as drive warms it
+        serving.warmed(name, server, ckpt, args, workdir)
         time.sleep(SETTLE_S)
         return serving.engine_alone(ckpt, args, args.out, info, as_served=True, system=name)
     finally:

@@ -192,9 +192,16 @@ def engine_threads_of(server_pid: int) -> int | None:
     return next((pid for pid in descendants(server_pid) if role_of(pid, default=None) == "worker"), None)
 
 
-def drive(system: str, server: Server, ckpt: str, args, workdir: Path, out: Path | None, info: dict) -> dict:
+def warmed(system: str, server: Server, ckpt: str, args, workdir: Path) -> float:
+    """Waits for the server, then sends it a few untimed requests (its first ones are slow);
+    returns how long it took to become ready."""
     ready_s = server.wait_ready()
-    bench(server.base, ckpt, 2, 4, args, workdir, f"{system}-warmup")  # untimed: first requests are slow
+    bench(server.base, ckpt, 2, 4, args, workdir, f"{system}-warmup")
+    return ready_s
+
+
+def drive(system: str, server: Server, ckpt: str, args, workdir: Path, out: Path | None, info: dict) -> dict:
+    ready_s = warmed(system, server, ckpt, args, workdir)
     lines = {}
     for c in args.concurrency:
         before = load()

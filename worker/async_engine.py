@@ -16,11 +16,10 @@ from typing import AsyncIterator, Callable
 from pagefleet.worker.block_hash import BlockHash
 from pagefleet.worker.config import ModelConfig
 from pagefleet.worker import hop_trace
-from pagefleet.worker.cpu_threads import prepare_engine_thread
 from pagefleet.worker.engine import LLMEngine, resolve_device
 from pagefleet.worker.engine_args import EngineArgs
 from pagefleet.worker.engine_metrics import EngineMetrics, MetricsRecorder
-from pagefleet.worker.executor import cpu_threads_of, with_cpu_threads_counted
+from pagefleet.worker.executor import prepare_step_thread
 from pagefleet.worker.errors import EngineDeadError
 from pagefleet.worker.kv_events import KVEventBatch, KVSnapshot
 from pagefleet.worker.outputs import RequestOutputDelta, merge_deltas
@@ -279,8 +278,7 @@ class AsyncLLMEngine:
     def _build_and_run(self, args: EngineArgs) -> None:
         try:
             if resolve_device(args.device).type == "cpu":
-                args = with_cpu_threads_counted(args)  # before this thread is pinned to one core
-                self.pinned_threads = prepare_engine_thread(cpu_threads_of(args))
+                args, self.pinned_threads = prepare_step_thread(args)
             self.engine = LLMEngine(args)
         except BaseException as e:  # the constructor raises it
             self._build_error = e

@@ -13,7 +13,7 @@ from typing import Protocol
 import torch
 
 from pagefleet.worker.config import ModelConfig
-from pagefleet.worker.cpu_threads import available_cores, cpu_compute_threads
+from pagefleet.worker.cpu_threads import available_cores, cpu_compute_threads, prepare_engine_thread
 from pagefleet.worker.engine_args import EngineArgs
 from pagefleet.worker.model_runner import ModelRunner, StepInput
 from pagefleet.worker.tp_group import SINGLE
@@ -47,13 +47,16 @@ def cpu_threads_of(args: EngineArgs) -> int | None:
     return cpu_compute_threads(args.cpu_omp_threads, available_cores())
 
 
-def with_cpu_threads_counted(args: EngineArgs) -> EngineArgs:
-    """``args`` with a one-rank CPU engine's torch thread count (``cpu_threads_of``) filled in,
-    counted on the cores the calling thread may use now. A step thread calls it before it pins
-    itself to one core (``cpu_threads.prepare_engine_thread``): counted after, on that thread, the
-    executor would see one core and compute on one thread."""
+def prepare_step_thread(args: EngineArgs) -> tuple[EngineArgs, dict[int, int]]:
+    """Make the calling thread the step thread of the CPU engine about to be built on it
+    (``cpu_threads.prepare_engine_thread``: lowest priority, OpenMP team started and pinned), and
+    return ``args`` with a one-rank engine's torch thread count (``cpu_threads_of``) filled in,
+    with what was pinned. The count is taken first, on the process's cores: after the pinning
+    this thread may use one core, and the executor, built next on it, would compute on one thread."""
     threads = cpu_threads_of(args)
-    return args if threads is None else dataclasses.replace(args, cpu_omp_threads=threads)
+    if threads is not None:
+        args = dataclasses.replace(args, cpu_omp_threads=threads)
+    return args, prepare_engine_thread(threads)
 
 
 class UniProcExecutor:
