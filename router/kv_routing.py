@@ -8,7 +8,9 @@ copy's predictions are this ingress's own routing (the others' show up one
 feed round trip later, in the workers' load).
 
 When the copy is older than ``max_staleness_s`` (the actor is dead, restarting
-or too busy to answer its feed), requests are routed by load instead
+or too busy to answer its feed; a poll still within its wait keeps the copy
+current, see ``kv_mirror``, so an actor that hangs without failing is noticed up
+to one poll wait later), requests are routed by load instead
 (``route_by_inflight``: the workers the view last knew, ranked by the blocks
 this ingress's own requests hold on them), counted as fallbacks. Admission
 control applies either way: when no worker has room, the request waits in the

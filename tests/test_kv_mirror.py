@@ -212,3 +212,72 @@ def test_the_follower_counts_failed_polls_and_the_mirror_ages():
 
     asyncio.run(run())
     assert math.isinf(SchedulerMirror(weight=1.0).age(0.0))  # never synced: infinitely stale
+
+
+class HeldLink:
+    """A feed whose polls wait until the test answers (``reply``) or fails (``fail``) them."""
+
+    def __init__(self, actor: Actor):
+        self.actor = actor
+        self.pending: asyncio.Future | None = None
+        self.waits: list[float] = []
+
+    async def updates(self, epoch, cursor, wait_s):
+        self.waits.append(wait_s)
+        self.pending = asyncio.get_running_loop().create_future()
+        await self.pending
+        return self.actor.feed.update_since(epoch, cursor, self.actor.core)
+
+    def reply(self):
+        self.pending.set_result(None)
+
+    def fail(self):
+        self.pending.set_exception(ConnectionError("the actor died"))
+
+
+def test_a_poll_waiting_right_after_a_reply_keeps_the_copy_current_until_its_wait_is_over():
+    actor = Actor()
+    actor.publish(batch("w0", 0, 0, stored=[1]))
+    link = HeldLink(actor)
+    clock = [10.0]
+    mirror = SchedulerMirror(weight=4.0)
+    follower = ViewFollower(link, mirror, poll_wait_s=2.0, clock=lambda: clock[0])
+
+    async def poll():
+        task = asyncio.create_task(follower.poll_once())
+        while link.pending is None or link.pending.done():  # until the poll is sent and waits
+            await asyncio.sleep(0)
+        return task
+
+    async def run():
+        first = await poll()  # the first poll follows no reply: it vouches for nothing
+        assert math.isinf(mirror.age(10.5))  # never synced
+        clock[0] = 11.0
+        link.reply()
+        assert await first and mirror.age(11.0) == 0.0
+        clock[0] = 11.1
+        second = await poll()  # sent at 11.1, waits up to 2 s: the copy is current until 13.1
+        assert mirror.age(11.1) == 0.0 and mirror.age(13.0) == 0.0
+        assert mirror.age(13.6) == pytest.approx(0.5)  # past the wait and still no answer: it ages from 13.1
+        clock[0] = 13.7
+        link.reply()  # a late answer, nothing new
+        assert await second and mirror.age(13.7) == 0.0
+        third = await poll()  # sent at 13.7: vouches until 15.7
+        assert mirror.age(14.9) == 0.0
+        clock[0] = 15.0
+        link.fail()  # the actor died, some time during the wait
+        assert not await third
+        assert mirror.age(15.0) == pytest.approx(1.3)  # the copy's age counts from the last reply again
+        fourth = await poll()  # follows a failure, not a reply: vouches for nothing
+        assert mirror.age(15.5) == pytest.approx(1.8)
+        clock[0] = 15.5
+        link.reply()  # the restarted actor answers
+        assert await fourth and mirror.age(15.5) == 0.0
+        fifth = await poll()  # vouches until 17.5
+        fifth.cancel()  # the follower closing mid-poll takes it back too
+        with pytest.raises(asyncio.CancelledError):
+            await fifth
+        assert mirror.age(16.0) == pytest.approx(0.5)
+        assert link.waits == [2.0] * 5
+
+    asyncio.run(run())

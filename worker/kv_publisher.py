@@ -35,6 +35,12 @@ from pagefleet.worker.kv_events import KVEventBatch, KVSnapshot, merge_batches
 # dropped); an ingress's own routing does not wait for it (its predictions count what it
 # routed until a batch confirms it), only other ingresses see this worker's load later.
 PUBLISH_INTERVAL_S = 0.2
+# How long a batch that changes nothing the scheduler reads may wait for one that does (an idle
+# engine puts one every second). It is the worker's heartbeat: the scheduler drops a worker silent
+# for ``GlobalScheduler.liveness_timeout_s`` (10 s), three of these and more. Every call wakes the
+# actor, each ingress's follower and Ray's processes (this and the follower's wait: see
+# ``kv_mirror.POLL_WAIT_S``).
+HEARTBEAT_S = 3.0
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +66,7 @@ class PublisherCounters:
 class KVEventPublisher:
     def __init__(self, link: SchedulerLink, take_snapshot: Callable[[], Awaitable[KVSnapshot]], *,
                  max_pending: int = 256, call_timeout_s: float = 5.0, backoff_s: float = 1.0,
-                 min_interval_s: float = PUBLISH_INTERVAL_S, heartbeat_s: float = 0.5) -> None:
+                 min_interval_s: float = PUBLISH_INTERVAL_S, heartbeat_s: float = HEARTBEAT_S) -> None:
         self.link = link
         self.take_snapshot = take_snapshot
         self.call_timeout_s = call_timeout_s
