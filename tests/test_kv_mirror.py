@@ -191,13 +191,16 @@ class FakeLink:
         return self.actor.feed.update_since(epoch, cursor, self.actor.core)
 
 
-def test_the_follower_counts_failed_polls_and_the_mirror_ages():
+def following(link_class, **options):
+    """(link, clock, mirror, follower) over an actor that holds one batch; the clock starts at 10."""
     actor = Actor()
     actor.publish(batch("w0", 0, 0, stored=[1]))
-    link = FakeLink(actor)
-    clock = [10.0]
-    mirror = SchedulerMirror(weight=4.0)
-    follower = ViewFollower(link, mirror, clock=lambda: clock[0])
+    link, clock, mirror = link_class(actor), [10.0], SchedulerMirror(weight=4.0)
+    return link, clock, mirror, ViewFollower(link, mirror, clock=lambda: clock[0], **options)
+
+
+def test_the_follower_counts_failed_polls_and_the_mirror_ages():
+    link, clock, mirror, follower = following(FakeLink)
 
     async def run():
         assert await follower.poll_once(wait_s=0)
@@ -236,12 +239,7 @@ class HeldLink:
 
 
 def test_a_poll_waiting_right_after_a_reply_keeps_the_copy_current_until_its_wait_is_over():
-    actor = Actor()
-    actor.publish(batch("w0", 0, 0, stored=[1]))
-    link = HeldLink(actor)
-    clock = [10.0]
-    mirror = SchedulerMirror(weight=4.0)
-    follower = ViewFollower(link, mirror, poll_wait_s=2.0, clock=lambda: clock[0])
+    link, clock, mirror, follower = following(HeldLink, poll_wait_s=2.0)
 
     async def poll():
         task = asyncio.create_task(follower.poll_once())
