@@ -17,8 +17,9 @@ EOS ignored), at each concurrency (1, 4, 16):
 
 Each line: output tok/s, TTFT p50/p99, TPOT mean, ITL p50, the machine and its load average
 before the run, and the server's CPU time per output token by process role (engine thread,
-worker, ingress, proxy, ...; benchmarks/_proc_cpu.py): on a shared machine wall-clock figures
-carry the neighbours' load, CPU per token does not. For the engine alone and pagefleet serve,
+worker, ingress, proxy, ...; benchmarks/_proc_cpu.py), and the client's own (`pagefleet bench`
+over its timed run: here it computes on the cores the server computes on, a user's client does
+not): on a shared machine wall-clock figures carry the neighbours' load, CPU per token does not. For the engine alone and pagefleet serve,
 ``engine_threads``: the engine's compute threads' CPU and run-queue wait per output token and
 their involuntary context switches per second (preempted, or out of time slice). Then one line per concurrency with
 the overhead of the Ray path (TTFT p50 and TPOT over the engine alone, tok/s as a fraction of
@@ -178,7 +179,9 @@ def bench(base: str, ckpt: str, concurrency: int, n: int, args, workdir: Path, t
            "output_tok_s": round(r["output_throughput"], 2), "ttft_p50_ms": round(r["median_ttft_ms"], 2),
            "ttft_p99_ms": round(r["p99_ttft_ms"], 2), "tpot_mean_ms": round(r["mean_tpot_ms"], 3),
            "itl_p50_ms": round(r["median_itl_ms"], 3)}
-    if server_pid:  # the server's CPU per output token, by process role (the client's is not counted)
+    # The client's CPU over the run, per output token: on this machine, cores the server did not get.
+    out["client_cpu_ms_per_token"] = round(1000 * r["client_cpu_s"] / r["total_output_tokens"], 3)
+    if server_pid:  # the server's CPU per output token, by process role (the client's is apart, above)
         out["cpu_ms_per_token"] = per_token_ms(cpu_before, tree_cpu_s(server_pid), r["total_output_tokens"])
     if engine:
         out["engine_threads"] = sched_per_token(sched_before, thread_sched(engine, LOWEST_NICE),
@@ -271,6 +274,10 @@ def overhead(c: int, engine: dict, served: dict, peers: dict[str, dict]) -> dict
         # a lower bound (the replica's own event loop and delta channel are in the worker's).
         line["outside_worker_cpu_ms_per_token"] = round(
             sum(ms for role, ms in served["cpu_ms_per_token"].items() if role != "worker"), 3)
+    if "client_cpu_ms_per_token" in served:
+        # `pagefleet bench`'s own CPU over the run: on this machine it computes on the engine's cores,
+        # which the engine alone (driven in its own process, no client) has to itself.
+        line["client_cpu_ms_per_token"] = served["client_cpu_ms_per_token"]
     if "cpu_ms_per_token" in served and "cpu_ms_per_token" in engine and not libgomp_spins(alone_env()):
         # The server's CPU per token (every process of it) beyond what the engine alone spends:
         # the Ray path's cost in CPU, which on a CPU-bound machine caps tok/s at
@@ -282,6 +289,9 @@ def overhead(c: int, engine: dict, served: dict, peers: dict[str, dict]) -> dict
         line["served_cpu_ms_per_token"] = round(served_ms, 3)
         line["path_cpu_ms_per_token"] = round(served_ms - engine_ms, 3)
         line["cpu_bound_tok_s_ceiling_vs_engine"] = round(engine_ms / served_ms, 3)
+        if "client_cpu_ms_per_token" in served:  # the client on the same cores too (a user's is elsewhere)
+            line["cpu_bound_tok_s_ceiling_with_client_vs_engine"] = round(
+                engine_ms / (served_ms + served["client_cpu_ms_per_token"]), 3)
     if "engine_threads" in served and "engine_threads" in engine:
         # The engine's compute threads, runnable but not running: on a machine whose cores the
         # engine fills, a wake-up of another thread preempts one of them (the served engine
@@ -334,7 +344,8 @@ def round_overhead(c: int, results: dict[str, dict]) -> dict | None:
 
 # The overhead figures whose median over rounds the last lines give.
 MEDIAN_KEYS = ("ttft_p50_added_ms", "tpot_added_ms", "tok_s_vs_engine", "tok_s_vs_vllm_serve",
-               "tok_s_vs_vllm_serve_allcores", "path_cpu_ms_per_token", "outside_worker_cpu_ms_per_token")
+               "tok_s_vs_vllm_serve_allcores", "path_cpu_ms_per_token", "outside_worker_cpu_ms_per_token",
+               "client_cpu_ms_per_token")
 
 
 def median_overhead(c: int, per_round: list[dict[str, dict]]) -> dict | None:

@@ -70,9 +70,11 @@ async def _main(args: BenchArgs) -> int:
           f"{args.max_concurrency}", flush=True)
     connector = aiohttp.TCPConnector(limit=args.max_concurrency or 0, keepalive_timeout=60)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        cpu_started = time.process_time()  # the run's own, not the tokenizer's and the dataset's above
         results, duration = await run_requests(session, endpoint, requests, args.request_rate, args.burstiness,
                                                 args.max_concurrency, args.seed, tokenizer, not args.disable_tqdm)
-    metrics = compute_metrics(results, duration, percentiles, slos)
+        client_cpu_s = time.process_time() - cpu_started
+    metrics = compute_metrics(results, duration, percentiles, slos, client_cpu_s)
     cfg = RunConfig(ENDPOINTS[args.endpoint], args.label, model, tokenizer_id, args.dataset, len(requests),
                     args.request_rate, args.burstiness, args.max_concurrency,
                     datetime.now().strftime("%Y%m%d-%H%M%S"))

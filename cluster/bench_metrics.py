@@ -65,6 +65,9 @@ class BenchMetrics:
     max_output_tokens_per_s: float
     max_concurrent_requests: int
     ms: dict[str, Summary]  # "ttft", "tpot", "itl", "e2el" -> summary in milliseconds
+    # The client's own CPU time over the run (every thread of its process), where it was measured:
+    # on a machine the client shares with the server, the cores the server did not get.
+    client_cpu_s: float | None = None
 
     @property
     def cached_token_share(self) -> float:
@@ -127,7 +130,7 @@ def peak_concurrency(results: list[RequestResult]) -> int:
 
 
 def compute_metrics(results: list[RequestResult], duration: float, percentiles: list[float],
-                    goodput_slos_ms: dict[str, float] | None = None) -> BenchMetrics:
+                    goodput_slos_ms: dict[str, float] | None = None, client_cpu_s: float | None = None) -> BenchMetrics:
     ok = [r for r in results if r.success]
     ttfts = [r.ttft for r in ok]
     tpots = [t for t in (tpot(r) for r in ok) if t is not None]
@@ -146,7 +149,8 @@ def compute_metrics(results: list[RequestResult], duration: float, percentiles: 
         output_throughput=total_out / duration, total_token_throughput=(total_in + total_out) / duration,
         max_output_tokens_per_s=float(max(per_second, default=0)), max_concurrent_requests=peak_concurrency(results),
         ms={name: summarize(values, percentiles)
-            for name, values in zip(METRICS, (ttfts, tpots, itls, e2els))})
+            for name, values in zip(METRICS, (ttfts, tpots, itls, e2els))},
+        client_cpu_s=client_cpu_s)
 
 
 def _meets(r: RequestResult, slos_ms: dict[str, float]) -> bool:

@@ -54,6 +54,8 @@ def format_report(m: BenchMetrics, cfg: RunConfig, results: list[RequestResult],
     row("Peak output token throughput (tok/s):", m.max_output_tokens_per_s, ".2f")
     row("Peak concurrent requests:", m.max_concurrent_requests)
     row("Total token throughput (tok/s):", m.total_token_throughput, ".2f")
+    if m.client_cpu_s is not None and m.total_output:
+        row("Client CPU per output token (ms):", 1000 * m.client_cpu_s / m.total_output, ".3f")
     for key, (short, header) in HEADERS.items():
         s = m.ms[key]
         lines.append("{s:{c}^{n}}".format(s=header, n=50, c="-"))
@@ -75,7 +77,7 @@ def format_report(m: BenchMetrics, cfg: RunConfig, results: list[RequestResult],
 def result_dict(m: BenchMetrics, cfg: RunConfig, results: list[RequestResult], detailed: bool) -> dict:
     """The result file, with vLLM's key names (``vllm bench serve --save-result``) and a few
     of pagefleet's own (``dataset``, ``total_cached_tokens``, ``cached_token_share``,
-    ``input_throughput``)."""
+    ``input_throughput``, ``client_cpu_s``)."""
     out = {
         "date": cfg.date, "endpoint_type": cfg.backend, "backend": cfg.backend, "label": cfg.label,
         "model_id": cfg.model_id, "tokenizer_id": cfg.tokenizer_id, "dataset": cfg.dataset,
@@ -90,6 +92,8 @@ def result_dict(m: BenchMetrics, cfg: RunConfig, results: list[RequestResult], d
         "total_token_throughput": m.total_token_throughput,
         "max_output_tokens_per_s": m.max_output_tokens_per_s, "max_concurrent_requests": m.max_concurrent_requests,
     }
+    if m.client_cpu_s is not None:
+        out["client_cpu_s"] = m.client_cpu_s
     for key, s in m.ms.items():
         out[f"mean_{key}_ms"] = s.mean
         out[f"median_{key}_ms"] = s.median

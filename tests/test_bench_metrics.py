@@ -86,5 +86,9 @@ def test_report_and_result_file_use_vllms_names():
         assert key in saved, key
     assert saved["request_rate"] == "inf" and saved["failed"] == 1 and saved["request_goodput"] == 1.0
     assert "ttfts" not in saved
+    assert "client_cpu_s" not in saved and "Client CPU" not in text  # not measured: not reported
+    timed = compute_metrics([ok, bad], 1.0, [50], client_cpu_s=0.0125)
+    assert result_dict(timed, cfg, [ok, bad], detailed=False)["client_cpu_s"] == 0.0125
+    assert "Client CPU per output token (ms):        2.500" in format_report(timed, cfg, [ok, bad])  # 12.5 ms / 5
     detailed = result_dict(m, cfg, [ok, bad], detailed=True)
     assert detailed["output_lens"] == [5, 0] and detailed["errors"][1].startswith("HTTP 500")

@@ -39,14 +39,19 @@ def test_cpu_per_token_outside_the_worker_always_and_the_engines_difference_only
     import serving
 
     engine = {**_line(200.0, 1000.0, 50.0), "cpu_ms_per_token": {"engine": 9.0}}
-    served = {**_line(180.0, 1100.0, 55.0), "cpu_ms_per_token": {"worker": 9.5, "ingress": 0.5, "proxy": 0.25}}
+    served = {**_line(180.0, 1100.0, 55.0), "cpu_ms_per_token": {"worker": 9.5, "ingress": 0.5, "proxy": 0.25},
+              "client_cpu_ms_per_token": 0.75}
     monkeypatch.setattr(serving, "alone_env", lambda: {"OMP_WAIT_POLICY": "PASSIVE"})
     passive = overhead(16, engine, served, {})
     assert (passive["outside_worker_cpu_ms_per_token"], passive["path_cpu_ms_per_token"]) == (0.75, 1.25)
+    # The ceiling on a machine whose cores the engine shares: 9 of 10.25 ms a token, then of 11 with the client.
+    assert passive["cpu_bound_tok_s_ceiling_vs_engine"] == 0.878
+    assert (passive["client_cpu_ms_per_token"], passive["cpu_bound_tok_s_ceiling_with_client_vs_engine"]) == (0.75, 0.818)
     # A spinning team's waits count as CPU: the engines' difference would not be the path's work.
     monkeypatch.setattr(serving, "alone_env", lambda: {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "300000"})
     spinning = overhead(16, engine, served, {})
     assert spinning["outside_worker_cpu_ms_per_token"] == 0.75 and "path_cpu_ms_per_token" not in spinning
+    assert spinning["client_cpu_ms_per_token"] == 0.75 and "cpu_bound_tok_s_ceiling_with_client_vs_engine" not in spinning
 
 
 def test_whether_libgomp_spins_follows_its_own_rules():

@@ -73,6 +73,10 @@ def test_reported_latencies_are_within_5ms_of_what_the_server_did(scripted_serve
     assert "Successful requests:                     16" in out
     assert (saved["completed"], saved["failed"], saved["total_output_tokens"]) == (16, 0, 160)
     assert saved["total_cached_tokens"] == 16 * 3  # the server's usage.prompt_tokens_details, summed
+    # The client's own CPU over the run: some, less than the run's wall time (one busy thread at
+    # most: the scripted server's waits are most of it), and the report gives it per token.
+    assert 0 < saved["client_cpu_s"] < saved["duration"]
+    assert f"Client CPU per output token (ms):        {1000 * saved['client_cpu_s'] / 160:.3f}" in out
     actual = truth(log, saved)
     assert len(actual["itl"]) == 16 * 9 and len(saved["itls"]) == 16 and all(len(x) == 9 for x in saved["itls"])
     # The server never ran ahead of its script (first token 200 ms after the request arrived,
