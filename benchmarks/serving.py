@@ -180,7 +180,8 @@ def bench(base: str, ckpt: str, concurrency: int, n: int, args, workdir: Path, t
            "ttft_p99_ms": round(r["p99_ttft_ms"], 2), "tpot_mean_ms": round(r["mean_tpot_ms"], 3),
            "itl_p50_ms": round(r["median_itl_ms"], 3)}
     # The client's CPU over the run, per output token: on this machine, cores the server did not get.
-    out["client_cpu_ms_per_token"] = round(1000 * r["client_cpu_s"] / r["total_output_tokens"], 3)
+    if r["total_output_tokens"]:
+        out["client_cpu_ms_per_token"] = round(1000 * r["client_cpu_s"] / r["total_output_tokens"], 3)
     if server_pid:  # the server's CPU per output token, by process role (the client's is apart, above)
         out["cpu_ms_per_token"] = per_token_ms(cpu_before, tree_cpu_s(server_pid), r["total_output_tokens"])
     if engine:

@@ -70,10 +70,9 @@ async def _main(args: BenchArgs) -> int:
           f"{args.max_concurrency}", flush=True)
     connector = aiohttp.TCPConnector(limit=args.max_concurrency or 0, keepalive_timeout=60)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
-        cpu_started = time.process_time()  # the run's own, not the tokenizer's and the dataset's above
-        results, duration = await run_requests(session, endpoint, requests, args.request_rate, args.burstiness,
-                                                args.max_concurrency, args.seed, tokenizer, not args.disable_tqdm)
-        client_cpu_s = time.process_time() - cpu_started
+        results, duration, client_cpu_s = await run_requests(session, endpoint, requests, args.request_rate,
+                                                              args.burstiness, args.max_concurrency, args.seed,
+                                                              tokenizer, not args.disable_tqdm)
     metrics = compute_metrics(results, duration, percentiles, slos, client_cpu_s)
     cfg = RunConfig(ENDPOINTS[args.endpoint], args.label, model, tokenizer_id, args.dataset, len(requests),
                     args.request_rate, args.burstiness, args.max_concurrency,
@@ -92,11 +91,12 @@ async def _main(args: BenchArgs) -> int:
 
 async def run_requests(session: aiohttp.ClientSession, endpoint: Endpoint, requests: list[BenchRequest],
                        request_rate: float, burstiness: float, max_concurrency: int | None, seed: int,
-                       tokenizer=None, progress: bool = False) -> tuple[list[RequestResult], float]:
+                       tokenizer=None, progress: bool = False) -> tuple[list[RequestResult], float, float]:
     """Send every request at its arrival time (gaps drawn from a gamma distribution of shape
     ``burstiness`` and mean 1 / rate: Poisson at burstiness 1), at most ``max_concurrency`` in
     flight. Request ``i`` carries ``x-request-id: bench-<8 hex>-<i>``. Returns the results in
-    dataset order and the wall time of the whole run."""
+    dataset order, the wall time of the whole run and this process's CPU time over it (every
+    thread; the collection before the run, the tokenizer and the dataset are not counted)."""
     rng = random.Random(seed)
     limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     count = (lambda text: len(tokenizer.encode(text, add_special_tokens=False))) if tokenizer else None
@@ -122,7 +122,7 @@ async def run_requests(session: aiohttp.ClientSession, endpoint: Endpoint, reque
     # vLLM's bench does: a full collection over it costs ~100-300 ms, a pause every stream sees.
     gc.collect()
     gc.freeze()
-    start = time.perf_counter()
+    start, cpu_started = time.perf_counter(), time.process_time()
     arrival = 0.0
     tasks = []
     for index, req in enumerate(requests):
@@ -133,11 +133,11 @@ async def run_requests(session: aiohttp.ClientSession, endpoint: Endpoint, reque
             arrival += rng.gammavariate(burstiness, 1 / (request_rate * burstiness))
         tasks.append(asyncio.create_task(one(index, req)))
     results = await asyncio.gather(*tasks)
-    duration = time.perf_counter() - start
+    duration, cpu_s = time.perf_counter() - start, time.process_time() - cpu_started
     gc.unfreeze()
     if bar is not None:
         bar.close()
-    return list(results), duration
+    return list(results), duration, cpu_s
 
 
 def _dataset(args: BenchArgs, tokenizer) -> list[BenchRequest]:
