@@ -18,9 +18,9 @@ EOS ignored), at each concurrency (1, 4, 16):
 Each line: output tok/s, TTFT p50/p99, TPOT mean, ITL p50, the machine and its load average
 before the run, and the server's CPU time per output token by process role (engine thread,
 worker, ingress, proxy, ...; benchmarks/_proc_cpu.py), and the client's own (`pagefleet bench`
-over its timed run: here it computes on the cores the server computes on, a user's client does
-not): on a shared machine wall-clock figures carry the neighbours' load, CPU per token does not. For the engine alone and pagefleet serve,
-``engine_threads``: the engine's compute threads' CPU and run-queue wait per output token and
+over its requests: here it computes on the server's cores, a user's client does not): on a
+shared machine wall-clock figures carry the neighbours' load, CPU per token does not. For the
+engine alone and pagefleet serve, ``engine_threads``: the engine's compute threads' CPU and run-queue wait per output token and
 their involuntary context switches per second (preempted, or out of time slice). Then one line per concurrency with
 the overhead of the Ray path (TTFT p50 and TPOT over the engine alone, tok/s as a fraction of
 it and of vllm-serve's, the engine threads' added run-queue wait), and, with vLLM
@@ -275,10 +275,11 @@ def overhead(c: int, engine: dict, served: dict, peers: dict[str, dict]) -> dict
         # a lower bound (the replica's own event loop and delta channel are in the worker's).
         line["outside_worker_cpu_ms_per_token"] = round(
             sum(ms for role, ms in served["cpu_ms_per_token"].items() if role != "worker"), 3)
-    if "client_cpu_ms_per_token" in served:
+    client_ms = served.get("client_cpu_ms_per_token")
+    if client_ms is not None:
         # `pagefleet bench`'s own CPU over the run: on this machine it computes on the engine's cores,
         # which the engine alone (driven in its own process, no client) has to itself.
-        line["client_cpu_ms_per_token"] = served["client_cpu_ms_per_token"]
+        line["client_cpu_ms_per_token"] = client_ms
     if "cpu_ms_per_token" in served and "cpu_ms_per_token" in engine and not libgomp_spins(alone_env()):
         # The server's CPU per token (every process of it) beyond what the engine alone spends:
         # the Ray path's cost in CPU, which on a CPU-bound machine caps tok/s at
@@ -290,9 +291,8 @@ def overhead(c: int, engine: dict, served: dict, peers: dict[str, dict]) -> dict
         line["served_cpu_ms_per_token"] = round(served_ms, 3)
         line["path_cpu_ms_per_token"] = round(served_ms - engine_ms, 3)
         line["cpu_bound_tok_s_ceiling_vs_engine"] = round(engine_ms / served_ms, 3)
-        if "client_cpu_ms_per_token" in served:  # the client on the same cores too (a user's is elsewhere)
-            line["cpu_bound_tok_s_ceiling_with_client_vs_engine"] = round(
-                engine_ms / (served_ms + served["client_cpu_ms_per_token"]), 3)
+        if client_ms is not None:  # the client on the same cores too (a user's is elsewhere)
+            line["cpu_bound_tok_s_ceiling_with_client_vs_engine"] = round(engine_ms / (served_ms + client_ms), 3)
     if "engine_threads" in served and "engine_threads" in engine:
         # The engine's compute threads, runnable but not running: on a machine whose cores the
         # engine fills, a wake-up of another thread preempts one of them (the served engine

@@ -73,6 +73,13 @@ class BenchMetrics:
     def cached_token_share(self) -> float:
         return self.cached_tokens / self.total_input if self.total_input else 0.0
 
+    @property
+    def client_cpu_ms_per_token(self) -> float | None:
+        """None where the client's CPU was not measured or no token came."""
+        if self.client_cpu_s is None or not self.total_output:
+            return None
+        return 1000 * self.client_cpu_s / self.total_output
+
 
 def percentile(sorted_values: list[float], p: float) -> float:
     """Linear interpolation between closest ranks; ``sorted_values`` ascending, non-empty."""

@@ -54,8 +54,8 @@ def format_report(m: BenchMetrics, cfg: RunConfig, results: list[RequestResult],
     row("Peak output token throughput (tok/s):", m.max_output_tokens_per_s, ".2f")
     row("Peak concurrent requests:", m.max_concurrent_requests)
     row("Total token throughput (tok/s):", m.total_token_throughput, ".2f")
-    if m.client_cpu_s is not None and m.total_output:
-        row("Client CPU per output token (ms):", 1000 * m.client_cpu_s / m.total_output, ".3f")
+    if m.client_cpu_ms_per_token is not None:
+        row("Client CPU per output token (ms):", m.client_cpu_ms_per_token, ".3f")
     for key, (short, header) in HEADERS.items():
         s = m.ms[key]
         lines.append("{s:{c}^{n}}".format(s=header, n=50, c="-"))
