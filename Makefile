@@ -10,7 +10,7 @@ serve: install
 	$(VENV)/bin/pagefleet serve $(ARGS)
 
 test: install
-	$(PY) -m pytest -q $(ARGS)
+	$(VENV)/bin/pytest -q $(ARGS)
 
 bench: install
 	$(PY) benchmarks/offline_throughput.py
