@@ -27,8 +27,11 @@ CACHE_ENV = "PAGEFLEET_CACHE"
 COMPILER_ENV = "CXX"
 # -ffast-math: reassociated sums (vectorised dot products and norms) and the vector exp of the
 # C library. The kernels never form an infinity or NaN from finite inputs, which is what
-# fast-math assumes.
-FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC")
+# fast-math assumes. They apply to compiling only: a shared library linked with -ffast-math
+# carries crtfastmath.o, which turns on flush-to-zero and denormals-are-zero for the whole
+# process when it loads, and Python's own floats then compare 5e-324 as 0.
+COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC")
+LINK_FLAGS = ("-fopenmp", "-shared")
 
 # Compiler runs of this process (the tests count them: one per source, none on a cache hit).
 builds = 0
@@ -65,18 +68,22 @@ def load_library(name: str, source: str) -> ctypes.CDLL:
     """The library built from ``source``: from the cache, else compiled into it."""
     global builds
     cxx, version = _compiler()
-    key = hashlib.sha256("\0".join([source, " ".join(FLAGS), cxx, version, _cpu_identity()]).encode()).hexdigest()
+    flags = " ".join(COMPILE_FLAGS + LINK_FLAGS)
+    key = hashlib.sha256("\0".join([source, flags, cxx, version, _cpu_identity()]).encode()).hexdigest()
     path = kernel_cache_dir() / f"{name}_{key[:24]}.so"
     if not path.is_file():
         path.parent.mkdir(parents=True, exist_ok=True)
         start = time.perf_counter()
         with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-            src, lib = Path(tmp) / f"{name}.cpp", Path(tmp) / f"{name}.so"
+            src, obj, lib = (Path(tmp) / f"{name}{ext}" for ext in (".cpp", ".o", ".so"))
             src.write_text(source)
-            done = subprocess.run([cxx, *FLAGS, "-o", str(lib), str(src)], capture_output=True, text=True)
-            if done.returncode:
-                raise RuntimeError(f"compiling the CPU kernel {name} failed ({cxx} {' '.join(FLAGS)}):\n"
-                                   f"{done.stderr[-2000:]}\nrun with enforce_eager=True to use the PyTorch twins")
+            compile_, link = ([cxx, *COMPILE_FLAGS, "-c", "-o", str(obj), str(src)],
+                              [cxx, *LINK_FLAGS, "-o", str(lib), str(obj)])
+            for cmd in (compile_, link):
+                done = subprocess.run(cmd, capture_output=True, text=True)
+                if done.returncode:
+                    raise RuntimeError(f"building the CPU kernel {name} failed ({' '.join(cmd)}):\n"
+                                       f"{done.stderr[-2000:]}\nrun with enforce_eager=True to use the PyTorch twins")
             os.replace(lib, path)  # atomic: processes building the same kernel at once each publish a whole file
         builds += 1
         logger.info("compiled the CPU kernel %s in %.1f s: %s", name, time.perf_counter() - start, path)

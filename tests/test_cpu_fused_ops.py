@@ -76,3 +76,20 @@ def test_with_fused_ops_replaces_only_the_norms_and_rotary():
         fused.rms_norm, fused.fused_add_rms_norm, fused.rotary_embedding)
     assert (kernels.silu_and_mul, kernels.write_kv_cache, kernels.paged_attention, kernels.backend) == (
         twins.silu_and_mul, twins.write_kv_cache, twins.paged_attention, twins.backend)
+
+
+def test_loading_the_compiled_kernels_leaves_the_process_floats_alone(tmp_path):
+    """Built with -ffast-math, but not linked with it: crtfastmath.o would turn on flush-to-zero
+    in the engine's process, where Python's own floats (a request's top_p of 5e-324) then
+    compare as 0."""
+    code = ("import torch; from pagefleet.kernels import cpu_fused_ops as f, cpu_decode_attention as d\n"
+            "f.rms_norm(torch.randn(2, 64), torch.randn(64), 1e-5)\n"
+            "d.decode_kernel(torch.float32, 64, 2, 2, 16)\n"
+            "tiny = float('5e-324'); print(tiny > 0.0, repr(tiny), torch.tensor([tiny], dtype=torch.float64).item())")
+    import os
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PAGEFLEET_CACHE": str(tmp_path)})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["True", "5e-324", "5e-324"]
