@@ -25,10 +25,10 @@ from typing import Callable
 
 from _proc_cpu import sched_per_token, thread_sched
 
-from pagefleet.cluster.bench_metrics import RequestResult, compute_metrics
-from pagefleet.worker.engine import LLMEngine
-from pagefleet.worker.engine_args import EngineArgs
-from pagefleet.worker.executor import prepare_step_thread
+from pagefleet.cluster.bench.metrics import RequestResult, compute_metrics
+from pagefleet.worker.engine.llm_engine import LLMEngine
+from pagefleet.worker.engine.engine_args import EngineArgs
+from pagefleet.worker.parallel.executor import prepare_step_thread
 from pagefleet.worker.sampling_params import SamplingParams
 
 PERCENTILES = [50.0, 99.0]

@@ -99,7 +99,7 @@ def run_pagefleet_serving(ckpt: str, workload: Workload, config: dict, metrics: 
     import ray
 
     from pagefleet.worker import AsyncLLMEngine, EngineArgs, SamplingParams
-    from pagefleet.worker.metrics_recorder import RayEngineMetricsRecorder
+    from pagefleet.worker.metrics.recorder import RayEngineMetricsRecorder
 
     ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
 

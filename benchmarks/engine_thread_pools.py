@@ -53,8 +53,8 @@ def child(mode: str, ckpt: str, input_len: int, output_len: int, concurrency: li
     from _engine_alone import random_prompts, run
     from serving import num_prompts
 
-    from pagefleet.worker.engine import LLMEngine
-    from pagefleet.worker.engine_args import EngineArgs
+    from pagefleet.worker.engine.llm_engine import LLMEngine
+    from pagefleet.worker.engine.engine_args import EngineArgs
 
     built: dict = {}
 

@@ -178,7 +178,7 @@ def _graph_probe(llm, run, context: int, iters: int = 20) -> dict:
     a CUDA graph (the same kernels on the same static tensors): milliseconds of each and whether
     their outputs are equal. What capturing decode steps would save; the engine does not yet.
     The step writes its KV into the pool's first blocks: run it with no request in flight."""
-    from pagefleet.worker.model_runner import StepInput
+    from pagefleet.worker.model_executor.model_runner import StepInput
 
     runner = llm.engine.executor.runner
     block_size = runner.kv_caches[0][0].shape[1]

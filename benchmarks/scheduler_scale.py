@@ -1,6 +1,6 @@
 """The global scheduler's core alone at fleet scale: 256 simulated workers x 100k KV blocks each.
 
-No Ray, no model: the core (``pagefleet.router.global_scheduler``) is fed the
+No Ray, no model: the core (``pagefleet.router.global_scheduler.core``) is fed the
 plain dataclasses a fleet of workers would publish, on one core, and timed.
 
 Workload (seeded):
@@ -46,9 +46,9 @@ from collections import deque
 from itertools import accumulate
 
 from _machine import machine_with_load as machine
-from pagefleet.router.global_scheduler import GlobalScheduler, RouteRequest
-from pagefleet.worker.block_hash import HASH_SIZE, ROOT_HASH
-from pagefleet.worker.kv_events import KVEventBatch, KVSnapshot, pack_token_ids
+from pagefleet.router.global_scheduler.core import GlobalScheduler, RouteRequest
+from pagefleet.worker.core.block_hash import HASH_SIZE, ROOT_HASH
+from pagefleet.worker.core.kv_events import KVEventBatch, KVSnapshot, pack_token_ids
 
 BLOCK_SIZE = 16
 PREFIX_BLOCKS = 32  # a 512-token system prompt

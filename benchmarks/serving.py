@@ -59,7 +59,7 @@ from _machine import machine
 from _proc_cpu import per_token_ms, role_of, sched_per_token, thread_sched, tree_cpu_s
 
 from pagefleet.cluster.cpu_priority import descendants
-from pagefleet.worker.cpu_threads import (LOWEST_NICE, available_cores, compute_thread_env, cpu_compute_threads,
+from pagefleet.worker.cpu.threads import (LOWEST_NICE, available_cores, compute_thread_env, cpu_compute_threads,
                                           libgomp_spins)
 
 HERE = Path(__file__).resolve().parent
@@ -89,7 +89,7 @@ def load() -> float:
 def checkpoint(model: str | None) -> str:
     if model is not None:
         return model
-    from pagefleet.cluster.demo_model import write_demo_checkpoint
+    from pagefleet.cluster.demo.model import write_demo_checkpoint
 
     path = Path.home() / ".cache" / "pagefleet" / "bench-small-llama-fp32"
     if not (path / "config.json").is_file():

@@ -4,7 +4,7 @@
 KubeRay's RayService use (``import_path: pagefleet.cluster.app:build_app``,
 options under ``args:``); ``pagefleet serve`` calls it too. With ``kv`` routing
 (the default) it also starts the global scheduler actor (one per cluster,
-detached: see ``router.scheduler_actor``), which both deployments talk to.
+detached: see ``router.global_scheduler.actor``), which both deployments talk to.
 """
 
 from __future__ import annotations
@@ -18,15 +18,15 @@ from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
 from pagefleet.cluster.config import ServeOptions
-from pagefleet.cluster.demo_model import or_demo_model
-from pagefleet.router.http_guards import BodyLimits
+from pagefleet.cluster.demo.model import or_demo_model
+from pagefleet.router.openai.http_guards import BodyLimits
 from pagefleet.router.ingress import INGRESS_DEPLOYMENT_NAME, OpenAIIngress
-from pagefleet.router.preprocess import ServingLimits
-from pagefleet.router.request_router import ROUTER_CLASSES
-from pagefleet.router.scheduler_actor import start_scheduler
-from pagefleet.worker.cpu_threads import available_cores, compute_thread_env
-from pagefleet.worker.deployment import worker_deployment
-from pagefleet.worker.engine_args import EngineArgs
+from pagefleet.router.openai.preprocess import ServingLimits
+from pagefleet.router.routing.request_router import ROUTER_CLASSES
+from pagefleet.router.global_scheduler.actor import start_scheduler
+from pagefleet.worker.cpu.threads import available_cores, compute_thread_env
+from pagefleet.worker.replica.deployment import worker_deployment
+from pagefleet.worker.engine.engine_args import EngineArgs
 
 APP_NAME = "pagefleet"
 # How often each worker publishes its load to the routers: fresh enough to steer

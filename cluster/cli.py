@@ -7,13 +7,14 @@ import logging
 import os
 import sys
 
-from pagefleet.cluster import bench, plan_cli
+from pagefleet.cluster.bench import benchmark as bench
+from pagefleet.cluster.plan import cli as plan_cli
 from pagefleet.cluster.config import ServeArgs, ServeOptions
-from pagefleet.cluster.demo_model import ARCHITECTURES, DEMO_SIZES, write_demo_checkpoint
+from pagefleet.cluster.demo.model import ARCHITECTURES, DEMO_SIZES, write_demo_checkpoint
 from pagefleet.cluster.serve_env import THREAD_WAIT_ENV
-from pagefleet.worker.config import DTYPES
-from pagefleet.worker.engine_args import EngineArgs
-from pagefleet.worker.options import add_cli_args
+from pagefleet.worker.model_executor.model_config import DTYPES
+from pagefleet.worker.engine.engine_args import EngineArgs
+from pagefleet.worker.engine.options import add_cli_args
 
 logger = logging.getLogger("pagefleet")
 

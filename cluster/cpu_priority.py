@@ -1,6 +1,6 @@
 """Ray's control processes at idle CPU priority, on a cluster ``pagefleet serve`` starts itself.
 
-A served CPU engine computes at the lowest niceness (``worker.cpu_threads``), so that the
+A served CPU engine computes at the lowest niceness (``worker.cpu.threads``), so that the
 request path (HAProxy, the ingress, the worker replica's event loop) takes a core the moment it
 has work. But Ray's own processes wake all the time with nothing to do for a request: the GCS,
 the dashboard and runtime-env agents, the log monitor, Serve's controller (its control loop

@@ -25,8 +25,8 @@ def prepare_model(opts: ServeOptions) -> str:
     """Resolve (and, for the demo, write) the checkpoint before any Ray process starts, so a bad
     --model fails in a second and replicas never race to write the demo checkpoint. Returns the
     served model name; ``opts.engine.model`` is the checkpoint directory afterwards."""
-    from pagefleet.cluster.demo_model import or_demo_model
-    from pagefleet.worker.config import model_config_of
+    from pagefleet.cluster.demo.model import or_demo_model
+    from pagefleet.worker.model_executor.model_config import model_config_of
 
     opts.engine = or_demo_model(opts.engine)
     return model_config_of(opts.engine).served_model_name
@@ -52,7 +52,7 @@ def run_server(opts: ServeOptions, *, address: str | None = None, metrics_export
     from ray import serve
 
     from pagefleet.cluster.app import APP_NAME, build_app
-    from pagefleet.router.scheduler_actor import stop_scheduler
+    from pagefleet.router.global_scheduler.actor import stop_scheduler
 
     if local:
         # Logical CPUs: replicas reserve Ray CPUs, not cores, so a small machine still fits

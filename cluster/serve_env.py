@@ -53,7 +53,7 @@ LOCAL_QUIET_ENV = {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5", "RAY_LOG_MONITOR_
 # Ray starts its worker processes at niceness 15 (its ``worker_niceness``), below every ordinary
 # process on the machine (its own GCS, raylet and dashboard included). On the clusters pagefleet
 # starts, and on every node of the deploy/ files, they run at 0 and priorities are set where they
-# matter instead: a CPU engine's compute threads go to 19 (``worker.cpu_threads``), the control plane to
+# matter instead: a CPU engine's compute threads go to 19 (``worker.cpu.threads``), the control plane to
 # SCHED_IDLE (``cpu_priority``). At 15 the request path (the ingress, HAProxy and its manager, the
 # replicas' event loops) loses the cores to any busy process at 0 (the client, a neighbour) by
 # 28 to 1. With one busy loop beside the killed-replica test (2 cores): at 15 the ingress's
@@ -67,7 +67,7 @@ WORKER_PRIORITY_ENV = {"RAY_worker_niceness": "0"}
 # libgomp's spin-wait off in every process of a node (Ray's workers inherit it from the raylet): where
 # processes share a few cores, an OpenMP team spinning at its barriers holds cores the others need (small
 # matmuls about 30x slower on a busy few-core host). A CPU engine whose team has its cores to itself gets
-# its spin back in its own process's environment (``worker.cpu_threads.SPIN_WAIT_ENV``). ``pagefleet``
+# its spin back in its own process's environment (``worker.cpu.threads.SPIN_WAIT_ENV``). ``pagefleet``
 # sets it for itself and the cluster it starts, unless the user set one; the deploy/ files set it too.
 THREAD_WAIT_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
 # What every node of a cluster pagefleet serves on gets, from its `ray start` (the deploy/ files).

@@ -76,7 +76,7 @@ def max_abs_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
 def forget_loaded_cpu_kernels() -> None:
     """As in a new process: no C++ kernel library loaded, so the next use finds it in the kernel
     cache on disk or builds it (tests count the builds)."""
-    from pagefleet.kernels import cpu_build, cpu_fused_ops
+    from pagefleet.kernels.cpu import build as cpu_build, fused_ops as cpu_fused_ops
 
     cpu_build.load_library.cache_clear()
     cpu_fused_ops._library.cache_clear()

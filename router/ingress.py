@@ -9,7 +9,7 @@ scheduler actor's feed, off the requests' path) and hands the ranking to the
 request router inside the ``WorkerRequest``. Requests go to workers through a Serve
 handle; their deltas come back on this ingress's delta channel to that replica
 (one TCP connection per replica, or a Serve stream where it cannot connect, carrying every
-request's deltas of a step: ``router.delta_mux``), their errors on their own stream. Closing a request's
+request's deltas of a step: ``router.worker_client.delta_mux``), their errors on their own stream. Closing a request's
 stream cancels the handle's response, which cancels the worker-side generator,
 which aborts the request in the engine. A request whose ranking puts first a replica that this
 ingress's channel to is an open connection goes on that connection instead (Serve's handle call
@@ -27,25 +27,25 @@ from typing import Any, AsyncIterator
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from pagefleet.router.delta_mux import ChannelLost, ChannelMux, ReplicaBusy, read_deltas, watch
-from pagefleet.router.global_scheduler import SchedulerCounters
-from pagefleet.router.http_guards import BodyLimits
-from pagefleet.router.kv_mirror import MirrorCounters, SchedulerMirror, ViewFollower
-from pagefleet.router.kv_routing import KVRoutingClient, KVRoutingOptions, RoutingCounters
+from pagefleet.router.worker_client.delta_mux import ChannelLost, ChannelMux, ReplicaBusy, read_deltas, watch
+from pagefleet.router.global_scheduler.core import SchedulerCounters
+from pagefleet.router.openai.http_guards import BodyLimits
+from pagefleet.router.global_scheduler.kv_mirror import MirrorCounters, SchedulerMirror, ViewFollower
+from pagefleet.router.routing.kv_routing import KVRoutingClient, KVRoutingOptions, RoutingCounters
 from pagefleet.router.metrics import RouterMetrics
-from pagefleet.router.node_metrics import NodeMetricsReader
-from pagefleet.router.openai_app import build_openai_app
-from pagefleet.router.preprocess import ModelInfo, ServingLimits, longest_token_chars
-from pagefleet.router.request_router import routable
-from pagefleet.router.scheduler_actor import WorkerKVView, worker_kv_view
-from pagefleet.router.service import Job, OpenAIService
-from pagefleet.router.worker_errors import WorkerHealth, worker_failure
-from pagefleet.worker import hop_trace
-from pagefleet.worker.config import model_config_of
-from pagefleet.worker.engine_args import EngineArgs
+from pagefleet.router.openai.node_metrics import NodeMetricsReader
+from pagefleet.router.openai.app import build_openai_app
+from pagefleet.router.openai.preprocess import ModelInfo, ServingLimits, longest_token_chars
+from pagefleet.router.routing.request_router import routable
+from pagefleet.router.global_scheduler.actor import WorkerKVView, worker_kv_view
+from pagefleet.router.openai.service import Job, OpenAIService
+from pagefleet.router.worker_client.worker_errors import WorkerHealth, worker_failure
+from pagefleet.worker.replica import hop_trace
+from pagefleet.worker.model_executor.model_config import model_config_of
+from pagefleet.worker.engine.engine_args import EngineArgs
 from pagefleet.worker.outputs import RequestOutputDelta
 from pagefleet.worker.request_check import RequestLimits
-from pagefleet.worker.worker_request import Placed, WorkerRequest
+from pagefleet.worker.replica.worker_request import Placed, WorkerRequest
 
 logger = logging.getLogger(__name__)
 

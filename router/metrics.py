@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from pagefleet.worker.metrics import MetricSpec
+from pagefleet.worker.metrics.definitions import MetricSpec
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ class RouterMetrics:
         self._metrics: dict[str, Any] = {}
         self.enabled = _in_ray_worker()
         if self.enabled:
-            from pagefleet.worker.metrics_recorder import make_ray_metric
+            from pagefleet.worker.metrics.recorder import make_ray_metric
 
             for key, spec in specs.items():
                 tags = {k: v for k, v in (default_tags or {}).items() if k in spec.tag_keys}

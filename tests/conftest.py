@@ -39,7 +39,7 @@ def tiny_checkpoint(tmp_path_factory):
     Keyword arguments are those of `write_demo_checkpoint` (size defaults to
     "tiny"). Each distinct argument set is written once per session; callers
     must treat the directory as read-only."""
-    from pagefleet.cluster.demo_model import write_demo_checkpoint
+    from pagefleet.cluster.demo.model import write_demo_checkpoint
 
     root = tmp_path_factory.mktemp("demo_checkpoints")
     written: dict[tuple, Path] = {}

@@ -4,7 +4,7 @@ Runs without Ray at tensor_parallel_size 1; Ray appears only in the adapters
 (``deployment.py`` for Serve, ``tp_executor.py`` / ``tp_placement.py`` / ``tp_worker.py`` for TP ranks).
 """
 
-from pagefleet.worker.engine_args import EngineArgs
+from pagefleet.worker.engine.engine_args import EngineArgs
 from pagefleet.worker.outputs import CompletionOutput, RequestOutput, RequestOutputDelta
 from pagefleet.worker.sampling_params import SamplingParams
 
@@ -12,13 +12,13 @@ from pagefleet.worker.sampling_params import SamplingParams
 def __getattr__(name: str):
     # Heavy imports (torch, transformers) only when the engine is actually asked for.
     if name == "LLM":
-        from pagefleet.worker.llm import LLM
+        from pagefleet.worker.engine.llm import LLM
         return LLM
     if name == "LLMEngine":
-        from pagefleet.worker.engine import LLMEngine
+        from pagefleet.worker.engine.llm_engine import LLMEngine
         return LLMEngine
     if name == "AsyncLLMEngine":
-        from pagefleet.worker.async_engine import AsyncLLMEngine
+        from pagefleet.worker.engine.async_engine import AsyncLLMEngine
         return AsyncLLMEngine
     raise AttributeError(name)
 

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 from pagefleet.router.metrics import RouterMetrics
 from pagefleet.worker.outputs import CompletionOutput, RequestOutputDelta
-from pagefleet.worker.stats import EngineStats
+from pagefleet.worker.metrics.stats import EngineStats
 
 
 class ResendMetrics(RouterMetrics):

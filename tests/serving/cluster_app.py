@@ -19,8 +19,8 @@ import yaml
 
 import cluster_helpers
 
-from pagefleet.router.kv_index import routing_keys
-from pagefleet.worker.stats import ReplicaStats
+from pagefleet.router.global_scheduler.kv_index import routing_keys
+from pagefleet.worker.metrics.stats import ReplicaStats
 
 SERVE_YAML = Path(__file__).resolve().parents[2] / "deploy" / "serve.yaml"
 APP = "pagefleet"

@@ -8,7 +8,7 @@ import os
 import platform
 import time
 
-from pagefleet.worker.stats import ReplicaStats
+from pagefleet.worker.metrics.stats import ReplicaStats
 
 FIGURES_ENV = "PAGEFLEET_FIGURES"  # a file: each figure is appended to it as one JSON line
 

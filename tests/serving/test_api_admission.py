@@ -1,9 +1,9 @@
 """Where the API meets routing: prompt hashes with cache_salt, and admission control's 429
 (over the real FastAPI app with a scripted worker)."""
 
-from pagefleet.router.errors import too_many_requests
-from pagefleet.worker.block_hash import block_hashes
-from pagefleet.worker.kv_events import pack_hashes
+from pagefleet.router.openai.errors import too_many_requests
+from pagefleet.worker.core.block_hash import block_hashes
+from pagefleet.worker.core.kv_events import pack_hashes
 
 from serving_fakes import MODEL
 

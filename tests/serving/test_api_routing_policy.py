@@ -1,7 +1,7 @@
 """The routing policy as a pure function: no Ray."""
 
-from pagefleet.router.routing_policy import ReplicaLoad, rank_replicas, replica_load
-from pagefleet.worker.stats import EngineStats, ReplicaStats
+from pagefleet.router.routing.policies import ReplicaLoad, rank_replicas, replica_load
+from pagefleet.worker.metrics.stats import EngineStats, ReplicaStats
 
 
 def test_fewest_queued_sequences_first():
@@ -43,7 +43,7 @@ def test_snapshot_from_published_stats():
 def test_pick_two_takes_the_less_loaded_of_two_random_replicas():
     import random
 
-    from pagefleet.router.routing_policy import pick_two
+    from pagefleet.router.routing.policies import pick_two
 
     loads = [ReplicaLoad("a", num_running=5), ReplicaLoad("b", num_running=1), ReplicaLoad("c", num_running=3)]
     rng = random.Random(0)
@@ -55,14 +55,14 @@ def test_pick_two_takes_the_less_loaded_of_two_random_replicas():
 
 
 def test_round_robin_turns_through_replicas_in_id_order():
-    from pagefleet.router.routing_policy import round_robin
+    from pagefleet.router.routing.policies import round_robin
 
     assert [round_robin(["c", "a", "b"], t)[0] for t in range(5)] == ["a", "b", "c", "a", "b"]
     assert round_robin(["c", "a", "b"], 2) == ["c", "a", "b"] and round_robin([], 3) == []
 
 
 def test_prefix_table_follows_what_it_sent_until_the_owner_is_too_busy():
-    from pagefleet.router.prefix_table import PrefixTable
+    from pagefleet.router.routing.prefix_table import PrefixTable
 
     table = PrefixTable(capacity=4, balance_slack=2)
     table.record([b"h1", b"h2", b"h3"], "b")
@@ -81,7 +81,7 @@ def test_prefix_table_follows_what_it_sent_until_the_owner_is_too_busy():
 def test_tiers_follow_the_ranking_then_the_rest_together():
     from types import SimpleNamespace
 
-    from pagefleet.router.request_router import _PagefleetRouter
+    from pagefleet.router.routing.request_router import _PagefleetRouter
 
     reps = [SimpleNamespace(replica_id=SimpleNamespace(unique_id=i)) for i in ("a", "b", "c", "d")]
     tiers = _PagefleetRouter.tiers(reps, ["c", "gone", "a", "c"])  # unknown and repeated ids are skipped

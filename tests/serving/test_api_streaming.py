@@ -83,7 +83,7 @@ def test_worker_failure_without_stream_is_a_500_in_openai_shape(client, fake):
 def test_closing_a_stream_aborts_every_request_under_it(service, fake):
     async def run():
         fake.step_gate = asyncio.Event()  # hold every request after its first step
-        from pagefleet.router.protocol import CompletionRequest
+        from pagefleet.router.openai.protocol import CompletionRequest
         prepared = await service.completion(CompletionRequest(prompt=["hello", "world"], max_tokens=5, stream=True))
         chunks = service.stream_chunks(prepared)
         first = await chunks.__anext__()

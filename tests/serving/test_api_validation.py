@@ -116,8 +116,8 @@ def test_unknown_route_and_method_are_openai_shaped(client):
 def test_chat_template_error_is_a_400(tokenizer, info, fake):
     from fastapi.testclient import TestClient
 
-    from pagefleet.router.openai_app import build_openai_app
-    from pagefleet.router.service import OpenAIService
+    from pagefleet.router.openai.app import build_openai_app
+    from pagefleet.router.openai.service import OpenAIService
 
     tok = tokenizer.__class__(tokenizer_object=tokenizer.backend_tokenizer, bos_token="<s>", eos_token="</s>")
     tok.chat_template = "{% if messages[0]['role'] != 'system' %}{{ raise_exception('system first') }}{% endif %}x"
@@ -131,7 +131,7 @@ def test_chat_template_error_is_a_400(tokenizer, info, fake):
 def test_api_key_guards_the_openai_routes(service):
     from fastapi.testclient import TestClient
 
-    from pagefleet.router.openai_app import build_openai_app
+    from pagefleet.router.openai.app import build_openai_app
 
     with TestClient(build_openai_app(service, api_key="s3cret")) as c:
         err = _error(c.get("/v1/models"), 401, None)

@@ -127,7 +127,7 @@ def test_a_server_closing_idle_connections_loses_no_request(scripted_server, cap
     tokenizer (blocking the event loop); a server that closes idle kept-alive connections
     meanwhile (uvicorn, under `vllm serve`, after 5 s) must not cost the run's first request
     ("Can not write request body" on the dead connection)."""
-    from pagefleet.cluster import bench as bench_module
+    from pagefleet.cluster.bench import benchmark as bench_module
 
     real = bench_module._dataset
 

@@ -11,13 +11,13 @@ from types import SimpleNamespace
 import pytest
 
 from channel_fakes import Call, SteppedEngine, delta, settle, until
-from pagefleet.router.delta_mux import ChannelMux, LostOutputError, _FrameReader, read_deltas
-from pagefleet.router.request_router import KVRouter, RoundRobinRouter
-from pagefleet.worker.delta_channel import TOKEN_BYTES, DeltaChannel, encode_frame
-from pagefleet.worker.deployment import WorkerReplica
-from pagefleet.worker.engine_args import EngineArgs
+from pagefleet.router.worker_client.delta_mux import ChannelMux, LostOutputError, _FrameReader, read_deltas
+from pagefleet.router.routing.request_router import KVRouter, RoundRobinRouter
+from pagefleet.worker.replica.delta_channel import TOKEN_BYTES, DeltaChannel, encode_frame
+from pagefleet.worker.replica.deployment import WorkerReplica
+from pagefleet.worker.engine.engine_args import EngineArgs
 from pagefleet.worker.sampling_params import SamplingParams
-from pagefleet.worker.worker_request import ChannelOpen, Ended, Placed, SocketOffer, WorkerRequest
+from pagefleet.worker.replica.worker_request import ChannelOpen, Ended, Placed, SocketOffer, WorkerRequest
 
 
 def _request(request_id: str, max_tokens: int, channel: str | None = "c1") -> WorkerRequest:

@@ -9,10 +9,10 @@ import threading
 import pytest
 from fastapi.testclient import TestClient
 
-from pagefleet.router.http_guards import MAX_JSON_DEPTH, BodyLimits
-from pagefleet.router.openai_app import build_openai_app
-from pagefleet.router.preprocess import ModelInfo, ServingLimits
-from pagefleet.router.service import INLINE_TEXT_CHARS
+from pagefleet.router.openai.http_guards import MAX_JSON_DEPTH, BodyLimits
+from pagefleet.router.openai.app import build_openai_app
+from pagefleet.router.openai.preprocess import ModelInfo, ServingLimits
+from pagefleet.router.openai.service import INLINE_TEXT_CHARS
 
 JSON = {"Content-Type": "application/json"}
 
@@ -152,7 +152,7 @@ def test_prompt_text_is_bounded_before_tokenizing(service, fake, monkeypatch):
 
 def test_the_default_prompt_bound_never_refuses_a_prompt_that_fits(tokenizer_dir):
     from pagefleet.router.ingress import load_model_info
-    from pagefleet.worker.engine_args import EngineArgs
+    from pagefleet.worker.engine.engine_args import EngineArgs
 
     tokenizer, info = load_model_info(EngineArgs(model=str(tokenizer_dir), max_model_len=128))
     longest = max(tokenizer.get_vocab(), key=len)
@@ -185,7 +185,7 @@ def test_request_id_is_the_servers_and_the_clients_is_only_echoed(client, fake):
 def test_reusing_a_request_id_while_the_first_still_runs_gets_its_own_output(service, fake):
     """A client that reconnects with the same id must not get the old request's tail."""
     async def run():
-        from pagefleet.router.protocol import CompletionRequest
+        from pagefleet.router.openai.protocol import CompletionRequest
 
         fake.step_gate = asyncio.Event()
         old = service.stream_chunks(await service.completion(
@@ -228,7 +228,7 @@ def test_long_text_is_tokenized_off_the_event_loop(client, fake, monkeypatch):
 
 def test_draining_refuses_new_requests_and_lets_in_flight_ones_finish(service, fake):
     async def run():
-        from pagefleet.router.protocol import CompletionRequest
+        from pagefleet.router.openai.protocol import CompletionRequest
 
         fake.step_gate = asyncio.Event()
         running = service.stream_chunks(await service.completion(

@@ -6,7 +6,7 @@ from fastapi.testclient import TestClient
 
 from serving_fakes import MODEL
 from pagefleet.router.metrics import ROUTER_METRICS, RouterMetrics
-from pagefleet.router.openai_app import build_openai_app
+from pagefleet.router.openai.app import build_openai_app
 
 
 class RecordingMetrics(RouterMetrics):

@@ -25,9 +25,9 @@ import pytest
 import uvicorn
 
 from serving_fakes import MAX_MODEL_LEN, MODEL, FakeWorkerClient
-from pagefleet.router.openai_app import build_openai_app
-from pagefleet.router.preprocess import ModelInfo, ServingLimits, longest_token_chars
-from pagefleet.router.service import OpenAIService
+from pagefleet.router.openai.app import build_openai_app
+from pagefleet.router.openai.preprocess import ModelInfo, ServingLimits, longest_token_chars
+from pagefleet.router.openai.service import OpenAIService
 from pagefleet.worker.request_check import RequestLimits
 
 API_KEY = "schemathesis-test-key"

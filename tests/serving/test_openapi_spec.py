@@ -6,8 +6,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from serving_fakes import MAX_MODEL_LEN
-from pagefleet.router.http_guards import parse_json_object
-from pagefleet.router.openai_app import build_openai_app
+from pagefleet.router.openai.http_guards import parse_json_object
+from pagefleet.router.openai.app import build_openai_app
 
 LONG_IDS = [5] * (MAX_MODEL_LEN - 1)
 

@@ -23,7 +23,7 @@ import yaml
 
 from cluster_helpers import wait_until_running
 from conftest import free_port
-from pagefleet.worker.stats import ReplicaStats
+from pagefleet.worker.metrics.stats import ReplicaStats
 
 ROOT = Path(__file__).resolve().parents[2]
 APP = "pagefleet"

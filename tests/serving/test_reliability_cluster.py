@@ -22,7 +22,7 @@ from typing import NamedTuple
 import httpx
 import pytest
 
-from pagefleet.cluster.bench_metrics import percentile
+from pagefleet.cluster.bench.metrics import percentile
 
 from cluster_helpers import (cpu_watch, listeners, record_figure, session_threads, wait_until_running, worker_actors,
                              worker_stats)
@@ -45,7 +45,7 @@ def server(ray_cluster, tiny_checkpoint):
     from ray import serve
 
     from pagefleet.cluster.app import build_app
-    from pagefleet.router.scheduler_actor import stop_scheduler
+    from pagefleet.router.global_scheduler.actor import stop_scheduler
 
     serve.shutdown()  # a fresh proxy on a port of our own (another module may have started one)
     stop_scheduler()  # and a global scheduler of this module's own (kv routing, the default)
@@ -443,7 +443,7 @@ def _in_engine(replica) -> tuple[int, int]:
     """The requests a worker replica's engine runs and queues now, asked of its actor."""
     import ray
 
-    from pagefleet.worker.stats import ReplicaStats
+    from pagefleet.worker.metrics.stats import ReplicaStats
 
     engine = ReplicaStats.from_routing_stats(ray.get(replica.record_routing_stats.remote(), timeout=60)).engine
     return engine.num_running, engine.num_waiting

@@ -12,9 +12,9 @@ from fastapi.testclient import TestClient
 
 from serving_fakes import FakeWorkerClient
 from pagefleet.router.ingress import load_model_info
-from pagefleet.router.openai_app import build_openai_app
-from pagefleet.router.service import OpenAIService
-from pagefleet.worker.engine_args import EngineArgs
+from pagefleet.router.openai.app import build_openai_app
+from pagefleet.router.openai.service import OpenAIService
+from pagefleet.worker.engine.engine_args import EngineArgs
 from pagefleet.worker.sampling_params import SamplingParams
 
 MAX_MODEL_LEN = 64
@@ -80,9 +80,9 @@ def test_importing_and_starting_the_ingress_loads_no_engine_module(args):
 import json, sys
 from fastapi.testclient import TestClient
 from pagefleet.router.ingress import load_model_info, OpenAIIngress
-from pagefleet.router.openai_app import build_openai_app
-from pagefleet.router.service import OpenAIService
-from pagefleet.worker.engine_args import EngineArgs
+from pagefleet.router.openai.app import build_openai_app
+from pagefleet.router.openai.service import OpenAIService
+from pagefleet.worker.engine.engine_args import EngineArgs
 args = EngineArgs(model={args.model!r}, max_model_len={MAX_MODEL_LEN})
 tokenizer, info = load_model_info(args)
 app = build_openai_app(OpenAIService(tokenizer=tokenizer, info=info, client=None))
@@ -97,7 +97,7 @@ print(json.dumps(sorted(m for m in sys.modules if m.startswith("pagefleet"))))
     assert result.returncode == 0, result.stderr[-3000:]
     loaded = json.loads(result.stdout.strip().splitlines()[-1])
     engine_modules = [m for m in loaded if m.startswith("pagefleet.kernels") or m in (
-        "pagefleet.worker.engine", "pagefleet.worker.model", "pagefleet.worker.layers",
-        "pagefleet.worker.model_runner", "pagefleet.worker.loader", "pagefleet.worker.async_engine")]
+        "pagefleet.worker.engine.llm_engine", "pagefleet.worker.model_executor.model", "pagefleet.worker.model_executor.layers",
+        "pagefleet.worker.model_executor.model_runner", "pagefleet.worker.model_executor.loader", "pagefleet.worker.engine.async_engine")]
     assert engine_modules == []
     assert "pagefleet.router.ingress" in loaded and "pagefleet.worker.request_check" in loaded

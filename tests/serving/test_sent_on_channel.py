@@ -7,17 +7,17 @@ import asyncio
 
 import pytest
 
-from pagefleet.router import request_router
-from pagefleet.router.delta_mux import ChannelLost, ChannelMux, ReplicaBusy, read_deltas
+from pagefleet.router.routing import request_router
+from pagefleet.router.worker_client.delta_mux import ChannelLost, ChannelMux, ReplicaBusy, read_deltas
 from pagefleet.router.ingress import HandleWorkerClient
-from pagefleet.router.service import Job
-from pagefleet.router.worker_errors import worker_failure
-from pagefleet.worker import delta_channel
-from pagefleet.worker.deployment import WorkerReplica
-from pagefleet.worker.engine_args import EngineArgs
+from pagefleet.router.openai.service import Job
+from pagefleet.router.worker_client.worker_errors import worker_failure
+from pagefleet.worker.replica import delta_channel
+from pagefleet.worker.replica.deployment import WorkerReplica
+from pagefleet.worker.engine.engine_args import EngineArgs
 from pagefleet.worker.request_check import InvalidRequest
 from pagefleet.worker.sampling_params import SamplingParams
-from pagefleet.worker.worker_request import ChannelOpen, Ended, Placed, WorkerRequest
+from pagefleet.worker.replica.worker_request import ChannelOpen, Ended, Placed, WorkerRequest
 
 from channel_fakes import Call, ResendMetrics, SteppedEngine, delta, settle, until
 

@@ -35,7 +35,7 @@ def server(ray_cluster, serve_http_port, tiny_checkpoint, tmp_path_factory):
     from ray import serve
 
     from cluster_app import APP
-    from pagefleet.router.scheduler_actor import stop_scheduler
+    from pagefleet.router.global_scheduler.actor import stop_scheduler
 
     stop_scheduler()
     ckpt = tiny_checkpoint("llama")
@@ -299,7 +299,7 @@ def test_bench_shared_prefix_chat_sees_prefix_cache_hits(server, tmp_path):
 def test_zero_drift_after_a_thousand_requests_with_aborts(server):
     import ray
 
-    from pagefleet.router.scheduler_actor import get_scheduler
+    from pagefleet.router.global_scheduler.actor import get_scheduler
 
     base, model, scheduler = server[0], server[1].name, get_scheduler()
     before = ingress().routing_counters.remote().result()
@@ -328,7 +328,7 @@ def test_zero_drift_after_a_thousand_requests_with_aborts(server):
 def test_killing_the_scheduler_mid_traffic_keeps_serving_and_the_restart_rebuilds_from_snapshots(server):
     import ray
 
-    from pagefleet.router.scheduler_actor import get_scheduler
+    from pagefleet.router.global_scheduler.actor import get_scheduler
 
     base, model, scheduler = server[0], server[1].name, get_scheduler()
     before = ingress().routing_counters.remote().result()

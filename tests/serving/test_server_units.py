@@ -8,15 +8,15 @@ import yaml
 
 from pagefleet.cluster.app import build_app
 from pagefleet.cluster.config import ServeOptions
-from pagefleet.worker.deployment import WorkerReplica, worker_deployment_options
-from pagefleet.worker.engine_args import EngineArgs
+from pagefleet.worker.replica.deployment import WorkerReplica, worker_deployment_options
+from pagefleet.worker.engine.engine_args import EngineArgs
 from pagefleet.worker.outputs import CompletionOutput, RequestOutputDelta
 from pagefleet.worker.sampling_params import SamplingParams
-from pagefleet.worker.options import parse_bytes
-from pagefleet.worker.stats import EngineStats, ReplicaStats
-from pagefleet.worker.block_hash import block_hashes
-from pagefleet.worker.kv_events import pack_hashes
-from pagefleet.worker.worker_request import WorkerRequest
+from pagefleet.worker.engine.options import parse_bytes
+from pagefleet.worker.metrics.stats import EngineStats, ReplicaStats
+from pagefleet.worker.core.block_hash import block_hashes
+from pagefleet.worker.core.kv_events import pack_hashes
+from pagefleet.worker.replica.worker_request import WorkerRequest
 
 SERVE_YAML = Path(__file__).resolve().parents[2] / "deploy" / "serve.yaml"
 
@@ -165,7 +165,7 @@ def test_build_app_accepts_the_yaml_args_and_refuses_unknown_ones(tiny_checkpoin
     assert (worker.name, worker.num_replicas, worker.ray_actor_options["num_cpus"]) == ("PagefleetWorker", 2, 0.5)
     assert worker.init_args[0] == engine_args and worker.init_args[2] is None and engine_args.model == model
     router = worker._deployment_config.request_router_config  # no public accessor either
-    assert router.request_router_class == "pagefleet.router.request_router:RoundRobinRouter"
+    assert router.request_router_class == "pagefleet.router.routing.request_router:RoundRobinRouter"
     kv_routing = kwargs["kv_routing"]
     assert (kv_routing.cost_weight, kv_routing.admission_queue_size, kv_routing.admission_max_wait_s) == (4.0, 64, 2.0)
     assert worker._deployment_config.max_queued_requests == 64  # Serve's queue: the same bound

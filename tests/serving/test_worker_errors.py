@@ -11,14 +11,14 @@ import ray.exceptions as ray_exceptions
 from ray.serve.exceptions import BackPressureError
 
 from pagefleet.router.ingress import HandleWorkerClient
-from pagefleet.router.service import Job
-from pagefleet.router.worker_errors import worker_failure
-from pagefleet.worker.delta_channel import DeltaChannel
+from pagefleet.router.openai.service import Job
+from pagefleet.router.worker_client.worker_errors import worker_failure
+from pagefleet.worker.replica.delta_channel import DeltaChannel
 from pagefleet.worker.errors import EngineDeadError
 from pagefleet.worker.outputs import CompletionOutput, RequestOutputDelta
 from pagefleet.worker.request_check import InvalidRequest
 from pagefleet.worker.sampling_params import SamplingParams
-from pagefleet.worker.worker_request import Ended, Placed
+from pagefleet.worker.replica.worker_request import Ended, Placed
 
 from channel_fakes import ResendMetrics
 

@@ -1,0 +1,1 @@
+"""``pagefleet bench``: the serving benchmark client, datasets, metrics, report and plots."""

@@ -1,0 +1,1 @@
+"""Random-weight demo checkpoints and their locally trained tokenizer."""

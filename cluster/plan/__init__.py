@@ -1,0 +1,1 @@
+"""``pagefleet plan``: KV cache capacity, roofline and cost planning."""

@@ -1,0 +1,307 @@
+"""The arithmetic of ``pagefleet plan``: weights per GPU, the KV pool, concurrency, the decode
+roofline and cost. Pure functions over plain numbers (no torch, no I/O).
+
+The KV pool is sized by the engine's own functions (``pagefleet.worker.core.kv_cache_sizing``);
+on a GPU the engine's budget is memory x utilization minus the peak its profile run reached,
+and here that peak is estimated (see ``estimate_profile_peak``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+from pagefleet.cluster.plan.presets import GPUSpec, ModelShape
+from pagefleet.worker.core.kv_cache_sizing import (DEFAULT_CPU_KV_CACHE_BYTES, gpu_kv_budget, kv_bytes_per_block,
+                                              kv_bytes_per_token, kv_heads_per_rank, size_kv_pool)
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1}
+HOURS_PER_MONTH = 730  # 365 * 24 / 12
+PROFILE_BLOCK_SIZE = 16  # the engine's profile run builds its scratch cache in blocks of 16
+
+
+@dataclass(frozen=True, slots=True)
+class Lengths:
+    """Prompt and output tokens per request, each uniform on [L(1 - r), L(1 + r)] as in the
+    bench's random dataset (r = 0: every request the same)."""
+
+    input_len: int
+    output_len: int
+    range_ratio: float = 0.0
+
+    def bounds(self, length: int) -> tuple[int, int]:
+        lo, hi = math.floor(length * (1 - self.range_ratio)), math.ceil(length * (1 + self.range_ratio))
+        return max(lo, 1), max(hi, 1)
+
+    @property
+    def mean_context(self) -> float:
+        """Mean tokens in a sequence's KV during its decode: the prompt and half the output."""
+        return self.input_len + self.output_len / 2
+
+
+@dataclass(frozen=True, slots=True)
+class CostInputs:
+    gpu_hour_price: float
+    requests_per_day: float
+    mean_prompt_tokens: int
+    mean_output_tokens: int
+    reasoning_multiplier: float = 1.0  # tokens generated per visible output token (hidden reasoning)
+
+
+@dataclass(frozen=True, slots=True)
+class PlanInputs:
+    model: ModelShape
+    gpu: GPUSpec | None  # None: a CPU engine, whose budget is kv_cache_bytes
+    num_gpus: int
+    tensor_parallel_size: int
+    dtype: str
+    kv_cache_dtype: str
+    gpu_memory_utilization: float
+    kv_cache_bytes: int | None
+    max_model_len: int
+    block_size: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    lengths: Lengths
+    cost: CostInputs | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RankShape:
+    """One tensor-parallel rank's share of the model, as the engine's layers cut it."""
+
+    heads: int
+    kv_heads: int  # replicated when the model has fewer KV heads than ranks
+    intermediate: int
+    vocab_rows: int  # vocab-parallel embedding / LM head rows, padded to a multiple of the ranks
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeStep:
+    batch: int
+    bytes_read: int       # per GPU
+    flops: float          # per GPU
+    ms: float             # the slower of the memory and compute times
+    bound: str            # "memory" or "compute"
+    tokens_per_s_per_seq: float
+    tokens_per_s_per_replica: float
+    tokens_per_s_total: float
+
+
+@dataclass(frozen=True, slots=True)
+class CostPlan:
+    operating_batch: int
+    prefill_s_per_request: float
+    decode_s_per_request: float
+    requests_per_s_per_replica: float
+    replicas_needed: int
+    gpus_needed: int
+    tokens_per_day: float
+    monthly_cost: float
+    cost_per_million_tokens: float
+    cost_per_million_output_tokens: float
+    cost_per_million_tokens_at_full_load: float
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    inputs: PlanInputs
+    replicas: int
+    num_params: int
+    weight_bytes_per_gpu: int
+    decode_weight_bytes_per_gpu: int  # a decode step reads all weights but the embedding table
+    kv_bytes_per_token_per_gpu: int
+    kv_bytes_per_token_per_replica: int
+    kv_budget_source: str
+    peak_estimate_bytes: int | None  # GPU only: weights + activations + profile scratch KV
+    kv_budget_bytes_per_gpu: int
+    num_blocks: int
+    num_tokens: int
+    kv_pool_bytes_per_gpu: int
+    max_concurrency_at_max_model_len: float
+    mean_blocks_per_request: float
+    concurrent_requests_paged: int            # per replica, by KV blocks alone
+    concurrent_requests_contiguous: int       # per replica, each reserving max_model_len
+    paged_over_contiguous: float
+    decode: list[DecodeStep] = field(default_factory=list)
+    compute_bound_from_batch: int | None = None
+    cost: CostPlan | None = None
+
+
+def rank_shape(m: ModelShape, tp: int) -> RankShape:
+    kv = kv_heads_per_rank(m.num_heads, m.num_kv_heads, tp)
+    if m.intermediate_size % tp:
+        raise ValueError(f"intermediate_size {m.intermediate_size} does not split over tensor_parallel_size {tp}")
+    return RankShape(m.num_heads // tp, kv, m.intermediate_size // tp, -(-m.vocab_size // tp))
+
+
+def num_params(m: ModelShape) -> int:
+    """Parameters of the whole model (tied embeddings counted once)."""
+    return weight_elements_per_rank(m, 1)
+
+
+def weight_elements_per_rank(m: ModelShape, tp: int) -> int:
+    r = rank_shape(m, tp)
+    h, d = m.hidden_size, m.head_dim
+    qkv_out = (r.heads + 2 * r.kv_heads) * d
+    layer = (h * qkv_out + r.heads * d * h + 3 * h * r.intermediate + 2 * h
+             + (qkv_out if m.attention_bias else 0) + (2 * r.intermediate + h if m.mlp_bias else 0)
+             + (2 * d if m.qk_norm else 0))
+    embed = r.vocab_rows * h
+    return m.num_layers * layer + embed + (0 if m.tie_word_embeddings else embed) + h
+
+
+def matmul_params_per_rank(m: ModelShape, tp: int) -> int:
+    """Weights one decoded token multiplies on one rank (the LM head included, the embedding not)."""
+    r = rank_shape(m, tp)
+    h, d = m.hidden_size, m.head_dim
+    layer = h * (r.heads + 2 * r.kv_heads) * d + r.heads * d * h + 3 * h * r.intermediate
+    return m.num_layers * layer + r.vocab_rows * h
+
+
+def estimate_profile_peak(p: PlanInputs, weight_bytes: int, kv_per_token: int) -> int:
+    """The memory the engine's profile run peaks at on one GPU, estimated: the weights, the
+    rotary table ([max_position, head_dim] fp32), the largest layer activations of one
+    ``max_num_batched_tokens`` step (residual and normed hidden [T, hidden], gate|up
+    [T, 2 x intermediate/TP] and its activation [T, intermediate/TP]) and the scratch KV
+    cache that step writes. CUDA context and NCCL buffers are not counted, as the engine's
+    own measure (``torch.cuda.max_memory_allocated``) does not count them either."""
+    m, t = p.model, p.max_num_batched_tokens
+    r = rank_shape(m, p.tensor_parallel_size)
+    rotary = m.max_position_embeddings * m.head_dim * 4
+    activations = t * (2 * m.hidden_size + 3 * r.intermediate) * DTYPE_BYTES[p.dtype]
+    scratch_kv = -(-t // PROFILE_BLOCK_SIZE) * PROFILE_BLOCK_SIZE * kv_per_token
+    return weight_bytes + rotary + activations + scratch_kv
+
+
+def mean_blocks_per_request(lengths: Lengths, block_size: int) -> float:
+    """E[ceil((prompt + output) / block_size)] with prompt and output independent and uniform:
+    a request's blocks when it has all its tokens."""
+    plo, phi = lengths.bounds(lengths.input_len)
+    olo, ohi = lengths.bounds(lengths.output_len)
+
+    def blocks_up_to(n: int) -> int:  # sum of ceil(x / block_size) for x in 1..n
+        q, rem = divmod(n, block_size)
+        return block_size * q * (q + 1) // 2 + rem * (q + 1)
+
+    total = sum(blocks_up_to(prompt + ohi) - blocks_up_to(prompt + olo - 1) for prompt in range(plo, phi + 1))
+    return total / ((phi - plo + 1) * (ohi - olo + 1))
+
+
+def decode_step(p: PlanInputs, plan_weights: int, matmul_params: int, kv_per_token: int, batch: int,
+                context: float, replicas: int) -> DecodeStep:
+    """One decode step of ``batch`` sequences of ``context`` tokens on one GPU of a replica:
+    it reads the weights once and each sequence's KV; it multiplies every weight per sequence."""
+    m, gpu = p.model, p.gpu
+    r = rank_shape(m, p.tensor_parallel_size)
+    bytes_read = int(plan_weights + batch * context * kv_per_token)
+    attention_flops = 4 * context * r.heads * m.head_dim * m.num_layers
+    flops = batch * (2 * matmul_params + attention_flops)
+    peak_flops = gpu.flops / (2 if p.dtype == "float32" else 1)  # fp32 weights: TF32 at half rate
+    t_mem, t_comp = bytes_read / gpu.bandwidth, flops / peak_flops
+    t = max(t_mem, t_comp)
+    return DecodeStep(batch, bytes_read, flops, t * 1e3, "compute" if t_comp > t_mem else "memory",
+                      1 / t, batch / t, replicas * batch / t)
+
+
+def make_plan(p: PlanInputs) -> Plan:
+    m, tp = p.model, p.tensor_parallel_size
+    if p.num_gpus % tp:
+        raise ValueError(f"{p.num_gpus} GPUs do not split into replicas of tensor_parallel_size {tp}")
+    if p.max_model_len > m.max_position_embeddings:
+        raise ValueError(f"max_model_len {p.max_model_len} exceeds {m.name}'s limit of "
+                         f"{m.max_position_embeddings} tokens")
+    r = rank_shape(m, tp)
+    weight_bytes = weight_elements_per_rank(m, tp) * DTYPE_BYTES[p.dtype]
+    embed_bytes = 0 if m.tie_word_embeddings else r.vocab_rows * m.hidden_size * DTYPE_BYTES[p.dtype]
+    kv_elem = DTYPE_BYTES[p.kv_cache_dtype]
+    kv_token = kv_bytes_per_token(m.num_layers, r.kv_heads, m.head_dim, kv_elem)
+    per_block = kv_bytes_per_block(m.num_layers, r.kv_heads, m.head_dim, kv_elem, p.block_size)
+
+    # The engine's budget rule (ModelRunner.available_kv_bytes), with the GPU's peak estimated.
+    peak = None
+    if p.kv_cache_bytes is not None:
+        budget, source = p.kv_cache_bytes, "kv_cache_bytes"
+    elif p.gpu is None:
+        budget, source = DEFAULT_CPU_KV_CACHE_BYTES, "CPU default"
+    else:
+        if weight_bytes > p.gpu.memory_bytes * p.gpu_memory_utilization:
+            raise ValueError(f"{m.name} needs {weight_bytes / 2**30:.1f} GiB of weights per GPU at "
+                             f"tensor_parallel_size {tp}, more than {p.gpu_memory_utilization:g} of a "
+                             f"{p.gpu.name}; raise tensor_parallel_size")
+        peak = estimate_profile_peak(p, weight_bytes, kv_token)
+        budget, source = gpu_kv_budget(p.gpu.memory_bytes, p.gpu_memory_utilization, peak), "gpu_memory_utilization"
+    pool = size_kv_pool(budget, per_block, p.block_size, p.max_model_len)
+
+    lengths = p.lengths
+    longest = lengths.bounds(lengths.input_len)[1] + lengths.bounds(lengths.output_len)[1]
+    if longest > p.max_model_len:
+        raise ValueError(f"the longest request ({longest} tokens) exceeds max_model_len {p.max_model_len}")
+    mean_blocks = mean_blocks_per_request(lengths, p.block_size)
+    paged = int(pool.num_blocks / mean_blocks)
+    contiguous = pool.num_tokens // p.max_model_len
+    replicas = p.num_gpus // tp
+
+    plan = Plan(p, replicas, num_params(m), weight_bytes, weight_bytes - embed_bytes, kv_token, kv_token * tp,
+                source, peak, budget, pool.num_blocks, pool.num_tokens, pool.num_bytes,
+                pool.max_concurrency(p.max_model_len), mean_blocks, paged, contiguous, paged / contiguous)
+    if p.gpu is None:
+        return plan
+    matmul = matmul_params_per_rank(m, tp)
+    steps, compute_from = _roofline(p, plan, matmul, min(paged, p.max_num_seqs))
+    cost = _cost(p, plan, matmul) if p.cost is not None else None
+    return replace(plan, decode=steps, compute_bound_from_batch=compute_from, cost=cost)
+
+
+def _roofline(p: PlanInputs, plan: Plan, matmul: int, max_batch: int) -> tuple[list[DecodeStep], int | None]:
+    """Steps at batch 1, 2, 4, ... up to ``max_batch`` (what the pool and max_num_seqs allow),
+    ending at the first compute-bound batch; and the smallest compute-bound batch, if any."""
+    ctx = p.lengths.mean_context
+
+    def step(b: int) -> DecodeStep:
+        return decode_step(p, plan.decode_weight_bytes_per_gpu, matmul, plan.kv_bytes_per_token_per_gpu, b, ctx,
+                           plan.replicas)
+
+    batches, b = [], 1
+    while b < max_batch:
+        batches.append(b)
+        b *= 2
+    batches.append(max_batch)
+    steps = []
+    for b in batches:
+        steps.append(step(b))
+        if steps[-1].bound == "compute":
+            break
+    first = next((s.batch for s in steps if s.bound == "compute"), None)
+    if first is not None:  # the exact crossover lies between the last memory-bound batch and this one
+        lo = steps[-2].batch if len(steps) > 1 else 0
+        first = next(b for b in range(lo + 1, first + 1) if step(b).bound == "compute")
+    return steps, first
+
+
+def _cost(p: PlanInputs, plan: Plan, matmul: int) -> CostPlan:
+    """Each replica serves requests back to back at the operating batch (what fits in its pool,
+    at most max_num_seqs): a prefill at the compute roofline, then decode steps at the decode
+    roofline. An upper bound on throughput, so a lower bound on cost."""
+    c, m = p.cost, p.model
+    generated = c.mean_output_tokens * c.reasoning_multiplier
+    request_blocks = -(-int(c.mean_prompt_tokens + generated) // p.block_size)
+    batch = max(1, min(p.max_num_seqs, plan.num_blocks // request_blocks))
+    r = rank_shape(m, p.tensor_parallel_size)
+    peak_flops = p.gpu.flops / (2 if p.dtype == "float32" else 1)
+    prompt = c.mean_prompt_tokens
+    prefill_flops = 2 * matmul * prompt + 2 * prompt * prompt * r.heads * m.head_dim * m.num_layers  # causal
+    prefill_s = prefill_flops / peak_flops
+    step = decode_step(p, plan.decode_weight_bytes_per_gpu, matmul, plan.kv_bytes_per_token_per_gpu, batch,
+                       prompt + generated / 2, plan.replicas)
+    decode_s = generated * step.ms / 1e3 / batch
+    rps = 1 / (prefill_s + decode_s)
+    replicas = max(1, math.ceil(c.requests_per_day / 86400 / rps))
+    gpus = replicas * p.tensor_parallel_size
+    tokens_per_day = c.requests_per_day * (c.mean_prompt_tokens + c.mean_output_tokens)
+    monthly = gpus * c.gpu_hour_price * HOURS_PER_MONTH
+    days = HOURS_PER_MONTH / 24
+    full_load = c.gpu_hour_price * p.tensor_parallel_size / (rps * 3600 * (prompt + c.mean_output_tokens) / 1e6)
+    return CostPlan(batch, prefill_s, decode_s, rps, replicas, gpus, tokens_per_day, monthly,
+                    monthly / (tokens_per_day * days / 1e6),
+                    monthly / (c.requests_per_day * c.mean_output_tokens * days / 1e6), full_load)

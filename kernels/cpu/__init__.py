@@ -1,0 +1,1 @@
+"""The CPU engine's C++ kernels and their build."""

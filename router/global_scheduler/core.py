@@ -1,0 +1,372 @@
+"""The global scheduler's core: every worker's KV blocks and load, and where a request should go.
+
+Pure Python (no Ray, no torch, no clock of its own: callers pass ``now``), so
+every choice is tested on constructed states. ``scheduler_actor.py`` wraps it
+in a named Ray actor (the source of truth, fed by the workers); each ingress
+replica holds another instance as its read-only copy (``kv_mirror.py``), fed
+the same inputs in the same order, and routes with it.
+
+The view of a worker is exact, not guessed: it is the worker's own KV event
+batches applied in sequence order. A batch whose first number is not the next
+one expected (a dropped or lost batch) makes the view unreliable: the core
+asks that worker for a snapshot and ignores its batches until one arrives. A
+worker silent for longer than ``liveness_timeout_s`` (workers publish at
+least every second), or reported dead, is dropped with everything it held.
+
+Routing: a worker's cost for a request is
+``weight * (prompt blocks it would compute after its cached prefix) + load``,
+where load is the blocks it has committed (held by running sequences, still
+to be taken by its unfinished ones up to their ``max_tokens``) plus blocks
+predicted for requests just routed to it. A worker has room when its free
+blocks, less what is committed or predicted, cover what the request takes out
+of them: its new blocks, plus the blocks of its cached prefix that are idle
+(free but cached: reusing them takes them out of the free count too; a prefix
+some running sequence holds is shared at no cost, unless its holders end
+before the request starts: then it counts as taken from that batch on). Which
+cached blocks are in use comes from the workers' events like the rest.
+A worker also needs a seat for the request's sequences: it holds at most
+``max_seqs_per_worker`` running and waiting (its request limit; sequences
+routed to it and not yet reported count too), and past that a request would
+only wait in Serve's queue for it. Workers without room rank only when no
+worker has room, and then the request is not admitted (admission control
+holds it at the router, and refuses at once what its queue cannot hold).
+Predicted blocks end when the worker reports the request taken in; predicted
+prefix entries (so a burst with one prefix keeps to one worker) end after
+``prediction_ttl_s`` (``predictions.py`` keeps them).
+"""
+
+from __future__ import annotations
+
+import heapq
+import sys
+from collections.abc import Collection
+from dataclasses import dataclass, field
+
+from pagefleet.router.global_scheduler.kv_index import KVBlockIndex, pack_keys, routing_keys, unpack_keys
+from pagefleet.router.global_scheduler.predictions import Prediction, Predictions
+from pagefleet.router.global_scheduler.ranking import RANK, candidate_rows
+from pagefleet.worker.core.block_hash import HASH_SIZE
+from pagefleet.worker.core.kv_events import KVEventBatch, KVSnapshot
+
+
+@dataclass(slots=True)
+class RouteRequest:
+    request_id: str
+    block_hashes: bytes  # the prompt's full blocks, packed, as the ingress hashed them
+    num_blocks: int  # blocks the request takes over its life on a worker that has none of it cached
+    num_seqs: int = 1  # sequences (n)
+
+
+@dataclass(slots=True)
+class WorkerScore:
+    worker_id: str
+    cached_blocks: int  # leading prompt blocks it holds (or is predicted to)
+    load_blocks: int
+    cost: float
+    has_room: bool
+
+
+@dataclass(slots=True)
+class RouteDecision:
+    ranking: list[str]  # worker ids, best first: those with room; every candidate when none has
+    admitted: bool  # some worker has room for the request now
+    reason: str  # "prefix" (the first choice holds part of the prompt), "load", "no_room" or "no_workers"
+    predicted_hit_blocks: int  # prompt blocks the first choice holds
+    scores: list[WorkerScore] = field(default_factory=list)  # in ranking order
+
+
+@dataclass(slots=True)
+class WorkerView:
+    """What the scheduler knows of one worker (its blocks live in the index under ``slot``)."""
+
+    worker_id: str
+    slot: int
+    last_seen: float
+    seq: int = -1  # of the last batch applied; a new view expects batch 0 (a fresh worker)
+    synced: bool = True  # False from a sequence gap until a snapshot arrives
+    snapshot_asked_at: float | None = None
+    reported: bool = False  # has sent its counters at least once
+    num_free_blocks: int = 0
+    num_total_blocks: int = 0
+    num_running: int = 0
+    num_waiting: int = 0
+    num_reserved_blocks: int = 0
+    predicted_blocks: int = 0
+    predicted_seqs: int = 0  # sequences of requests routed to it that it has not reported yet
+    max_seqs: int = sys.maxsize  # sequences it holds at most, running and waiting (its request queue)
+    in_use: set[int] = field(default_factory=set)  # routing keys it holds that a running sequence holds
+    # Derived from the numbers above by ``refresh`` whenever they change (read once per decision):
+    load_blocks: int = 0  # committed: in use + reserved by unfinished sequences + predicted
+    room_blocks: int = sys.maxsize  # free - reserved - predicted; no bound until the worker reports
+    queued: int = 0  # sequences running or waiting
+    seats: int = sys.maxsize  # sequences it can still take: max - queued - predicted
+
+    def refresh(self) -> None:
+        used = self.num_total_blocks - self.num_free_blocks
+        self.load_blocks = used + self.num_reserved_blocks + self.predicted_blocks
+        if self.reported:
+            self.room_blocks = self.num_free_blocks - self.num_reserved_blocks - self.predicted_blocks
+        self.queued = self.num_running + self.num_waiting
+        self.seats = self.max_seqs - self.queued - self.predicted_seqs
+
+
+@dataclass(slots=True)
+class WorkerState:
+    """One worker's whole view, as plain data: what a new copy of the view starts from."""
+
+    worker_id: str
+    seq: int
+    synced: bool
+    routing_keys: bytes  # packed (``kv_index.pack_keys``)
+    num_free_blocks: int
+    num_total_blocks: int
+    num_running: int
+    num_waiting: int
+    num_reserved_blocks: int
+    in_use_keys: bytes = b""  # packed, as routing_keys
+
+
+@dataclass(slots=True)
+class SchedulerCounters:
+    batches: int = 0
+    block_events: int = 0  # stored + removed + acquired + released hashes applied
+    stale_batches: int = 0  # duplicates or batches from before a snapshot
+    gaps: int = 0
+    snapshots_asked: int = 0
+    snapshots_applied: int = 0
+    workers_dropped: int = 0
+    decisions: int = 0
+    decisions_without_room: int = 0
+    predictions_confirmed: int = 0
+    predictions_expired: int = 0  # ran out before the worker reported the request
+
+
+class GlobalScheduler:
+    def __init__(self, *, weight: float = 4.0, prediction_ttl_s: float = 2.0, liveness_timeout_s: float = 10.0,
+                 snapshot_retry_s: float = 2.0, max_ranked: int = 8, max_seqs_per_worker: int | None = None) -> None:
+        """``max_seqs_per_worker``: how many sequences a worker holds, running and waiting, before
+        requests queue for it elsewhere (the worker deployment's request limit); a worker with no
+        seat left has no room, as one without the blocks (None: no limit)."""
+        if weight < 0:
+            raise ValueError(f"the cost weight must be >= 0, got {weight}")
+        if max_ranked < 1:
+            raise ValueError(f"max_ranked must be >= 1, got {max_ranked}")
+        self.weight = weight
+        self.max_ranked = max_ranked
+        self.max_seqs_per_worker = sys.maxsize if max_seqs_per_worker is None else max_seqs_per_worker
+        self.prediction_ttl_s = prediction_ttl_s
+        self.liveness_timeout_s = liveness_timeout_s
+        self.snapshot_retry_s = snapshot_retry_s
+        self.index = KVBlockIndex()
+        self.workers: dict[str, WorkerView] = {}
+        self._by_slot: dict[int, WorkerView] = {}
+        self._order: list[WorkerView] = []  # every view; sorted by ``ranking.RANK`` when a decision starts
+        self.counters = SchedulerCounters()
+        self._free_slots: list[int] = []
+        self._next_slot = 0
+        self._next_liveness_check = float("-inf")
+        self.predictions = Predictions()
+
+    # ---- workers -----------------------------------------------------------------------------
+
+    def _view(self, worker_id: str, now: float) -> WorkerView:
+        view = self.workers.get(worker_id)
+        if view is None:
+            if self._free_slots:
+                slot = min(self._free_slots)  # low slots keep bit masks short
+                self._free_slots.remove(slot)
+            else:
+                slot, self._next_slot = self._next_slot, self._next_slot + 1
+            view = self.workers[worker_id] = self._by_slot[slot] = WorkerView(worker_id, slot, last_seen=now,
+                                                                              max_seqs=self.max_seqs_per_worker)
+            self._order.append(view)
+        return view
+
+    def drop_worker(self, worker_id: str) -> bool:
+        """Forget a worker that died or left, with all it held; False if it was unknown."""
+        view = self.workers.pop(worker_id, None)
+        if view is None:
+            return False
+        del self._by_slot[view.slot]
+        self._order.remove(view)
+        self.index.clear(view.slot)
+        for pred in [p for p in self.predictions.by_request.values() if p.slot == view.slot]:
+            self.predictions.end(pred, None)
+        self._free_slots.append(view.slot)
+        self.counters.workers_dropped += 1
+        return True
+
+    def expire(self, now: float) -> list[str]:
+        """Drop silent workers (looked for at most once a second) and end predictions past their
+        time; returns the workers dropped."""
+        dropped = []
+        if now >= self._next_liveness_check:
+            self._next_liveness_check = now + 1.0
+            for view in [v for v in self.workers.values() if now - v.last_seen > self.liveness_timeout_s]:
+                self.drop_worker(view.worker_id)
+                dropped.append(view.worker_id)
+        by_request = self.predictions.by_request
+        while by_request:
+            pred = next(iter(by_request.values()))
+            if pred.expires > now:
+                break
+            if not pred.confirmed:  # the worker never reported the request
+                self.counters.predictions_expired += 1
+            self.predictions.end(pred, self._view_of(pred))
+        return dropped
+
+    def _report(self, view: WorkerView, b: KVEventBatch | KVSnapshot, now: float) -> None:
+        view.last_seen = now
+        view.reported = True
+        view.num_free_blocks = b.num_free_blocks
+        view.num_total_blocks = b.num_total_blocks
+        view.num_running = b.num_running
+        view.num_waiting = b.num_waiting
+        view.num_reserved_blocks = b.num_reserved_blocks
+        for request_id in b.added:
+            pred = self.predictions.by_request.get(request_id)
+            if pred is not None and pred.slot == view.slot and not pred.confirmed:
+                self.predictions.confirm(pred, view)
+                self.counters.predictions_confirmed += 1
+        view.refresh()
+
+    def apply_batch(self, batch: KVEventBatch, now: float) -> bool:
+        """Apply one worker's batch; True when the scheduler needs a snapshot from that worker."""
+        view = self._view(batch.worker_id, now)
+        if batch.seq <= view.seq and view.synced:
+            self.counters.stale_batches += 1  # a duplicate, or from before the snapshot we hold
+            view.last_seen = now
+            return False
+        self._report(view, batch, now)
+        if view.synced and batch.first_seq != view.seq + 1:
+            view.synced = False
+            self.counters.gaps += 1
+        if not view.synced:
+            return self._ask_snapshot(view, now)
+        in_use = view.in_use
+        if batch.cleared:
+            self.index.clear(view.slot)
+            in_use.clear()
+        if batch.removed:
+            removed = routing_keys(batch.removed)
+            self.index.remove(view.slot, removed)
+            in_use.difference_update(removed)
+        if batch.stored:
+            stored = routing_keys(batch.stored)
+            self.index.add(view.slot, stored)
+            in_use.update(stored)
+        # then the state each cached hash was left in
+        if batch.acquired:
+            in_use.update(routing_keys(batch.acquired))
+        if batch.released:
+            in_use.difference_update(routing_keys(batch.released))
+        self.predictions.stop_sharing(view, self.index.holds)
+        view.seq = batch.seq
+        self.counters.batches += 1
+        self.counters.block_events += (batch.num_removed + batch.num_stored
+                                       + (len(batch.acquired) + len(batch.released)) // HASH_SIZE)
+        return False
+
+    def _ask_snapshot(self, view: WorkerView, now: float) -> bool:
+        if view.snapshot_asked_at is not None and now - view.snapshot_asked_at < self.snapshot_retry_s:
+            return False  # asked already; the snapshot is on its way
+        view.snapshot_asked_at = now
+        self.counters.snapshots_asked += 1
+        return True
+
+    def apply_snapshot(self, snap: KVSnapshot, now: float) -> None:
+        view = self._view(snap.worker_id, now)
+        if view.synced and snap.seq <= view.seq:
+            return  # older than what we hold
+        self.index.replace(view.slot, routing_keys(snap.block_hashes))
+        view.in_use = set(routing_keys(snap.in_use_hashes))
+        self._report(view, snap, now)
+        self.predictions.stop_sharing(view, self.index.holds)
+        view.seq = snap.seq
+        view.synced = True
+        view.snapshot_asked_at = None
+        self.counters.snapshots_applied += 1
+
+    def worker_states(self) -> list[WorkerState]:
+        """Every worker's view as plain data, for a new copy of the view to ``restore``."""
+        return [WorkerState(v.worker_id, v.seq, v.synced, pack_keys(self.index.keys_of(v.slot)), v.num_free_blocks,
+                            v.num_total_blocks, v.num_running, v.num_waiting, v.num_reserved_blocks,
+                            pack_keys(v.in_use))
+                for v in self.workers.values()]
+
+    def restore(self, states: list[WorkerState], now: float) -> None:
+        """Make the view of every worker exactly ``states`` (workers not in it are dropped);
+        predictions on workers that stay are kept."""
+        keep = {s.worker_id for s in states}
+        for worker_id in [w for w in self.workers if w not in keep]:
+            self.drop_worker(worker_id)
+        for state in states:
+            view = self._view(state.worker_id, now)
+            self.index.replace(view.slot, unpack_keys(state.routing_keys))
+            view.in_use = set(unpack_keys(state.in_use_keys))
+            view.seq, view.synced, view.snapshot_asked_at = state.seq, state.synced, None
+            view.reported = True
+            view.num_free_blocks, view.num_total_blocks = state.num_free_blocks, state.num_total_blocks
+            view.num_running, view.num_waiting = state.num_running, state.num_waiting
+            view.num_reserved_blocks = state.num_reserved_blocks
+            view.refresh()
+            self.predictions.stop_sharing(view, self.index.holds)
+
+    def keys_of(self, worker_id: str) -> set[int] | None:
+        """The routing keys the scheduler believes the worker holds (None: unknown worker)."""
+        view = self.workers.get(worker_id)
+        return None if view is None else self.index.keys_of(view.slot)
+
+    # ---- routing -----------------------------------------------------------------------------
+
+    def route(self, req: RouteRequest, now: float, candidates: Collection[str] | None = None,
+              force: bool = False) -> RouteDecision:
+        """Rank ``candidates`` (default: every known worker) for ``req``; the ranking holds
+        the best ``max_ranked``.
+
+        The first choice is recorded as a prediction when the request is admitted, or
+        always with ``force`` (the caller routes it whether or not a worker has room)."""
+        self.expire(now)
+        if candidates is None:
+            order = self._order
+            order.sort(key=RANK)  # nearly sorted already: a decision or a batch moves a worker or two
+        else:
+            order = sorted([self._view(c, now) for c in dict.fromkeys(candidates)], key=RANK)
+        if not order:
+            return RouteDecision([], False, "no_workers", 0)
+        keys = routing_keys(req.block_hashes)
+        # {leading prompt blocks held: bit mask of the workers holding that many}
+        runs = self.index.prefix_runs(keys, self.predictions.held) if keys else {}
+        need, seqs = req.num_blocks, req.num_seqs
+        by_slot = self._by_slot if candidates is None else {v.slot: v for v in order}
+        rows = candidate_rows(order, runs, by_slot, restrict=candidates is not None, weight=self.weight,
+                              num_keys=len(keys), need=need, seqs=seqs, k=self.max_ranked,
+                              idle_count=lambda v, cached: len(self.predictions.cached_keys(
+                                  v, keys, cached, self.index.holds)[0]))
+        best = heapq.nsmallest(self.max_ranked, rows)
+        admitted = not best[0][0]
+        if admitted:
+            best = [row for row in best if not row[0]]
+        scores = [WorkerScore(wid, cached, load, cost, not full) for full, cost, load, _, wid, cached in best]
+        first = scores[0]
+        reason = "no_room" if not admitted else ("prefix" if first.cached_blocks else "load")
+        self.counters.decisions += 1
+        if not admitted:
+            self.counters.decisions_without_room += 1
+        if admitted or force:
+            # It will compute the rest of the prompt there and take the idle blocks of its prefix:
+            # both are predicted in use (a request close behind finds them taken, not idle).
+            view = self.workers[first.worker_id]
+            old = self.predictions.by_request.get(req.request_id)
+            if old is not None:  # routed again (a retry): its earlier prediction ends
+                self.predictions.end(old, self._view_of(old))
+            idle, shared = self.predictions.cached_keys(view, keys, first.cached_blocks, self.index.holds)
+            self.predictions.add(Prediction(req.request_id, view.worker_id, view.slot, now + self.prediction_ttl_s,
+                                            keys[first.cached_blocks:], max(need - first.cached_blocks, 0) + len(idle),
+                                            seqs, idle, shared), view)
+        return RouteDecision([s.worker_id for s in scores], admitted, reason, first.cached_blocks, scores)
+
+    def _view_of(self, pred: Prediction) -> WorkerView | None:
+        """The view a prediction was made on, if that worker is still known in that slot."""
+        view = self.workers.get(pred.worker_id)
+        return view if view is not None and view.slot == pred.slot else None

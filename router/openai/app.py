@@ -1,0 +1,186 @@
+"""The FastAPI app of the OpenAI API: routes, auth, body parsing, SSE responses.
+
+Built around an ``OpenAIService`` so the same app runs under ``@serve.ingress``
+in production and under a test client with a fake worker in tests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import AsyncIterator, TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from pagefleet.router.openai import response_schema as out
+from pagefleet.router.openai.auth import APIKeyMiddleware
+from pagefleet.router.openai.errors import OpenAIError, from_validation_error, install_error_handlers
+from pagefleet.router.openai.http_guards import (
+    INLINE_PARSE_BYTES,
+    BodyLimits,
+    check_content_type,
+    parse_json_object,
+    read_body,
+)
+from pagefleet.router.metrics import RouterMetrics
+from pagefleet.router.openai.node_metrics import NodeMetricsReader
+from pagefleet.router.openai.openapi_spec import install_schemas, route_docs
+from pagefleet.router.openai.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from pagefleet.router.openai.service import OpenAIService, PreparedRequest
+from pagefleet.router.openai.sse import sse_stream
+from pagefleet.worker.replica import hop_trace
+
+logger = logging.getLogger(__name__)
+
+VERSION = "0.1.0"
+HEALTH_TIMEOUT_S = 5.0
+
+Body = TypeVar("Body", bound=BaseModel)
+
+
+# Routes counted by name in pagefleet_http_requests; anything else counts as "other".
+ROUTES = frozenset({"/v1/models", "/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize",
+                    "/health", "/version", "/metrics"})
+
+
+class ResponseCounter:
+    """Counts every response by route and status code (``pagefleet_http_requests``) as it starts.
+
+    Plain ASGI, like the API-key check: a streamed body's chunks go straight through. (Starlette's
+    ``@app.middleware("http")`` would pass each chunk through a memory stream and a task of its
+    own: per token, per stream.)"""
+
+    def __init__(self, app: ASGIApp, *, metrics: RouterMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = Request(scope).url.path
+        route = path if path in ROUTES else "other"
+        started = False
+
+        async def send_counted(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+                self.metrics.inc("http_requests", route=route, status_code=str(message["status"]))
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_counted)
+        except Exception:
+            if not started:
+                self.metrics.inc("http_requests", route=route, status_code="500")
+            raise
+
+
+def build_openai_app(service: OpenAIService, *, api_key: str | None = None, body_limits: BodyLimits = BodyLimits(),
+                     metrics: RouterMetrics | None = None, node_metrics: NodeMetricsReader | None = None) -> FastAPI:
+    """``metrics`` counts every response by route and status code; ``node_metrics`` adds this
+    node's pagefleet series (from Ray's metrics agent) to ``GET /metrics``."""
+    app = FastAPI(title="pagefleet", version=VERSION)
+    install_error_handlers(app)
+    keyed = bool(api_key)
+    install_schemas(app, service.info, api_key=keyed)
+    # What each route can answer besides 200 (and 401 when a key is set).
+    generating = (400, 404, 413, 415, 422, 429, 500, 503)
+    reading = (400, 404, 413, 415, 500)
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key, routes_of=app)
+
+    if metrics is not None:  # added after the API-key check, so it wraps it: a 401 is counted too
+        app.add_middleware(ResponseCounter, metrics=metrics)
+
+    async def _parse(request: Request, model: type[Body]) -> Body:
+        check_content_type(request)
+        raw = await read_body(request, body_limits.max_body_bytes)
+        if len(raw) > INLINE_PARSE_BYTES:  # a big body parses on a thread, off the event loop
+            return await asyncio.to_thread(_decode, raw, model)
+        return _decode(raw, model)
+
+    @app.get("/v1/models", **route_docs(ok=out.ModelList, api_key=keyed))
+    async def list_models() -> dict:
+        return service.models()
+
+    async def respond(prepared: PreparedRequest, started: float) -> Response:
+        if hop_trace.PATH:
+            for job in prepared.jobs:
+                hop_trace.mark(job.request_id, "ingress_http", started)
+                hop_trace.mark(job.request_id, "ingress_prepared")
+        await service.admit(prepared)
+        if prepared.stream:
+            return _event_stream(service.stream_chunks(prepared))
+        return JSONResponse(await service.run_to_completion(prepared))
+
+    # Under overload a refusal must cost next to nothing: check_open answers 429 (or 503 while
+    # draining) before the body is read, parsed or tokenized.
+    @app.post("/v1/completions", **route_docs(request=CompletionRequest, ok=out.CompletionResponse,
+                                              chunk=out.CompletionResponse,
+                                              errors=generating, api_key=keyed))
+    async def create_completion(request: Request) -> Response:
+        started = time.time()
+        service.check_open()
+        return await respond(await service.completion(await _parse(request, CompletionRequest)), started)
+
+    @app.post("/v1/chat/completions", **route_docs(request=ChatCompletionRequest, ok=out.ChatCompletionResponse,
+                                                   chunk=out.ChatCompletionChunk, errors=generating, api_key=keyed))
+    async def create_chat_completion(request: Request) -> Response:
+        started = time.time()
+        service.check_open()
+        return await respond(await service.chat(await _parse(request, ChatCompletionRequest)), started)
+
+    @app.post("/tokenize", **route_docs(request=TokenizeRequest, ok=out.TokenizeResponse, errors=reading,
+                                        api_key=keyed))
+    async def tokenize(request: Request) -> dict:
+        return await service.tokenize(await _parse(request, TokenizeRequest))
+
+    @app.post("/detokenize", **route_docs(request=DetokenizeRequest, ok=out.DetokenizeResponse, errors=reading,
+                                          api_key=keyed))
+    async def detokenize(request: Request) -> dict:
+        return service.detokenize(await _parse(request, DetokenizeRequest))
+
+    @app.get("/health", **route_docs(ok_media=None, errors=(503,)))
+    async def health() -> Response:
+        if service.draining:
+            return JSONResponse(OpenAIError("the server is shutting down", status_code=503, code="draining").body(),
+                                status_code=503)
+        try:
+            await asyncio.wait_for(service.client.check_health(), HEALTH_TIMEOUT_S)
+        except Exception as exc:  # a timeout, an unhealthy engine or no replica at all
+            logger.warning("health check failed: %s: %s", type(exc).__name__, exc)
+            return JSONResponse(OpenAIError("no healthy worker replica", status_code=503).body(), status_code=503)
+        return Response(status_code=200)
+
+    @app.get("/version", **route_docs(ok=out.VersionResponse))
+    async def version() -> dict:
+        return {"version": VERSION}
+
+    @app.get("/metrics", **route_docs(ok_media="text/plain", errors=(500,)))
+    async def prometheus_metrics() -> Response:
+        from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
+
+        text = generate_latest(REGISTRY).decode()
+        if node_metrics is not None:
+            text += await node_metrics.read()
+        return Response(text, media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def _decode(raw: bytes, model: type[Body]) -> Body:
+    try:
+        return model.model_validate(parse_json_object(raw))
+    except ValidationError as exc:
+        raise from_validation_error(exc) from exc
+
+
+def _event_stream(chunks: AsyncIterator[dict]) -> StreamingResponse:
+    return StreamingResponse(sse_stream(chunks), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

@@ -1,0 +1,252 @@
+"""Request bodies -> token ids and SamplingParams, checked before anything reaches a worker.
+
+This module translates OpenAI's request shapes (prompt forms, chat templates,
+``max_completion_tokens``, ``top_logprobs``) and refuses what pagefleet does not
+implement; whether a request fits the model and engine is the engine's own
+``check_request`` (and SamplingParams' field checks), run here first, so a bad
+request gets the same message from the ingress as from ``LLM.generate``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagefleet.router.openai.errors import OpenAIError, bad_request, unsupported
+from pagefleet.router.openai.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
+from pagefleet.worker.request_check import CONTEXT_LENGTH_EXCEEDED, InvalidRequest, RequestLimits, check_request
+from pagefleet.worker.sampling_params import SamplingParams
+
+
+DEFAULT_MAX_PROMPTS = 256
+DEFAULT_MAX_REQUEST_ID_CHARS = 128
+# A client's request_id is echoed in headers, logs and every chunk: visible ASCII only.
+REQUEST_ID_CHARS = r"[\x21-\x7e]"
+_REQUEST_ID = re.compile(REQUEST_ID_CHARS + "+")
+
+
+@dataclass(slots=True, frozen=True)
+class ServingLimits:
+    """What one HTTP request may hold beyond what the engine checks (``ServeArgs``' options)."""
+
+    max_prompts_per_request: int = DEFAULT_MAX_PROMPTS
+    max_prompt_chars: int | None = None  # None: not checked (the ingress derives one from the tokenizer)
+    max_request_id_chars: int = DEFAULT_MAX_REQUEST_ID_CHARS
+
+
+@dataclass(slots=True, frozen=True)
+class ModelInfo:
+    """What the ingress knows about the served model (read from config.json, no weights)."""
+
+    served_model_name: str  # the name /v1/models lists first and responses report
+    limits: RequestLimits
+    serving: ServingLimits = field(default_factory=ServingLimits)
+    block_size: int = 16  # the engines' KV block size: the ingress hashes prompts in these blocks
+    more_names: tuple[str, ...] = ()  # further names of --served-model-name, listed after the first
+    path_names: tuple[str, ...] = ()  # the checkpoint path as --model gave it: accepted, never listed
+
+    def accepts(self, name: str) -> bool:
+        return name == self.served_model_name or name in self.more_names or name in self.path_names
+
+
+def longest_token_chars(tokenizer: Any) -> int:
+    """Characters of the vocabulary's longest token string. Byte-level and sentencepiece vocabularies
+    spell each byte or character of a token with at least one character, so a text of
+    ``max_model_len x this`` characters or more cannot fit in ``max_model_len`` tokens."""
+    return max(map(len, tokenizer.get_vocab()), default=1)
+
+
+def check_request_id(request_id: str | None, info: ModelInfo) -> None:
+    if request_id is None:
+        return
+    limit = info.serving.max_request_id_chars
+    if not 0 < len(request_id) <= limit or not _REQUEST_ID.fullmatch(request_id):
+        raise bad_request(f"request_id must be 1 to {limit} visible ASCII characters (max_request_id_chars)",
+                          "request_id")
+
+
+def check_prompt_chars(num_chars: int, info: ModelInfo, param: str) -> None:
+    """Before tokenizing: refuse a prompt too long to fit, without spending the tokenizer's time on it."""
+    limit = info.serving.max_prompt_chars
+    if limit is not None and num_chars > limit:
+        raise bad_request(f"a prompt has {num_chars} characters; this server reads at most {limit} before "
+                          f"tokenizing (max_prompt_chars; the context is {info.limits.max_model_len} tokens)", param,
+                          CONTEXT_LENGTH_EXCEEDED)
+
+
+@dataclass(slots=True)
+class PreparedPrompt:
+    token_ids: list[int]
+    text: str | None  # None when the client sent token ids
+
+
+def check_model_name(requested: str | None, info: ModelInfo) -> None:
+    if requested is not None and not info.accepts(requested):
+        raise OpenAIError(f"The model `{requested}` does not exist. This server serves "
+                          f"`{info.served_model_name}`.", status_code=404, param="model",
+                          code="model_not_found")
+
+
+def completion_prompt_items(req: CompletionRequest, info: ModelInfo) -> list[str | list[int]]:
+    """The prompts of a completions request, checked for count and size but not yet tokenized."""
+    if req.echo:
+        raise unsupported("echo is not supported", "echo")
+    if req.suffix:
+        raise unsupported("suffix is not supported", "suffix")
+    if req.best_of is not None and req.best_of != req.n:
+        raise unsupported("best_of different from n is not supported", "best_of")
+    prompt = req.prompt
+    if isinstance(prompt, str):
+        items: list[str | list[int]] = [prompt]
+    elif prompt and all(isinstance(p, int) for p in prompt):
+        items = [list(prompt)]
+    else:
+        items = list(prompt)
+    if not items:
+        raise bad_request("prompt must not be empty", "prompt")
+    limit = info.serving.max_prompts_per_request
+    if len(items) > limit:
+        raise bad_request(f"prompt holds {len(items)} prompts; at most {limit} are allowed in one request "
+                          "(max_prompts_per_request)", "prompt")
+    check_prompt_chars(max((len(p) for p in items if isinstance(p, str)), default=0), info, "prompt")
+    return items
+
+
+def tokenize_prompts(items: list[str | list[int]], tokenizer: Any, add_special_tokens: bool) -> list[PreparedPrompt]:
+    prepared = []
+    for item in items:
+        if isinstance(item, str):
+            ids = tokenizer.encode(item, add_special_tokens=add_special_tokens)
+            prepared.append(PreparedPrompt(list(ids), item))
+        else:
+            prepared.append(PreparedPrompt(list(item), None))
+    return prepared
+
+
+def chat_conversation(messages: list[ChatMessage], info: ModelInfo, *, add_generation_prompt: bool,
+                      continue_final_message: bool = False) -> list[dict]:
+    """The messages as the chat template takes them, checked but not yet rendered."""
+    if not messages:
+        raise bad_request("messages must not be empty", "messages")
+    if continue_final_message and add_generation_prompt:
+        raise bad_request("continue_final_message and add_generation_prompt cannot both be true",
+                          "continue_final_message")
+    conversation = [_plain_message(i, m) for i, m in enumerate(messages)]
+    check_prompt_chars(sum(len(m["content"]) for m in conversation), info, "messages")
+    return conversation
+
+
+def chat_prompt(conversation: list[dict], tokenizer: Any, *, add_generation_prompt: bool,
+                continue_final_message: bool = False, add_special_tokens: bool = False) -> PreparedPrompt:
+    """Applies the tokenizer's chat template; template text is tokenized without adding
+    special tokens again (the template writes its own BOS)."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise bad_request("this model's tokenizer has no chat template; use /v1/completions", "messages")
+    try:
+        text = tokenizer.apply_chat_template(conversation, tokenize=False,
+                                             add_generation_prompt=add_generation_prompt,
+                                             continue_final_message=continue_final_message)
+    except Exception as exc:  # jinja raises TemplateError (e.g. "roles must alternate") and ValueError
+        raise bad_request(f"chat template failed: {exc}", "messages") from exc
+    ids = tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    return PreparedPrompt(list(ids), text)
+
+
+def _plain_message(index: int, message: ChatMessage) -> dict:
+    content = message.content
+    if isinstance(content, list):
+        texts = []
+        for j, part in enumerate(content):
+            if part.type != "text":
+                raise unsupported(f"content part type {part.type!r} is not supported; only 'text'",
+                                  f"messages.[{index}].content.[{j}].type")
+            if part.text is None:
+                raise bad_request("a text content part needs 'text'", f"messages.[{index}].content.[{j}].text")
+            texts.append(part.text)
+        content = "\n".join(texts)
+    out = {"role": message.role, "content": content if content is not None else ""}
+    if message.name is not None:
+        out["name"] = message.name
+    return out
+
+
+def completion_sampling_params(req: CompletionRequest) -> SamplingParams:
+    return _sampling_params(req, req.max_tokens, req.logprobs)
+
+
+def chat_sampling_params(req: ChatCompletionRequest) -> SamplingParams:
+    if req.tools:
+        raise unsupported("tools are not supported", "tools")
+    if req.response_format is not None and req.response_format.get("type", "text") != "text":
+        raise unsupported("only response_format {'type': 'text'} is supported", "response_format")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    return _sampling_params(req, max_tokens, logprobs)
+
+
+def client_field_names(req: CompletionRequest | ChatCompletionRequest) -> dict[str, str]:
+    """SamplingParams' field names -> the request's own, where they differ (for ``param``)."""
+    if not isinstance(req, ChatCompletionRequest):
+        return {}
+    names = {"logprobs": "top_logprobs"}
+    if req.max_completion_tokens is not None:
+        names["max_tokens"] = "max_completion_tokens"
+    return names
+
+
+def check_job(token_ids: list[int], params: SamplingParams, info: ModelInfo,
+              req: CompletionRequest | ChatCompletionRequest) -> None:
+    """The engine's own request check, as a 400 naming the client's field."""
+    try:
+        check_request(token_ids, params, info.limits)
+    except InvalidRequest as exc:
+        raise as_bad_request(exc, req) from exc
+
+
+def with_max_tokens(params: SamplingParams, prompt_len: int, info: ModelInfo) -> SamplingParams:
+    """A request without max_tokens may fill the context: say how far (as vLLM does)."""
+    if params.max_tokens is not None:
+        return params
+    return dataclasses.replace(params, max_tokens=info.limits.max_model_len - prompt_len)
+
+
+def _sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: int | None,
+                     logprobs: int | None) -> SamplingParams:
+    if req.logit_bias:
+        raise unsupported("logit_bias is not supported", "logit_bias")
+    if req.stream_options is not None and not req.stream:
+        raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+    stop = req.stop if req.stop is not None else []
+    try:
+        return SamplingParams(
+            n=req.n,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=0 if req.top_k is None else req.top_k,
+            min_p=0.0 if req.min_p is None else req.min_p,
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            seed=req.seed,
+            stop=[stop] if isinstance(stop, str) else list(stop),
+            stop_token_ids=list(req.stop_token_ids or []),
+            max_tokens=max_tokens,  # None: until max_model_len
+            min_tokens=req.min_tokens,
+            ignore_eos=req.ignore_eos,
+            logprobs=logprobs,
+            include_stop_str_in_output=req.include_stop_str_in_output,
+        )
+    except InvalidRequest as exc:
+        raise as_bad_request(exc, req) from exc
+
+
+def as_bad_request(exc: InvalidRequest, req: CompletionRequest | ChatCompletionRequest) -> OpenAIError:
+    param = client_field_names(req).get(exc.param, exc.param)
+    message = str(exc)
+    if param != exc.param and message.startswith(f"{exc.param} "):
+        message = param + message[len(exc.param):]
+    return bad_request(message, param, exc.code)

@@ -1,0 +1,313 @@
+"""The OpenAI endpoints' logic between HTTP and the workers, with no Ray in it.
+
+``OpenAIService`` validates and tokenizes (``preprocess``), hashes each
+prompt's full blocks once (the shared block hash, salted with the request's
+``cache_salt``), asks the ``WorkerClient`` where each prompt should go (that is
+where admission control may refuse it: a 429 before any response starts),
+sends it to a worker (a Serve handle in production, a fake in tests), and
+shapes the deltas into responses (``responses``). Closing a stream closes
+every worker stream under it, which aborts those requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Callable, Protocol, TypeVar
+
+from pagefleet.router.openai import preprocess as pre
+from pagefleet.router.openai.errors import OpenAIError, bad_request, internal_error, unavailable
+from pagefleet.router.openai.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from pagefleet.router.openai.responses import ChatResponseBuilder, CompletionResponseBuilder, ResponseBuilder
+from pagefleet.worker.replica import hop_trace
+from pagefleet.worker.core.block_hash import block_hashes
+from pagefleet.worker.core.kv_events import pack_hashes
+from pagefleet.worker.outputs import RequestOutputDelta
+from pagefleet.worker.request_check import InvalidRequest
+from pagefleet.worker.sampling_params import SamplingParams
+
+T = TypeVar("T")
+
+# Text up to this many characters is tokenized (or templated) on the event loop: it takes under
+# about a millisecond, less than handing it to a thread and back costs in latency under load.
+# Longer text goes to the tokenizer threads so it never stalls other requests' streams.
+INLINE_TEXT_CHARS = 2048
+TOKENIZER_THREADS = 2
+
+
+class WorkerClient(Protocol):
+    def check_room(self) -> None:
+        """Raises OpenAIError (429) when admission control would turn away any request arriving
+        now (checked before the request is read, so a refusal costs next to nothing)."""
+
+    async def route(self, job: Job) -> list[str] | None:
+        """Where the job should run, best first (None: the request router decides alone).
+        Raises OpenAIError (429) when admission control turns it away."""
+
+    def generate(self, job: Job) -> AsyncIterator[RequestOutputDelta]:
+        """Deltas of one request, one per engine step; closing the iterator aborts the request."""
+
+    async def check_health(self) -> None:
+        """Raises when no worker can serve."""
+
+
+class OpenAIService:
+    def __init__(self, *, tokenizer: Any, info: pre.ModelInfo, client: WorkerClient) -> None:
+        self.tokenizer = tokenizer
+        self.info = info
+        self.client = client
+        self.draining = False  # shutting down: in-flight requests finish, new ones get 503
+        self.num_in_flight = 0
+        self._tokenizer_pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="pagefleet-tokenize")
+
+    # ---- /v1/completions, /v1/chat/completions --------------------------------------
+
+    async def completion(self, req: CompletionRequest) -> PreparedRequest:
+        self._check_open()
+        pre.check_model_name(req.model, self.info)
+        pre.check_request_id(req.request_id, self.info)
+        items = pre.completion_prompt_items(req, self.info)
+        params = pre.completion_sampling_params(req)
+        text_chars = sum(len(p) for p in items if isinstance(p, str))
+        prompts = await self._off_loop(text_chars, pre.tokenize_prompts, items, self.tokenizer,
+                                       req.add_special_tokens)
+        engine_id = f"cmpl-{uuid.uuid4().hex}"
+        builder = CompletionResponseBuilder(request_id=req.request_id or engine_id,
+                                            model=self.info.served_model_name, tokenizer=self.tokenizer,
+                                            want_logprobs=req.logprobs is not None,
+                                            include_usage=_include_usage(req))
+        return self._prepared(req, builder, engine_id, [p.token_ids for p in prompts], params)
+
+    async def chat(self, req: ChatCompletionRequest) -> PreparedRequest:
+        self._check_open()
+        pre.check_model_name(req.model, self.info)
+        pre.check_request_id(req.request_id, self.info)
+        conversation = pre.chat_conversation(req.messages, self.info, add_generation_prompt=req.add_generation_prompt,
+                                             continue_final_message=req.continue_final_message)
+        params = pre.chat_sampling_params(req)
+        text_chars = sum(len(m["content"]) for m in conversation)
+        prompt = await self._off_loop(text_chars, lambda: pre.chat_prompt(
+            conversation, self.tokenizer, add_generation_prompt=req.add_generation_prompt,
+            continue_final_message=req.continue_final_message, add_special_tokens=req.add_special_tokens))
+        engine_id = f"chatcmpl-{uuid.uuid4().hex}"
+        builder = ChatResponseBuilder(request_id=req.request_id or engine_id,
+                                      model=self.info.served_model_name, tokenizer=self.tokenizer,
+                                      want_logprobs=req.logprobs, include_usage=_include_usage(req))
+        return self._prepared(req, builder, engine_id, [prompt.token_ids], params)
+
+    def _prepared(self, req: CompletionRequest | ChatCompletionRequest, builder: ResponseBuilder, engine_id: str,
+                  prompts: list[list[int]], params: SamplingParams) -> PreparedRequest:
+        if req.cache_salt is not None and not req.cache_salt:
+            raise bad_request("cache_salt must be a non-empty string", "cache_salt")
+        extra_keys = (req.cache_salt,) if req.cache_salt else ()
+        jobs = []
+        for i, token_ids in enumerate(prompts):
+            pre.check_job(token_ids, params, self.info, req)
+            hashes = pack_hashes(block_hashes(token_ids, self.info.block_size, extra_keys))
+            # Engine request ids are the server's own, whatever id the client sent.
+            jobs.append(Job(f"{engine_id}-{i}", token_ids, pre.with_max_tokens(params, len(token_ids), self.info),
+                            hashes, extra_keys))
+        return PreparedRequest(builder, jobs, req.stream)
+
+    async def _off_loop(self, text_chars: int, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` here for short text, on a tokenizer thread for long text."""
+        if text_chars <= INLINE_TEXT_CHARS:
+            return fn(*args)
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, fn, *args)
+
+    def check_open(self) -> None:
+        """Raises 503 while draining and 429 when admission control is refusing every newcomer:
+        called before a request's body is read."""
+        self._check_open()
+        if self.client is not None:  # a service built without workers (tokenize only) admits nothing
+            self.client.check_room()
+
+    def _check_open(self) -> None:
+        if self.draining:
+            raise unavailable("the server is shutting down; retry on another replica", retry_after_s=5,
+                              code="draining")
+
+    # ---- draining (graceful shutdown) -----------------------------------------------------
+
+    async def drain(self, timeout_s: float) -> int:
+        """Refuse new requests from now on and wait up to ``timeout_s`` for the in-flight ones;
+        returns how many were still running when it gave up (0: all finished)."""
+        self.draining = True
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while self.num_in_flight and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.05)
+        return self.num_in_flight
+
+    # ---- running jobs ------------------------------------------------------------------
+
+    async def admit(self, prepared: PreparedRequest) -> None:
+        """Ask where each job goes, before any response starts (a 429 must be a whole response)."""
+        for job in prepared.jobs:
+            job.ranking = await self.client.route(job)
+            hop_trace.mark(job.request_id, "ingress_routed")
+
+    async def run_to_completion(self, prepared: PreparedRequest) -> dict:
+        """All prompts run concurrently; the response is built once every one has finished."""
+        builder, jobs = prepared.builder, prepared.jobs
+        self.num_in_flight += 1
+        try:
+            async for job_index, delta in self._merged(prepared):
+                for seq in delta.sequences:
+                    builder.accumulate(job_index * jobs[job_index].params.n + seq.index, seq)
+        finally:
+            self.num_in_flight -= 1
+        return builder.full_response()
+
+    async def stream_chunks(self, prepared: PreparedRequest) -> AsyncIterator[dict]:
+        builder, jobs = prepared.builder, prepared.jobs
+        n = jobs[0].params.n
+        self.num_in_flight += 1
+        try:
+            for chunk in builder.role_chunks(list(range(len(jobs) * n))):
+                yield chunk
+            async for job_index, delta in self._merged(prepared):
+                if hop_trace.PATH:
+                    hop_trace.mark(delta.request_id, "ingress_first_chunk")
+                for seq in delta.sequences:
+                    chunk = builder.delta_chunk(job_index * n + seq.index, seq)
+                    if chunk is not None:
+                        yield chunk
+            if builder.include_usage:
+                yield builder.usage_chunk()
+        finally:
+            self.num_in_flight -= 1
+
+    async def _merged(self, prepared: PreparedRequest) -> AsyncIterator[tuple[int, RequestOutputDelta]]:
+        """Deltas of every job as they come; leaving early closes every worker stream."""
+        builder, jobs = prepared.builder, prepared.jobs
+        streams = [_counting(builder, i, self.client.generate(job)) for i, job in enumerate(jobs)]
+        if len(streams) == 1:  # the common case needs no tasks
+            try:
+                async for item in streams[0]:
+                    yield item
+            finally:
+                await streams[0].aclose()
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+        tasks = [asyncio.create_task(_pump(s, queue)) for s in streams]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                item = await queue.get()
+                if item is _FINISHED:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield item
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    # ---- /tokenize, /detokenize --------------------------------------------------------
+
+    async def tokenize(self, req: TokenizeRequest) -> dict:
+        pre.check_model_name(req.model, self.info)
+        if (req.prompt is None) == (req.messages is None):
+            raise bad_request("give exactly one of prompt and messages", "prompt")
+        if req.messages is not None:
+            add_special = False if req.add_special_tokens is None else req.add_special_tokens
+            conversation = pre.chat_conversation(req.messages, self.info,
+                                                 add_generation_prompt=req.add_generation_prompt)
+            chars = sum(len(m["content"]) for m in conversation)
+            ids = (await self._off_loop(chars, lambda: pre.chat_prompt(
+                conversation, self.tokenizer, add_generation_prompt=req.add_generation_prompt,
+                add_special_tokens=add_special))).token_ids
+        else:
+            add_special = True if req.add_special_tokens is None else req.add_special_tokens
+            pre.check_prompt_chars(len(req.prompt), self.info, "prompt")
+            ids = (await self._off_loop(len(req.prompt), pre.tokenize_prompts, [req.prompt], self.tokenizer,
+                                        add_special))[0].token_ids
+        out = {"count": len(ids), "max_model_len": self.info.limits.max_model_len, "tokens": ids}
+        if req.return_token_strs:
+            out["token_strs"] = self.tokenizer.convert_ids_to_tokens(ids)
+        return out
+
+    def detokenize(self, req: DetokenizeRequest) -> dict:
+        pre.check_model_name(req.model, self.info)
+        vocab_size = self.info.limits.vocab_size
+        bad = next((t for t in req.tokens if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise bad_request(f"token id {bad} is outside the vocabulary [0, {vocab_size})", "tokens")
+        return {"prompt": self.tokenizer.decode(req.tokens)}
+
+    def models(self) -> dict:
+        # root names the model, never the checkpoint's path on the server
+        root = self.info.served_model_name
+        return {"object": "list", "data": [{
+            "id": name, "object": "model", "created": 0, "owned_by": "pagefleet",
+            "root": root, "parent": None, "max_model_len": self.info.limits.max_model_len}
+            for name in (root, *self.info.more_names)]}
+
+
+@dataclass(slots=True, weakref_slot=True)
+class Job:
+    """One engine request of an HTTP request (a completions request has one per prompt)."""
+
+    request_id: str  # the server's: f"{engine id}-{prompt index}"
+    token_ids: list[int]
+    params: SamplingParams
+    block_hashes: bytes = b""  # the prompt's full-block hashes, packed
+    extra_keys: tuple = ()  # the cache salt, when the request has one
+    ranking: list[str] | None = None  # where the global scheduler would run it, best first
+
+
+@dataclass(slots=True)
+class PreparedRequest:
+    """A checked request, ready to run: its response builder and its engine requests."""
+
+    builder: ResponseBuilder
+    jobs: list[Job]
+    stream: bool
+
+
+def _include_usage(req: CompletionRequest | ChatCompletionRequest) -> bool:
+    return bool(req.stream_options and req.stream_options.include_usage)
+
+
+_FINISHED = object()
+
+
+async def _counting(builder: ResponseBuilder, index: int,
+                    stream: AsyncIterator[RequestOutputDelta]) -> AsyncIterator[tuple[int, RequestOutputDelta]]:
+    """Tags deltas with their job and counts each request's prompt once; worker errors
+    become OpenAI errors (a request the engine refused is still the client's fault; anything
+    else is a 500 whose details stay in the server log)."""
+    first = True
+    try:
+        async for delta in stream:
+            if first:
+                builder.count_request(delta)
+                first = False
+            yield index, delta
+    except OpenAIError:
+        raise
+    except InvalidRequest as exc:
+        raise bad_request(str(exc), exc.param, exc.code) from exc
+    except Exception as exc:
+        raise internal_error(exc) from exc
+    finally:
+        close = getattr(stream, "aclose", None)
+        if close is not None:
+            await close()
+
+
+async def _pump(stream: AsyncIterator, queue: asyncio.Queue) -> None:
+    try:
+        async for item in stream:
+            await queue.put(item)
+        await queue.put(_FINISHED)
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:  # handed to the consumer, which raises it
+        await queue.put(exc)
+    finally:
+        await stream.aclose()

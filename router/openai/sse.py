@@ -1,0 +1,36 @@
+"""Server-sent events exactly as OpenAI writes them.
+
+Each event is ``data: <json>\\n\\n``; the stream ends with ``data: [DONE]\\n\\n``.
+An error after the response has started (status 200 is already sent) is one
+``data: {"error": {...}}`` event, then ``[DONE]``.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import AsyncIterator
+
+from pagefleet.router.openai.errors import OpenAIError, internal_error
+
+DONE = "data: [DONE]\n\n"
+
+
+def sse_event(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+async def sse_stream(chunks: AsyncIterator[dict]) -> AsyncIterator[str]:
+    """Formats chunks as events, turning a failure into an error event before ``[DONE]``."""
+    try:
+        async for chunk in chunks:
+            yield sse_event(chunk)
+    except OpenAIError as exc:
+        yield sse_event(exc.body())
+    except Exception as exc:  # the client already has a 200; the error must travel in the stream
+        yield sse_event(internal_error(exc).body())
+    finally:
+        close = getattr(chunks, "aclose", None)
+        if close is not None:
+            await close()
+    yield DONE
+

@@ -1,0 +1,178 @@
+"""The ingress's side of KV-aware routing: decide locally, wait for room, fall back.
+
+Each engine request is routed with this ingress's own copy of the global
+scheduler's view (``kv_mirror.SchedulerMirror``, kept current by a
+``ViewFollower``): the decision is a local computation of well under a
+millisecond, with no call to the scheduler actor on the request's path. The
+copy's predictions are this ingress's own routing (the others' show up one
+feed round trip later, in the workers' load).
+
+When the copy is older than ``max_staleness_s`` (the actor is dead, restarting
+or too busy to answer its feed; a poll still within its wait keeps the copy
+current, see ``kv_mirror``, so an actor that hangs without failing is noticed up
+to one poll wait later), requests are routed by load instead
+(``route_by_inflight``: the workers the view last knew, ranked by the blocks
+this ingress's own requests hold on them), counted as fallbacks. Admission
+control applies either way: when no worker has room, the request waits in the
+``AdmissionQueue``, or is refused (429) past its bound or wait. Only before the
+copy has ever heard of a worker (the first moments of an app) does a request
+go out unranked, to the request router's power of two choices, bounded by
+Serve's queue (``max_queued_requests``).
+
+Everything is counted twice over: in ``RoutingCounters`` (what this replica
+saw, for benchmarks and tests) and in the router series of ``RouterMetrics``
+(decisions by reason, fallbacks, predicted and realised prefix hits, time to
+choose, admission queue length, wait and refusals) for Prometheus.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from typing import Callable, Mapping
+
+from pagefleet.router.routing.admission import AdmissionQueue, AdmissionRejected
+from pagefleet.router.openai.errors import too_many_requests
+from pagefleet.router.global_scheduler.core import RouteDecision, RouteRequest
+from pagefleet.router.global_scheduler.kv_mirror import SchedulerMirror
+from pagefleet.router.metrics import RouterMetrics
+
+
+@dataclass(slots=True, frozen=True)
+class KVRoutingOptions:
+    cost_weight: float = 4.0
+    admission_queue_size: int = 64  # 0: admission control off (route even when no worker has room)
+    admission_max_wait_s: float = 2.0
+    max_staleness_s: float = 1.0  # route by load instead when the view copy is older than this
+
+
+@dataclass(slots=True)
+class RoutingCounters:
+    decisions: Counter = field(default_factory=Counter)  # made with a current view, by reason: prefix, load, no_room
+    fallbacks: int = 0  # requests routed without a current view (fallback_stale, or fallback_no_view: none yet)
+    rejected: int = 0  # 429s
+    predicted_hit_blocks: int = 0  # prompt blocks the chosen worker was expected to hold
+    realised_hit_blocks: int = 0  # prompt blocks the worker found cached
+    choose_s: deque = field(default_factory=lambda: deque(maxlen=10_000))  # decision times, latest
+
+
+def request_blocks(prompt_len: int, max_tokens: int, n: int, block_size: int) -> int:
+    """Blocks a request holds at its peak on a worker with nothing cached: each of its ``n``
+    sequences grows to prompt + max_tokens; the full prompt blocks are shared among them."""
+    per_seq = -(-(prompt_len + max_tokens) // block_size)
+    return per_seq + (n - 1) * (per_seq - prompt_len // block_size)
+
+
+def route_by_inflight(total_blocks: Mapping[str, int], inflight_blocks: Mapping[str, int], need: int,
+                      max_ranked: int = 8) -> RouteDecision:
+    """Routing by load when the view is stale: the workers it last knew (their total blocks),
+    fewest blocks held by this ingress's in-flight requests first (then by id); a worker has room
+    when its total less those covers ``need``. Pessimistic about caching (no prefix is counted
+    as shared), blind to other ingresses' requests."""
+    rows = sorted((inflight_blocks.get(w, 0), w) for w in total_blocks)
+    with_room = [w for held, w in rows if total_blocks[w] - held >= need]
+    if with_room:
+        return RouteDecision(with_room[:max_ranked], True, "fallback_stale", 0)
+    return RouteDecision([w for _, w in rows][:max_ranked], False, "fallback_stale", 0)
+
+
+class KVRoutingClient:
+    def __init__(self, mirror: SchedulerMirror, options: KVRoutingOptions, block_size: int,
+                 metrics: RouterMetrics | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        self.mirror = mirror
+        self.options = options
+        self.block_size = block_size
+        self.clock = clock
+        self.metrics = metrics or RouterMetrics()
+        self.admission = (AdmissionQueue(options.admission_queue_size, options.admission_max_wait_s, clock=clock,
+                                         on_length=lambda n: self.metrics.set("admission_queue_length", n),
+                                         on_wait=lambda s: self.metrics.observe("admission_wait_seconds", s))
+                          if options.admission_queue_size > 0 else None)
+        self.counters = RoutingCounters()
+        self._inflight: Counter = Counter()  # worker -> blocks this ingress's routed requests may hold there
+        self._routed: dict[str, tuple[str, int]] = {}  # request id -> (worker, blocks) in ``_inflight``
+        self._ended: deque[str] = deque()  # requests that ended, noticed where no count may change
+
+    async def route(self, request_id: str, block_hashes: bytes, prompt_len: int, max_tokens: int,
+                    n: int) -> RouteDecision | None:
+        """Where the request goes (None: no worker known yet, route without a ranking).
+        Raises OpenAIError 429."""
+        req = RouteRequest(request_id, block_hashes, request_blocks(prompt_len, max_tokens, n, self.block_size), n)
+        if self.admission is None:
+            decision = self._decide(req, force=True)
+        else:
+            decision = await self._admit(req)
+        reason = "fallback_no_view" if decision is None else decision.reason
+        self.metrics.inc("routing_decisions", policy="kv", reason=reason)
+        if decision is None or reason == "fallback_stale":
+            self.counters.fallbacks += 1
+        else:
+            self.counters.decisions[reason] += 1
+            self.counters.predicted_hit_blocks += decision.predicted_hit_blocks
+            self.metrics.inc("prefix_hit_blocks_predicted", decision.predicted_hit_blocks)
+        if decision is not None:
+            self._hold(request_id, decision.ranking[0], req.num_blocks)
+        return decision
+
+    def finished(self, request_id: str) -> None:
+        """The request ended: its blocks leave this ingress's in-flight count."""
+        held = self._routed.pop(request_id, None)
+        if held is not None:
+            worker, blocks = held
+            self._inflight[worker] -= blocks
+            if not self._inflight[worker]:
+                del self._inflight[worker]
+
+    def check_room(self) -> None:
+        """Raises OpenAIError 429 when admission control would refuse a request arriving now
+        without letting it wait (the queue is full, or would take too long to reach it)."""
+        if self.admission is not None:
+            try:
+                self.admission.check_room()
+            except AdmissionRejected as exc:
+                raise self._refused(exc) from exc
+
+    async def _admit(self, req: RouteRequest) -> RouteDecision | None:
+        async def attempt() -> RouteDecision | None:
+            return self._decide(req, force=False)
+
+        try:
+            return await self.admission.admit(attempt, lambda d: d is None or d.admitted)
+        except AdmissionRejected as exc:
+            raise self._refused(exc) from exc
+
+    def _refused(self, exc: AdmissionRejected) -> Exception:
+        self.counters.rejected += 1
+        self.metrics.inc("admission_rejections", reason=exc.reason)
+        return too_many_requests(str(exc), exc.retry_after_s)
+
+    def _decide(self, req: RouteRequest, force: bool) -> RouteDecision | None:
+        while self._ended:
+            self.finished(self._ended.popleft())
+        started = time.perf_counter()
+        now = self.clock()
+        core = self.mirror.core
+        if self.mirror.age(now) <= self.options.max_staleness_s:
+            decision = core.route(req, now, force=force)
+        else:
+            totals = {w: v.num_total_blocks for w, v in core.workers.items()}
+            decision = route_by_inflight(totals, self._inflight, req.num_blocks)
+        elapsed = time.perf_counter() - started
+        self.counters.choose_s.append(elapsed)
+        self.metrics.observe("routing_seconds", elapsed)
+        return None if not decision.ranking else decision
+
+    def ended_later(self, request_id: str) -> None:
+        """``finished``, from anywhere (a garbage collector's finalizer: a routed request dropped
+        unrun); applied at the next decision."""
+        self._ended.append(request_id)
+
+    def _hold(self, request_id: str, worker: str, blocks: int) -> None:
+        self.finished(request_id)  # a request routed again (a retry) holds blocks once
+        self._routed[request_id] = (worker, blocks)
+        self._inflight[worker] += blocks
+
+    def record_realised(self, num_cached_tokens: int) -> None:
+        self.counters.realised_hit_blocks += num_cached_tokens // self.block_size
+        self.metrics.inc("prefix_hit_blocks_realised", num_cached_tokens // self.block_size)

@@ -1,0 +1,1 @@
+"""The ingress's side of its worker replicas: delta channels and what a worker's failure means to a client."""

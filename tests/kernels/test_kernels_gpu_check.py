@@ -1,0 +1,56 @@
+"""`benchmarks/gpu_check.sh --dry-run`: the GPU check's code runs on CPU and prints the lines it promises."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+
+ROOT = Path(__file__).resolve().parents[2]
+KERNELS = {"rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_embedding", "write_kv_cache",
+           "paged_attention", "paged_attention_decode", "paged_attention_split_kv"}
+BANDWIDTH = {"torch_copy (practical ceiling)", "paged_attention_decode", "paged_attention_decode_small_batch",
+             "rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_embedding", "write_kv_cache"}
+
+
+def test_gpu_check_dry_run_prints_every_result():
+    env = {k: v for k, v in os.environ.items() if k != "PAGEFLEET_KERNELS"}
+    env["PYTHON"] = sys.executable
+    result = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), "--dry-run"], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = [json.loads(line) for line in result.stdout.splitlines() if line.strip()]
+    assert all(line["dry_run"] is True and line["device"] == "cpu (dry run)" for line in lines)
+    by_check: dict[str, list[dict]] = {}
+    for line in lines:
+        by_check.setdefault(line["check"], []).append(line)
+    assert "error" not in by_check and "skipped" not in by_check, by_check.get("error") or by_check.get("skipped")
+    assert [s["section"] for s in by_check["section_done"]] == ["correctness", "bandwidth", "engine"]
+
+    correctness = by_check["correctness"]
+    assert {(c["kernel"], c["dtype"]) for c in correctness} == {(k, d) for k in KERNELS
+                                                               for d in ("bfloat16", "float16")}
+    assert all(c["ok"] is True and c["max_abs_error"] is not None for c in correctness), correctness
+
+    bandwidth = by_check["bandwidth"]
+    assert {b["kernel"] for b in bandwidth} == BANDWIDTH
+    assert all(b["bytes"] > 0 and b["time_us"] > 0 and "fraction_of_peak" in b for b in bandwidth)
+
+    (setup,) = by_check["engine_setup"]
+    assert setup["weight_bytes"] > setup["decode_step_weight_bytes"] > 0
+    (throughput,) = by_check["engine_throughput"]
+    assert throughput["output_tokens"] == throughput["num_requests"] * throughput["output_len"] == 16
+    assert {"output_tokens_per_s", "roofline_tokens_per_s", "fraction_of_roofline"} <= throughput.keys()
+    (single,) = by_check["engine_single_stream"]
+    assert single["per_token_latency_ms"] > 0
+    assert {"roofline_ms", "fraction_of_roofline"} <= single.keys()
+    (profile,) = by_check["engine_step_profile"]
+    # on CPU no device kernel is seen: the whole step is host time
+    assert (profile["steps"], profile["device_kernel_ms_per_step"], profile["kernel_launches_per_step"]) == (4, 0, 0)
+    assert profile["wall_ms_per_step"] > 0 and profile["top_kernels"] == []
+    (probe,) = by_check["engine_decode_graph_probe"]
+    assert probe["eager_forward_ms"] > 0 and (probe["graph_replay_ms"], probe["outputs_equal"]) == (None, None)

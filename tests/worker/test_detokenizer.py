@@ -1,0 +1,82 @@
+"""Incremental detokenization: never half a UTF-8 character; stop strings across tokens."""
+
+from __future__ import annotations
+
+import pytest
+from transformers import AutoTokenizer
+
+from pagefleet.worker.engine.detokenizer import IncrementalDetokenizer
+
+TEXT = "héllo wörld, 你好 🙂 the end"
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_checkpoint):
+    return AutoTokenizer.from_pretrained(str(tiny_checkpoint(arch="llama")))
+
+
+def split_char(tokenizer) -> str:
+    """A character of TEXT whose UTF-8 bytes the tokenizer spreads over several tokens."""
+    for ch in "你好🙂éö":
+        if len(tokenizer.encode(ch, add_special_tokens=False)) > 1:
+            return ch
+    pytest.fail("the test tokenizer encodes every multi-byte character of TEXT as one token")
+
+
+def stream(tokenizer, prompt: list[int], output: list[int], stop: list[str], include_stop=False):
+    d = IncrementalDetokenizer(tokenizer, prompt, stop, include_stop)
+    ids = list(prompt)
+    chunks, reason = [], None
+    for t in output:
+        ids.append(t)
+        reason = d.update(ids)
+        chunks.append(d.take_new_text(reason is not None))
+        if reason is not None:
+            break
+    return chunks, reason
+
+
+def test_streamed_text_equals_full_decode_and_never_splits_a_character(tokenizer):
+    split_char(tokenizer)
+    prompt = tokenizer.encode("prompt:", add_special_tokens=False)
+    output = tokenizer.encode(TEXT, add_special_tokens=False)
+    chunks, reason = stream(tokenizer, prompt, output, [])
+    assert reason is None
+    assert "".join(chunks) == TEXT
+    assert not any("\ufffd" in c for c in chunks)
+    assert chunks.count("") >= 1  # some token ended mid-character and produced nothing yet
+
+
+def test_stop_string_across_token_boundaries_cuts_text(tokenizer):
+    output = tokenizer.encode(TEXT, add_special_tokens=False)
+    stop = "wörld, 你"
+    # The stop string spans several tokens.
+    assert len(tokenizer.encode(stop, add_special_tokens=False)) > 1
+    chunks, reason = stream(tokenizer, [], output, [stop, "never"])
+    assert reason == stop
+    assert "".join(chunks) == "héllo "
+    chunks, _ = stream(tokenizer, [], output, [stop], include_stop=True)
+    assert "".join(chunks) == "héllo wörld, 你"
+
+
+def test_stop_string_inside_a_multibyte_character(tokenizer):
+    ch = split_char(tokenizer)
+    output = tokenizer.encode(TEXT, add_special_tokens=False)
+    chunks, reason = stream(tokenizer, [], output, [ch])
+    assert reason == ch
+    assert "".join(chunks) == TEXT[:TEXT.index(ch)]
+
+
+def test_streaming_holds_back_a_possible_stop_prefix(tokenizer):
+    output = tokenizer.encode("abc the end", add_special_tokens=False)
+    d = IncrementalDetokenizer(tokenizer, [], ["the end!"], False)
+    ids = []
+    emitted = ""
+    for t in output:
+        ids.append(t)
+        assert d.update(ids) is None
+        emitted += d.take_new_text(False)
+        # Never hand out text that might still turn out to be the start of the stop string.
+        assert len(d.text) - len(emitted) >= min(len(d.text), len("the end!") - 1)
+    emitted += d.take_new_text(True)
+    assert emitted == "abc the end"

@@ -1,0 +1,1 @@
+"""The engine core: sequences, the continuous-batching scheduler, KV blocks, prefix hashes and KV events."""

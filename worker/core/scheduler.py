@@ -1,0 +1,128 @@
+"""Continuous batching: spend a token budget on running sequences first, then admit
+waiting ones, chunking long prompts; preempt the newest by recompute when blocks run out."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from pagefleet.worker.core.kv_cache_manager import KVCacheManager
+from pagefleet.worker.core.sequence import Sequence, SequenceStatus
+
+if TYPE_CHECKING:
+    from pagefleet.worker.model_executor.sampler import SamplerOutput
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int
+    sample: bool  # this step computes the sequence's last token, so its next token is sampled
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    def sampled_seqs(self) -> list[Sequence]:
+        """The sequences whose next token this step samples, in logits-row order."""
+        return [s.seq for s in self.scheduled if s.sample]
+
+
+class Scheduler:
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.kv.allocate(seq, num_new):
+                victim = self.running.pop()  # the newest running sequence
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                out.scheduled.append(_scheduled(seq, num_new))
+                budget -= num_new
+                i += 1
+        if out.preempted:
+            # Blocks are short: admitting new work now would only preempt again.
+            return out
+        skipped: list[Sequence] = []
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if seq.parent is not None and not self._parent_ready(seq.parent):
+                skipped.append(self.waiting.popleft())  # wait to share the parent's prompt blocks
+                continue
+            prefix = self.kv.find_prefix(seq)
+            num_new = min(seq.num_tokens - prefix.num_tokens, budget)
+            if not self.kv.allocate(seq, num_new, prefix):
+                break
+            self.waiting.popleft()
+            if seq.num_computed_tokens == 0 and seq.num_output_tokens == 0:
+                seq.num_cached_tokens = prefix.num_tokens
+            seq.num_computed_tokens = prefix.num_tokens
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.scheduled.append(_scheduled(seq, num_new))
+            budget -= num_new
+        self.waiting.extendleft(reversed(skipped))
+        return out
+
+    def update_from_output(self, out: SchedulerOutput, sampled: "SamplerOutput | None") -> list[Sequence]:
+        """After the step ran: advance each scheduled sequence's progress and append the sampled
+        tokens (``sampled`` rows are ``out.sampled_seqs()``). Returns the sequences that got a token."""
+        for item in out.scheduled:
+            item.seq.num_computed_tokens += item.num_new_tokens
+        if sampled is None:
+            return []
+        seqs = out.sampled_seqs()
+        for seq, token, logprob in zip(seqs, sampled.token_ids, sampled.logprobs, strict=True):
+            seq.append_token(token)
+            if logprob is not None:
+                seq.logprobs.append(logprob)
+        return seqs
+
+    @staticmethod
+    def _parent_ready(parent: Sequence) -> bool:
+        return (parent.status is not SequenceStatus.WAITING
+                and (parent.is_finished or parent.num_computed_tokens >= parent.num_prompt_tokens))
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.kv.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def finish(self, seq: Sequence, reason: str, stop_reason: str | int | None = None) -> None:
+        """End a sequence wherever it is and give its blocks back."""
+        if seq.is_finished:
+            return
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        self.kv.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        seq.stop_reason = stop_reason
+
+
+def _scheduled(seq: Sequence, num_new_tokens: int) -> ScheduledSeq:
+    return ScheduledSeq(seq, num_new_tokens, seq.num_computed_tokens + num_new_tokens == seq.num_tokens)

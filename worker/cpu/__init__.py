@@ -1,0 +1,1 @@
+"""The CPU platform: compute threads, packed linear weights and the allocator settings."""

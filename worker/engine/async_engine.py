@@ -1,0 +1,343 @@
+"""The engine behind a server: its step loop runs in its own thread, so the caller's event
+loop stays free for new requests, aborts and health checks. Each request streams
+``RequestOutputDelta`` chunks, at most one per engine step."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import AsyncIterator, Callable
+
+from pagefleet.worker.core.block_hash import BlockHash
+from pagefleet.worker.model_executor.model_config import ModelConfig
+from pagefleet.worker.replica import hop_trace
+from pagefleet.worker.engine.llm_engine import LLMEngine, resolve_device
+from pagefleet.worker.engine.engine_args import EngineArgs
+from pagefleet.worker.metrics.engine_metrics import EngineMetrics, MetricsRecorder
+from pagefleet.worker.parallel.executor import prepare_step_thread
+from pagefleet.worker.errors import EngineDeadError
+from pagefleet.worker.core.kv_events import KVEventBatch, KVSnapshot
+from pagefleet.worker.outputs import RequestOutputDelta, merge_deltas
+from pagefleet.worker.sampling_params import SamplingParams
+from pagefleet.worker.metrics.stats import EngineStats
+
+logger = logging.getLogger(__name__)
+
+
+__all__ = ["AsyncLLMEngine", "EngineDeadError"]
+
+
+@dataclass(slots=True)
+class AddRequest:
+    """Engine-thread command: start a request (already checked by the caller)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    extra_keys: tuple
+    block_hashes: list[BlockHash] | None = None
+
+
+@dataclass(slots=True)
+class AbortRequest:
+    """Engine-thread command: finish a request now and free its blocks."""
+
+    request_id: str
+
+
+STEP_TIMEOUT_ENV = "PAGEFLEET_STEP_TIMEOUT_S"
+DEFAULT_STEP_TIMEOUT_S = 1800.0
+
+
+@dataclass(slots=True)
+class EnableKVEvents:
+    """Engine-thread command: from now on, hand each step's KV event batch to ``sink``
+    (called on the engine thread: it must not block)."""
+
+    worker_id: str
+    sink: Callable[[KVEventBatch], None]
+
+
+@dataclass(slots=True)
+class TakeKVSnapshot:
+    """Engine-thread command: resolve ``future`` (of ``loop``) with the KV cache's snapshot."""
+
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future
+
+
+class AsyncLLMEngine:
+    """Health is forward progress: the loop is alive, and with work pending it either finished a
+    step with output within ``stall_timeout_s`` or is inside a step that began less than
+    ``step_timeout_s`` ago. One slow step (a cold compile, a large model on CPU) is progress in
+    flight, not a stall; a step that never returns is caught by ``step_timeout_s``
+    (``$PAGEFLEET_STEP_TIMEOUT_S``, default 30 min)."""
+
+    def __init__(self, args: EngineArgs, stall_timeout_s: float = 60.0,
+                 metrics: Callable[[ModelConfig], MetricsRecorder] | None = None,
+                 step_timeout_s: float | None = None) -> None:
+        """``metrics`` makes the recorder for this engine's metrics (None: none recorded).
+
+        The engine is built on its own step thread (``_build_and_run``), so that one thread starts
+        every OpenMP parallel region in this process (see ``cpu_threads.prepare_engine_thread``)."""
+        self.stall_timeout_s = stall_timeout_s
+        self.step_timeout_s = step_timeout_s or float(os.environ.get(STEP_TIMEOUT_ENV, DEFAULT_STEP_TIMEOUT_S))
+        self._step_started: float | None = None  # monotonic start of the step running now
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._error: BaseException | None = None
+        self._kv_sink: Callable[[KVEventBatch], None] | None = None
+        self._stopped = False
+        self.pinned_threads: dict[int, int] = {}  # engine thread and OpenMP team -> core (CPU engines)
+        self._built = threading.Event()  # the step thread built the engine (or failed to)
+        self._started = threading.Event()  # this constructor is done: the step loop may run
+        self._build_error: BaseException | None = None
+        self._thread = threading.Thread(target=self._build_and_run, args=(args,), name="pagefleet-engine",
+                                        daemon=True)
+        self._thread.start()
+        try:
+            self._built.wait()
+            if self._build_error is not None:
+                raise self._build_error
+            self.tokenizer = self.engine.tokenizer
+            self.model_config = self.engine.model_config
+            self._stats = self.engine.stats()
+            self._metrics = EngineMetrics(self._stats, time.monotonic(),
+                                          recorder=metrics(self.model_config) if metrics is not None else None,
+                                          log_interval_s=args.log_stats_interval)
+            self._last_progress = time.monotonic()
+        except BaseException:  # an interrupt, or a set-up that failed after the build
+            self._stopped = True  # the step thread shuts the engine down (once built) and ends
+            raise
+        finally:
+            self._started.set()
+
+    # ---- caller side (any event loop) -------------------------------------------------------
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       extra_keys: tuple = (),
+                       block_hashes: list[BlockHash] | None = None) -> AsyncIterator[RequestOutputDelta]:
+        """Stream a request's deltas. Bad input raises ValueError before anything is queued;
+        if the consumer stops early the request is aborted and its blocks freed."""
+        self._raise_if_dead()
+        self.engine.check(prompt_token_ids, params)
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already running")
+        q: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = (asyncio.get_running_loop(), q)
+        try:
+            self._raise_if_dead()  # the loop may have died while this stream was being registered
+        except EngineDeadError:
+            self._streams.pop(request_id, None)
+            raise
+        self._send(AddRequest(request_id, list(prompt_token_ids), params, extra_keys, block_hashes))
+        finished = False
+        try:
+            while not finished:
+                # Everything queued since the last read goes out as one delta: a consumer slower
+                # than the engine gets one chunk per read, not a backlog of one per step.
+                items = [await q.get()]
+                while not q.empty():
+                    items.append(q.get_nowait())
+                error = next((i for i in items if isinstance(i, BaseException)), None)
+                deltas = [i for i in items if not isinstance(i, BaseException)]
+                if deltas:
+                    delta = merge_deltas(deltas)
+                    finished = delta.finished
+                    yield delta
+                if error is not None:
+                    raise error
+        finally:
+            if not finished:
+                self._send(AbortRequest(request_id))
+            self._streams.pop(request_id, None)
+
+    def abort(self, request_id: str) -> bool:
+        if request_id not in self._streams:
+            return False
+        self._send(AbortRequest(request_id))
+        return True
+
+    def stats(self) -> EngineStats:
+        return self._stats
+
+    def enable_kv_events(self, worker_id: str, sink: Callable[[KVEventBatch], None]) -> None:
+        """Publish the KV cache's changes: one batch per step (and one at least every second
+        while idle) goes to ``sink``, on the engine thread. Call before the first request."""
+        self._send(EnableKVEvents(worker_id, sink))
+
+    async def kv_snapshot(self) -> KVSnapshot:
+        """The KV cache's whole state, taken on the engine thread between two steps."""
+        self._raise_if_dead()
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._send(TakeKVSnapshot(loop, future))
+        return await future
+
+    def check_health(self) -> None:
+        """Raise when the step loop died, or stopped making progress (see the class docstring)."""
+        self._raise_if_dead()
+        self.engine.check_health()
+        now = time.monotonic()
+        started = self._step_started
+        if started is not None:
+            if now - started > self.step_timeout_s:
+                raise EngineDeadError(f"an engine step has run for {now - started:.0f} s "
+                                      f"(step timeout {self.step_timeout_s:.0f} s)")
+            return
+        stalled = now - self._last_progress
+        if self.engine.has_unfinished() and stalled > self.stall_timeout_s:
+            raise EngineDeadError(f"the engine has made no step for {stalled:.0f} s with work pending")
+
+    def shutdown(self) -> None:
+        self._stopped = True
+        self._wakeup.set()
+        self._thread.join(timeout=10)
+        self._fail_open_streams(EngineDeadError("the engine was shut down"))
+        self.engine.shutdown()
+
+    def _fail_open_streams(self, error: BaseException) -> None:
+        for rid in list(self._streams):
+            self._deliver(rid, error)
+
+    def _send(self, command: AddRequest | AbortRequest | EnableKVEvents | TakeKVSnapshot) -> None:
+        self._commands.put(command)
+        self._wakeup.set()
+
+    def _raise_if_dead(self) -> None:
+        if self._error is not None:
+            raise EngineDeadError(f"the engine loop died: {self._error!r}") from self._error
+        if self._stopped or not self._thread.is_alive():
+            raise EngineDeadError("the engine is shut down")
+
+    # ---- engine thread ----------------------------------------------------------------------
+
+    def _deliver(self, request_id: str, item) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            loop, q = stream
+            loop.call_soon_threadsafe(q.put_nowait, item)
+
+    def _deliver_step(self, deltas: list[RequestOutputDelta]) -> None:
+        """A step's deltas, one hand-off per event loop (each wakes that loop once), not one per
+        request."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutputDelta]]] = {}
+        for delta in deltas:
+            if hop_trace.PATH:
+                hop_trace.mark(delta.request_id, "engine_first_token")
+                if delta.finished:
+                    hop_trace.mark(delta.request_id, "engine_finished")
+            stream = self._streams.get(delta.request_id)
+            if stream is not None:
+                by_loop.setdefault(stream[0], []).append((stream[1], delta))
+        for loop, items in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, items)
+
+    def _apply_commands(self) -> None:
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(command, AddRequest):
+                try:
+                    self.engine.add_request(command.request_id, command.prompt_token_ids, command.params,
+                                            command.extra_keys, command.block_hashes)
+                except Exception as e:  # a bad request fails alone, never the loop
+                    self._deliver(command.request_id, e)
+                else:
+                    self._metrics.request_added(command.request_id, time.monotonic())
+                    hop_trace.mark(command.request_id, "engine_added")
+            elif isinstance(command, AbortRequest):
+                delta = self.engine.abort_request(command.request_id)
+                if delta is not None:
+                    self._metrics.after_abort(time.monotonic(), self.engine.stats(), delta)
+                    self._deliver(command.request_id, delta)
+            elif isinstance(command, EnableKVEvents):
+                self.engine.enable_kv_events(command.worker_id)
+                self._kv_sink = command.sink
+            else:
+                _resolve(command.loop, command.future, self._kv_snapshot)
+
+    def _kv_snapshot(self) -> KVSnapshot:
+        batch, snapshot = self.engine.kv_snapshot()
+        if self._kv_sink is not None:
+            self._kv_sink(batch)  # no gap in the stream, whoever asked for the snapshot
+        return snapshot
+
+    def _publish_kv_events(self) -> None:
+        if self._kv_sink is not None:
+            self._kv_sink(self.engine.drain_kv_events())
+
+    def _build_and_run(self, args: EngineArgs) -> None:
+        try:
+            if resolve_device(args.device).type == "cpu":
+                args, self.pinned_threads = prepare_step_thread(args)
+            self.engine = LLMEngine(args)
+        except BaseException as e:  # the constructor raises it
+            self._build_error = e
+            return
+        finally:
+            self._built.set()
+        self._started.wait()
+        if self._stopped:  # the constructor did not finish: free the weights and KV cache now
+            self.engine.shutdown()
+            return
+        self._run()
+
+    def _run(self) -> None:
+        try:
+            while not self._stopped:
+                self._apply_commands()
+                if not self.engine.has_unfinished():
+                    self._stats = self.engine.stats()
+                    self._publish_kv_events()  # what aborts changed, or a heartbeat when nothing did
+                    self._last_progress = time.monotonic()
+                    self._metrics.idle(self._last_progress, self._stats)
+                    self._wakeup.wait(timeout=1.0)
+                    self._wakeup.clear()
+                    continue
+                started = self._step_started = time.monotonic()
+                try:
+                    deltas = self.engine.step()
+                finally:
+                    self._step_started = None
+                self._stats = self.engine.stats()  # before delivery: a reader of a delta sees its step's stats
+                self._metrics.after_step(started, time.monotonic(), self._stats, deltas)
+                self._publish_kv_events()
+                if deltas:  # a step that schedules nothing while work waits is no progress
+                    self._last_progress = time.monotonic()
+                self._deliver_step(deltas)
+        except BaseException as e:  # the loop must never die silently
+            logger.exception("engine loop died")
+            self._error = e
+            self._fail_open_streams(EngineDeadError(f"the engine loop died: {e!r}"))
+
+
+def _put_all(items: list[tuple[asyncio.Queue, RequestOutputDelta]]) -> None:
+    for q, delta in items:
+        q.put_nowait(delta)
+
+
+def _resolve(loop: asyncio.AbstractEventLoop, future: asyncio.Future, compute: Callable) -> None:
+    """Run ``compute`` here (the engine thread) and hand its result or error to ``future`` on ``loop``."""
+    try:
+        result, error = compute(), None
+    except Exception as e:
+        result, error = None, e
+
+    def settle() -> None:
+        if future.done():  # the caller gave up waiting
+            return
+        if error is None:
+            future.set_result(result)
+        else:
+            future.set_exception(error)
+
+    loop.call_soon_threadsafe(settle)

@@ -1,0 +1,109 @@
+"""Engine options, named as vLLM names them: each field is also a `pagefleet serve` flag and a
+`serve.yaml` arg (see ``pagefleet.worker.engine.options``), so an option is defined here once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pagefleet.worker.model_executor.model_config import parse_dtype
+from pagefleet.worker.engine.options import check_choices, option, parse_bytes
+from pagefleet.worker.request_check import (
+    DEFAULT_MAX_STOP_STRING_CHARS,
+    DEFAULT_MAX_STOP_STRINGS,
+    DEFAULT_MAX_STOP_TOKEN_IDS,
+)
+
+BLOCK_SIZES = (8, 16, 32, 64, 128)
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
+
+
+@dataclass(slots=True)
+class EngineArgs:
+    model: str | None = option(None, help="Hugging Face checkpoint directory (`pagefleet serve` without one "
+                                          "serves the built-in demo checkpoint, random weights)")
+    served_model_name: list[str] | None = option(None, nargs="+", parse=str, metavar="NAME",
+                                                 help="the model names clients may send; the first is the one "
+                                                      "/v1/models lists first and responses report (default: the "
+                                                      "checkpoint directory's name, with the --model argument as "
+                                                      "given also accepted, as vLLM accepts it)")
+    dtype: str = option("auto", help="weights and activations: auto (the checkpoint's), float32, bfloat16, "
+                                     "float16 (aliases: half, fp16, bf16, float, fp32)")
+    device: str = option("auto", choices=("auto", "cpu", "cuda"), help="where the engine runs")
+    block_size: int = option(16, choices=BLOCK_SIZES, help="tokens per KV cache block")
+    max_num_seqs: int = option(64, help="sequences per engine step")
+    max_num_batched_tokens: int = option(2048, help="tokens per engine step (long prompts are chunked)")
+    max_model_len: int | None = option(None, help="context length (default: the model's)")
+    kv_cache_bytes: int | None = option(None, parse=parse_bytes, metavar="BYTES",
+                                        help="KV cache budget per TP rank, e.g. 512MiB or 2GiB "
+                                             "(CPU default 512MiB; on CUDA it replaces --gpu-memory-utilization)")
+    gpu_memory_utilization: float | None = option(None, help="fraction of GPU memory for weights, activations "
+                                                             f"and KV cache (CUDA; default "
+                                                             f"{DEFAULT_GPU_MEMORY_UTILIZATION})")
+    enable_prefix_caching: bool = option(True, help="reuse the KV blocks of shared prompt prefixes")
+    tensor_parallel_size: int = option(1, aliases=("-tp",), help="GPUs (ranks) per engine")
+    seed: int = option(0, help="seed of the weights of load_format dummy and of unseeded sampling")
+    load_format: str = option("safetensors", choices=("safetensors", "dummy"),
+                              help="dummy: random weights from config.json alone, for sizing runs")
+    log_stats_interval: float = option(10.0, metavar="SECONDS",
+                                       help="seconds between engine stats lines (throughput, queue, KV usage, "
+                                            "prefix hits) while busy; 0 turns them off")
+    trust_remote_code: bool = option(False, help="refused when true: pagefleet runs no code from a model "
+                                                 "directory (its architectures are built in)")
+    # Per-request limits on what the engine thread scans after every token.
+    max_stop_strings: int = option(DEFAULT_MAX_STOP_STRINGS, help="stop strings per request")
+    max_stop_string_chars: int = option(DEFAULT_MAX_STOP_STRING_CHARS, help="characters per stop string")
+    max_stop_token_ids: int = option(DEFAULT_MAX_STOP_TOKEN_IDS, help="stop token ids per request")
+    enforce_eager: bool = option(False, help="run the model eagerly, compiling nothing. Default: a one-rank CPU "
+                                             "engine compiles its C++ kernels at start (the decode attention "
+                                             "reading KV blocks in place, norms, rotary; needs a C++ compiler, "
+                                             "c++ or $CXX; one build per model shape serves every pool and batch "
+                                             "size, cached across "
+                                             "starts under ~/.cache/pagefleet/cpu_kernels). CUDA and "
+                                             "tensor-parallel engines run the same either way")
+    cpu_omp_threads: int | None = option(None, metavar="N",
+                                         help="threads a one-rank CPU engine computes with (default: every "
+                                              "core; a served engine computes at the lowest priority, so "
+                                              "the server's threads still get a core at once. Sets torch's "
+                                              "thread count for the whole process)")
+
+    @property
+    def max_queued_seqs(self) -> int:
+        """Requests a worker replica holds, running or waiting in its engine, before more wait in
+        Serve's router queue (where they can still go to another replica): the worker
+        deployment's request limit, and the seats of a worker in the global scheduler."""
+        return 2 * self.max_num_seqs
+
+    def __post_init__(self) -> None:
+        check_choices(self)
+        self.dtype = parse_dtype(self.dtype)
+        if isinstance(self.served_model_name, str):  # one name, as serve.yaml or a keyword may give it
+            self.served_model_name = [self.served_model_name]
+        if self.served_model_name is not None:
+            names = list(self.served_model_name)
+            if not names or not all(isinstance(n, str) and n.strip() for n in names):
+                raise ValueError(f"served_model_name must be one or more non-empty names, got {names!r}")
+            self.served_model_name = names
+        if self.kv_cache_bytes is not None:
+            self.kv_cache_bytes = parse_bytes(self.kv_cache_bytes)
+        if self.trust_remote_code:
+            raise ValueError("trust_remote_code is not supported: pagefleet never runs code from a model "
+                             "directory; it runs Llama, Mistral, Qwen2 and Qwen3 checkpoints with its own code")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size", "max_stop_strings",
+                     "max_stop_string_chars", "max_stop_token_ids"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.cpu_omp_threads is not None and (not isinstance(self.cpu_omp_threads, int)
+                                                 or isinstance(self.cpu_omp_threads, bool)
+                                                 or self.cpu_omp_threads < 1):
+            raise ValueError(f"cpu_omp_threads must be an integer >= 1, got {self.cpu_omp_threads!r}")
+        if self.log_stats_interval < 0:
+            raise ValueError(f"log_stats_interval must be >= 0 (0 turns the stats line off), got "
+                             f"{self.log_stats_interval}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.gpu_memory_utilization is not None:
+            if self.kv_cache_bytes is not None:
+                raise ValueError("give kv_cache_bytes or gpu_memory_utilization, not both")
+            if not 0.0 < self.gpu_memory_utilization <= 1.0:
+                raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")

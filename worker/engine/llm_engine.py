@@ -1,0 +1,237 @@
+"""The engine step: schedule, run, sample, detokenize, collect finished — no Ray, no threads."""
+
+from __future__ import annotations
+
+import logging
+from itertools import count
+
+import torch
+from transformers import AutoTokenizer
+
+from pagefleet.worker.core.block_hash import BlockHash
+from pagefleet.worker.core.block_pool import BlockPool
+from pagefleet.worker.model_executor.model_config import model_config_of
+from pagefleet.worker.engine.detokenizer import IncrementalDetokenizer
+from pagefleet.worker.engine.engine_args import EngineArgs
+from pagefleet.worker.parallel.executor import make_executor
+from pagefleet.worker.core.kv_cache_manager import KVCacheManager
+from pagefleet.worker.core.kv_cache_sizing import size_kv_pool
+from pagefleet.worker.core.kv_events import KVEventBatch, KVEventLog, KVEventSource, KVLoad, KVSnapshot
+from pagefleet.worker.model_executor.model_runner import build_step_input
+from pagefleet.worker.outputs import CompletionOutput, RequestOutputDelta
+from pagefleet.worker.request_check import InvalidRequest, RequestLimits, check_request
+from pagefleet.worker.model_executor.sampler import Sampler
+from pagefleet.worker.sampling_params import SamplingParams
+from pagefleet.worker.core.scheduler import Scheduler
+from pagefleet.worker.core.sequence import Sequence, finish_reason
+from pagefleet.worker.metrics.stats import EngineStats
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("device='cuda' was asked for but torch sees no CUDA device")
+    return torch.device(device)
+
+
+class LLMEngine:
+    def __init__(self, args: EngineArgs) -> None:
+        self.args = args
+        self.device = resolve_device(args.device)
+        self.model_config = cfg = model_config_of(args)
+        self.limits = RequestLimits.of(cfg, args)
+        self.tokenizer = AutoTokenizer.from_pretrained(str(cfg.path), trust_remote_code=False)
+        torch.manual_seed(args.seed)
+        self.executor = make_executor(cfg, args, self.device)
+        try:
+            num_blocks, per_block = self._size_kv_cache()
+        except BaseException:
+            self.executor.shutdown()  # TP actors and process groups must not outlive a failed start
+            raise
+        self.pool = BlockPool(num_blocks, args.enable_prefix_caching)
+        self.kv = KVCacheManager(self.pool, args.block_size)
+        self.scheduler = Scheduler(self.kv, args.max_num_seqs, args.max_num_batched_tokens)
+        self.sampler = Sampler(cfg.eos_token_ids)
+        tokens = num_blocks * args.block_size
+        logger.info("%s on %s: KV cache (per rank) of %d blocks = %d tokens (%.1f MiB); maximum concurrency at "
+                    "max_model_len %d: %.2fx", cfg.architecture, self.device, num_blocks, tokens,
+                    num_blocks * per_block / 2**20, cfg.max_model_len, tokens / cfg.max_model_len)
+        self.requests: dict[str, list[Sequence]] = {}
+        self.detok: dict[int, IncrementalDetokenizer] = {}
+        # Output tokens of each sequence already handed out; None once its finish was reported.
+        self._sent: dict[int, int | None] = {}
+        self._seq_ids = count()
+        self.kv_events: KVEventSource | None = None  # set by enable_kv_events
+        self.num_steps = 0
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+
+    def _size_kv_cache(self) -> tuple[int, int]:
+        args = self.args
+        per_block = self.executor.kv_bytes_per_block(args.block_size)
+        budget = self.executor.available_kv_bytes(args.kv_cache_bytes, args.gpu_memory_utilization,
+                                                  args.max_num_batched_tokens)
+        pool = size_kv_pool(budget, per_block, args.block_size, self.model_config.max_model_len)
+        self.executor.allocate_kv_cache(pool.num_blocks, args.block_size)
+        return pool.num_blocks, per_block
+
+    # ---- requests -------------------------------------------------------------------------
+
+    def check(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise InvalidRequest for a request that can never be served: the shared request check,
+        plus what only the engine knows (its pool must hold the longest sequence)."""
+        check_request(prompt_token_ids, params, self.limits)
+        max_len = self.limits.max_model_len
+        longest = min(max_len, len(prompt_token_ids) + (params.max_tokens or max_len))
+        if -(-longest // self.args.block_size) > self.pool.num_blocks:
+            raise InvalidRequest(f"a sequence of {longest} tokens needs more KV blocks than the whole pool "
+                                 f"({self.pool.num_blocks} blocks of {self.args.block_size})", "max_tokens")
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    extra_keys: tuple = (), block_hashes: list[BlockHash] | None = None) -> None:
+        """``block_hashes``: the prompt's full-block hashes under ``extra_keys``, when the caller
+        (the ingress) has computed them already; the engine then does not hash them again."""
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already running")
+        self.check(prompt_token_ids, params)
+        if block_hashes and len(block_hashes) > len(prompt_token_ids) // self.args.block_size:
+            raise ValueError(f"{len(block_hashes)} block hashes for a prompt of {len(prompt_token_ids)} tokens")
+        seqs: list[Sequence] = []
+        for i in range(params.n):
+            seq = Sequence(next(self._seq_ids), request_id, i, prompt_token_ids, params,
+                           parent=seqs[0] if seqs else None, extra_keys=extra_keys)
+            if block_hashes:
+                seq.block_hashes = list(block_hashes)  # each sequence extends its own list
+            self.detok[seq.seq_id] = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop,
+                                                            params.include_stop_str_in_output)
+            self.scheduler.add(seq)
+            seqs.append(seq)
+        self.requests[request_id] = seqs
+        self.prompt_tokens_total += len(prompt_token_ids)
+        if self.kv_events is not None:
+            self.kv_events.request_added(request_id)
+
+    def abort_request(self, request_id: str) -> RequestOutputDelta | None:
+        """Finish every sequence of the request with reason "abort" and free its blocks."""
+        seqs = self.requests.get(request_id)
+        if seqs is None:
+            return None
+        for seq in seqs:
+            self.scheduler.finish(seq, "abort")
+        return self._collect({request_id})[0]
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # ---- the step -------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutputDelta]:
+        """Schedule, execute, update, collect: one forward pass over the scheduled sequences."""
+        out = self.scheduler.schedule()
+        if not out.scheduled:
+            return []
+        step = build_step_input(out, self.args.block_size, self.kv.block_ids)
+        try:
+            logits = self.executor.execute(step)
+        except BaseException:
+            self.kv.unpublish_step()  # blocks hashed for this step hold no valid KV
+            raise
+        self.kv.commit_step()
+        sampled_seqs = out.sampled_seqs()
+        sampled = self.sampler(logits, sampled_seqs) if sampled_seqs else None
+        for seq in self.scheduler.update_from_output(out, sampled):
+            self._postprocess(seq)
+        self.num_steps += 1
+        return self._collect({item.seq.request_id for item in out.scheduled})
+
+    def _postprocess(self, seq: Sequence) -> None:
+        """Detokenize a sequence's new token and end it if that token stops it."""
+        self.generation_tokens_total += 1
+        allowed = seq.num_output_tokens >= seq.params.min_tokens
+        stop_str = self.detok[seq.seq_id].update(seq.token_ids, check_stop=allowed)
+        reason = finish_reason(seq, stop_str, self.model_config.eos_token_ids, self.model_config.max_model_len)
+        if reason is not None:
+            self.scheduler.finish(seq, *reason)
+
+    def _collect(self, request_ids: set[str]) -> list[RequestOutputDelta]:
+        """One delta per request, holding each sequence with new output or a new finish."""
+        deltas = []
+        for rid in request_ids:
+            seqs = self.requests[rid]
+            parts = [d for d in (self._sequence_delta(seq) for seq in seqs) if d is not None]
+            finished = all(s.is_finished for s in seqs)
+            deltas.append(RequestOutputDelta(rid, parts, seqs[0].num_prompt_tokens, seqs[0].num_cached_tokens,
+                                             finished))
+            if finished:
+                del self.requests[rid]
+                for s in seqs:
+                    del self.detok[s.seq_id]
+                    self._sent.pop(s.seq_id, None)
+        return deltas
+
+    def _sequence_delta(self, seq: Sequence) -> CompletionOutput | None:
+        sent = self._sent.get(seq.seq_id, 0)
+        if sent is None:
+            return None  # finished and already reported
+        text = self.detok[seq.seq_id].take_new_text(seq.is_finished)
+        new_ids = seq.token_ids[seq.num_prompt_tokens + sent:]
+        if not new_ids and not text and not seq.is_finished:
+            return None
+        self._sent[seq.seq_id] = None if seq.is_finished else sent + len(new_ids)
+        lps = seq.logprobs[sent:] if seq.logprobs is not None else None
+        return CompletionOutput(seq.index, text, new_ids, lps, seq.finish_reason, seq.stop_reason)
+
+    # ---- KV events (for a global scheduler) -------------------------------------------------
+
+    def enable_kv_events(self, worker_id: str) -> None:
+        """Record every change to the prefix cache from now on, as ``worker_id``'s batches.
+        Only before the first request: the first batch says the cache starts empty."""
+        if self.requests or self.pool.cached:
+            raise RuntimeError("KV events must be enabled before the engine takes requests")
+        self.pool.events = KVEventLog()
+        self.kv_events = KVEventSource(worker_id, self.pool)
+
+    def drain_kv_events(self) -> KVEventBatch | None:
+        """The changes since the last drain as the next numbered batch (None: events are off)."""
+        return None if self.kv_events is None else self.kv_events.drain(self.kv_load())
+
+    def kv_snapshot(self) -> tuple[KVEventBatch, KVSnapshot]:
+        """The prefix cache's whole state, and the batch it is valid after (see KVEventSource)."""
+        if self.kv_events is None:
+            raise RuntimeError("KV events are not enabled")
+        return self.kv_events.snapshot(self.kv_load())
+
+    def kv_load(self) -> KVLoad:
+        """Sequences running and waiting, and the blocks they will still take: each grows to its
+        prompt plus max_tokens (within max_model_len), less the blocks it holds now."""
+        sched, bs, max_len = self.scheduler, self.args.block_size, self.model_config.max_model_len
+        tables = self.kv.block_tables
+        reserved = 0
+        for seq in (*sched.running, *sched.waiting):
+            final = min(max_len, seq.num_prompt_tokens + (seq.params.max_tokens or max_len))
+            reserved += max(-(-final // bs) - len(tables.get(seq.seq_id, ())), 0)
+        return KVLoad(len(sched.running), len(sched.waiting), reserved)
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_total_blocks=self.pool.num_blocks,
+            num_free_blocks=self.pool.num_free,
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            prefix_cache_queries=self.kv.prefix_queries,
+            prefix_cache_hits=self.kv.prefix_hits,
+            num_preemptions=self.scheduler.num_preemptions,
+            num_steps=self.num_steps,
+            prompt_tokens_total=self.prompt_tokens_total,
+            generation_tokens_total=self.generation_tokens_total,
+        )
+
+    def check_health(self) -> None:
+        """Raise if a tensor-parallel rank died, even while the engine is idle."""
+        self.executor.check_health()
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

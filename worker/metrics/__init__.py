@@ -1,0 +1,1 @@
+"""Engine metrics and stats: definitions, per-step collection, the Ray recorder and the stats line."""

@@ -1,0 +1,49 @@
+"""Records engine metric batches with ``ray.util.metrics`` (a Ray adapter file of worker/).
+
+One ``ray.util.metrics`` object per ``MetricSpec``, created once per process
+with the replica's tags as defaults. ``record`` takes a whole
+``EngineMetricsBatch`` (a flush interval's worth of steps): one ``inc`` per
+counter, one ``set`` per gauge, one ``observe`` per histogram sample. Ray's
+core worker aggregates them and its node's metrics agent exports them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from pagefleet.worker.metrics.definitions import ENGINE_METRICS, MetricSpec, histogram_buckets
+from pagefleet.worker.metrics.collector import EngineMetricsBatch
+
+
+def make_ray_metric(spec: MetricSpec, default_tags: Mapping[str, str], max_model_len: int = 0) -> Any:
+    from ray.util import metrics
+
+    if spec.kind == "counter":
+        metric = metrics.Counter(spec.name, spec.description, tag_keys=spec.tag_keys)
+    elif spec.kind == "gauge":
+        metric = metrics.Gauge(spec.name, spec.description, tag_keys=spec.tag_keys)
+    else:
+        metric = metrics.Histogram(spec.name, spec.description, boundaries=list(histogram_buckets(spec, max_model_len)),
+                                   tag_keys=spec.tag_keys)
+    return metric.set_default_tags(dict(default_tags))
+
+
+class RayEngineMetricsRecorder:
+    def __init__(self, model_name: str, replica: str, max_model_len: int) -> None:
+        tags = {"model_name": model_name, "replica": replica}
+        self._metrics = {key: make_ray_metric(spec, tags, max_model_len) for key, spec in ENGINE_METRICS.items()}
+
+    def record(self, batch: EngineMetricsBatch) -> None:
+        for key, metric in self._metrics.items():
+            value = getattr(batch, key)
+            kind = ENGINE_METRICS[key].kind
+            if kind == "gauge":
+                metric.set(value)
+            elif kind == "histogram":
+                for sample in value:
+                    metric.observe(sample)
+            elif isinstance(value, dict):  # a counter by finish reason
+                for reason, count in value.items():
+                    metric.inc(count, tags={"finished_reason": reason})
+            elif value:
+                metric.inc(value)

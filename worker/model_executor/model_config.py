@@ -1,0 +1,187 @@
+"""What the engine needs to know about a checkpoint, read from its config.json."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from pagefleet.worker.engine.engine_args import EngineArgs
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+DTYPES = ("float32", "bfloat16", "float16")
+_DTYPE_ALIASES = {"half": "float16", "fp16": "float16", "float": "float32", "fp32": "float32", "bf16": "bfloat16"}
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    path: Path
+    architecture: str
+    served_model_names: tuple[str, ...]  # what /v1/models lists; the first is the name responses and metrics give
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    max_model_len: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    dtype: torch.dtype
+    eos_token_ids: tuple[int, ...]
+    # The checkpoint directory as --model named it (as given, and absolute) when no name was chosen:
+    # vLLM serves a local model under that argument, so its clients send it. Accepted, never listed.
+    model_path_names: tuple[str, ...] = ()
+
+    @property
+    def served_model_name(self) -> str:
+        return self.served_model_names[0]
+
+
+def model_config_of(args: "EngineArgs") -> ModelConfig:
+    """The ModelConfig an engine with these options serves (the ingress and the CLI read the same)."""
+    if args.model is None:
+        raise ValueError("no model given: pass a checkpoint directory (`pagefleet serve` without --model "
+                         "serves the built-in demo checkpoint; `pagefleet demo-model --out DIR` writes one)")
+    return load_model_config(args.model, dtype=args.dtype, max_model_len=args.max_model_len,
+                             served_model_name=args.served_model_name)
+
+
+def resolve_model_path(model: str) -> Path:
+    """A local checkpoint directory; a hub id fails clearly, since nothing is ever downloaded."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"{path} has no config.json: not a Hugging Face checkpoint directory")
+        return path
+    hub_cache = _find_in_hub_cache(model)
+    if hub_cache is not None:
+        return hub_cache
+    raise FileNotFoundError(
+        f"model {model!r} is not a local directory and is not in the local Hugging Face cache; "
+        "pagefleet does not download models. Download it first (e.g. `huggingface-cli download "
+        f"{model} --local-dir DIR`) and pass --model DIR."
+    )
+
+
+def _find_in_hub_cache(model_id: str) -> Path | None:
+    if model_id.count("/") != 1:
+        return None
+    root = Path(os.environ.get("HF_HUB_CACHE") or Path(os.environ.get("HF_HOME", "~/.cache/huggingface")) / "hub")
+    snapshots = root.expanduser() / f"models--{model_id.replace('/', '--')}" / "snapshots"
+    if not snapshots.is_dir():
+        return None
+    candidates = sorted((p for p in snapshots.iterdir() if (p / "config.json").is_file()),
+                        key=lambda p: p.stat().st_mtime)
+    return candidates[-1] if candidates else None
+
+
+def _read_generation_eos(path: Path) -> list[int]:
+    gen = path / "generation_config.json"
+    if not gen.is_file():
+        return []
+    eos = json.loads(gen.read_text()).get("eos_token_id")
+    if eos is None:
+        return []
+    return [eos] if isinstance(eos, int) else list(eos)
+
+
+def load_model_config(model: str, *, dtype: str = "auto", max_model_len: int | None = None,
+                      served_model_name: str | list[str] | None = None) -> ModelConfig:
+    path = resolve_model_path(model)
+    cfg = json.loads((path / "config.json").read_text())
+    archs = cfg.get("architectures") or []
+    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    if arch is None:
+        raise ValueError(
+            f"unsupported architecture {archs or cfg.get('model_type')!r} in {path}; "
+            f"pagefleet supports {', '.join(SUPPORTED_ARCHITECTURES)} (no remote code is run)"
+        )
+    num_heads = cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
+    rope = cfg.get("rope_parameters") or {}
+    rope_theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    rope_scaling = cfg.get("rope_scaling") or None
+    if rope_scaling is None and rope.get("rope_type", "default") != "default":
+        rope_scaling = rope
+    max_pos = int(cfg.get("max_position_embeddings", 2048))
+    limit = max_pos
+    window = cfg.get("sliding_window") if cfg.get("use_sliding_window", arch == "MistralForCausalLM") else None
+    if window:
+        limit = min(limit, int(window))  # no sliding-window attention: stay inside the window
+    if max_model_len is None:
+        max_model_len = limit
+    elif max_model_len > limit:
+        raise ValueError(f"max_model_len {max_model_len} exceeds the model's limit of {limit} tokens")
+    eos = _read_generation_eos(path)
+    cfg_eos = cfg.get("eos_token_id")
+    if not eos and cfg_eos is not None:
+        eos = [cfg_eos] if isinstance(cfg_eos, int) else list(cfg_eos)
+    local = Path(model).expanduser().is_dir()
+    if isinstance(served_model_name, str):
+        served_model_name = [served_model_name]
+    names = tuple(served_model_name or [path.name if local else model])
+    path_names = () if served_model_name or not local else _path_names(model, path, names)
+    return ModelConfig(
+        path=path,
+        architecture=arch,
+        served_model_names=names,
+        model_path_names=path_names,
+        vocab_size=cfg["vocab_size"],
+        hidden_size=cfg["hidden_size"],
+        intermediate_size=cfg["intermediate_size"],
+        num_layers=cfg["num_hidden_layers"],
+        num_heads=num_heads,
+        num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+        head_dim=head_dim,
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
+        max_position_embeddings=max_pos,
+        max_model_len=max_model_len,
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
+        mlp_bias=bool(cfg.get("mlp_bias", False)),
+        qk_norm=arch == "Qwen3ForCausalLM",
+        dtype=resolve_dtype(dtype, cfg),
+        eos_token_ids=tuple(eos),
+    )
+
+
+def _path_names(model: str, path: Path, names: tuple[str, ...]) -> tuple[str, ...]:
+    """The --model argument as given and the directory's absolute path, less the served names."""
+    found = dict.fromkeys((model, str(path.resolve())))
+    return tuple(n for n in found if n not in names)
+
+
+def parse_dtype(name: str) -> str:
+    """``"auto"`` or a canonical dtype name (float32, bfloat16, float16) from any accepted spelling."""
+    name = str(name).strip().lower().removeprefix("torch.")
+    name = _DTYPE_ALIASES.get(name, name)
+    if name != "auto" and name not in DTYPES:
+        raise ValueError(f"unsupported dtype {name!r}; use one of auto, {', '.join(DTYPES)} "
+                         f"(or {', '.join(_DTYPE_ALIASES)})")
+    return name
+
+
+def resolve_dtype(dtype: str, cfg: dict) -> "torch.dtype":
+    """The torch dtype the engine runs in: ``dtype``, or the checkpoint's own for ``"auto"``."""
+    import torch
+
+    name = parse_dtype(dtype)
+    if name == "auto":
+        name = parse_dtype(str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32"))
+    return getattr(torch, name)

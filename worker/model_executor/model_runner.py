@@ -1,0 +1,172 @@
+"""Turns a scheduled step into tensors, runs the model over the paged cache, returns logits."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from pagefleet.kernels.cpu.decode_attention import decode_kernel, plan_decode
+from pagefleet.kernels.cpu.fused_ops import with_fused_ops
+from pagefleet.kernels.ops import select_kernels
+from pagefleet.worker.model_executor.model_config import ModelConfig
+from pagefleet.worker.cpu.linear import pack_linear_weights
+from pagefleet.worker.cpu.malloc import keep_freed_memory
+from pagefleet.worker.engine.engine_args import DEFAULT_GPU_MEMORY_UTILIZATION
+from pagefleet.worker.core.kv_cache_sizing import DEFAULT_CPU_KV_CACHE_BYTES, gpu_kv_budget, kv_bytes_per_block
+from pagefleet.worker.model_executor.loader import load_model
+from pagefleet.worker.model_executor.model import AttentionMetadata
+from pagefleet.worker.parallel.tp_group import TPGroup
+
+if TYPE_CHECKING:
+    from pagefleet.worker.core.scheduler import SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class StepInput:
+    """One forward pass as plain data (what rank 0 sends every tensor-parallel rank)."""
+
+    input_ids: list[int]           # [T]
+    positions: list[int]           # [T]
+    slot_mapping: list[int]        # [T]
+    block_tables: list[list[int]]  # B rows, ragged
+    query_start_loc: list[int]     # [B + 1]
+    seq_lens: list[int]            # [B]
+    logits_indices: list[int]      # rows of T whose next token is sampled
+
+
+class ModelRunner:
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, device: torch.device, load_format: str = "safetensors",
+                 seed: int = 0, enforce_eager: bool = False) -> None:
+        """enforce_eager: True keeps a CPU engine from compiling its C++ kernels (the decode
+        attention reading KV blocks in place, kernels/cpu/decode_attention.py; norms and rotary,
+        kernels/cpu/fused_ops.py): the PyTorch twins serve."""
+        self.cfg = cfg
+        self.tp = tp
+        self.device = device
+        if device.type == "cpu":
+            keep_freed_memory()
+        # Decided once, here: a bad PAGEFLEET_KERNELS stops the start instead of failing every step.
+        self.kernels = select_kernels(device)
+        # Only where the twins would run: the Triton kernels (CUDA, or PAGEFLEET_KERNELS=triton)
+        # already read the blocks in place and fuse these ops.
+        self.compiled_kernels = not enforce_eager and device.type == "cpu" and self.kernels.backend == "torch"
+        if self.compiled_kernels:
+            self.kernels = with_fused_ops(self.kernels)
+        logger.info("kernels on %s: %s%s", device, self.kernels.backend,
+                    " with the C++ decode attention, norms and rotary" if self.compiled_kernels else "")
+        self.model = load_model(cfg, tp, self.kernels, device, load_format, seed)
+        if device.type == "cpu":
+            count, one_row = pack_linear_weights(self.model, compiled_kernels=self.compiled_kernels)
+            logger.info("linear layers: %d weights packed for oneDNN%s", count, "" if one_row is None else
+                        f"; one-row steps take the {one_row.best} path (one-row pass over "
+                        f"{one_row.sample_bytes >> 20} MiB of weights: "
+                        + ", ".join(f"{path} {ms:.1f} ms" for path, ms in one_row.ms.items()) + ")")
+        attn = self.model.layers[0].self_attn
+        self.num_kv_heads = attn.num_kv_heads
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.decode_kernel = None  # the C++ decode attention's entry point, once the KV cache is allocated
+
+    def kv_bytes_per_block(self, block_size: int) -> int:
+        elem = torch.empty((), dtype=self.cfg.dtype).element_size()
+        return kv_bytes_per_block(self.cfg.num_layers, self.num_kv_heads, self.cfg.head_dim, elem, block_size)
+
+    def weight_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+    def available_kv_bytes(self, kv_cache_bytes: int | None, gpu_memory_utilization: float | None,
+                           max_num_batched_tokens: int) -> int:
+        """CPU: the byte budget. CUDA: free memory after a profile run of the largest step,
+        times the utilization fraction, like vLLM."""
+        if self.device.type != "cuda":
+            return kv_cache_bytes or DEFAULT_CPU_KV_CACHE_BYTES
+        if kv_cache_bytes:
+            return kv_cache_bytes
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self._profile_run(max_num_batched_tokens)
+        torch.cuda.synchronize(self.device)
+        _, total = torch.cuda.mem_get_info(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        fraction = DEFAULT_GPU_MEMORY_UTILIZATION if gpu_memory_utilization is None else gpu_memory_utilization
+        return gpu_kv_budget(total, fraction, peak)
+
+    def _profile_run(self, num_tokens: int) -> None:
+        # One sequence of num_tokens over a scratch cache big enough to hold it.
+        bs = 16
+        nblocks = -(-num_tokens // bs)
+        caches = [(torch.zeros(nblocks, bs, self.num_kv_heads, self.cfg.head_dim, dtype=self.cfg.dtype,
+                               device=self.device),) * 2 for _ in range(self.cfg.num_layers)]
+        step = StepInput(list(range(num_tokens)), list(range(num_tokens)), list(range(num_tokens)),
+                         [list(range(nblocks))], [0, num_tokens], [num_tokens], [num_tokens - 1])
+        saved, self.kv_caches = self.kv_caches, caches
+        try:
+            self.execute(step)
+        finally:
+            self.kv_caches = saved
+            del caches
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        shape = (num_blocks, block_size, self.num_kv_heads, self.cfg.head_dim)
+        # Zeroed, not empty: unused slots of a partly filled block are read (and masked),
+        # and NaN garbage would survive the mask as 0 * NaN.
+        self.kv_caches = [(torch.zeros(shape, dtype=self.cfg.dtype, device=self.device),
+                           torch.zeros(shape, dtype=self.cfg.dtype, device=self.device))
+                          for _ in range(self.cfg.num_layers)]
+        if self.compiled_kernels:  # built (or taken from the cache) now rather than on the first request
+            attn = self.model.layers[0].self_attn
+            self.decode_kernel = decode_kernel(self.cfg.dtype, self.cfg.head_dim, attn.num_heads // attn.num_kv_heads,
+                                               attn.num_kv_heads, block_size)
+
+    def _tensors(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        dev = self.device
+        width = max(len(t) for t in step.block_tables)
+        padded = [row + [0] * (width - len(row)) for row in step.block_tables]
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(step.slot_mapping, dtype=torch.int64, device=dev),
+            block_table=torch.tensor(padded, dtype=torch.int32, device=dev),
+            query_start_loc=torch.tensor(step.query_start_loc, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(step.seq_lens, dtype=torch.int32, device=dev),
+        )
+        if self.compiled_kernels:
+            meta.decode_plan = plan_decode(meta.block_table, meta.seq_lens, step.query_start_loc, step.seq_lens,
+                                           self.decode_kernel)
+        return (torch.tensor(step.input_ids, dtype=torch.int64, device=dev),
+                torch.tensor(step.positions, dtype=torch.int64, device=dev), meta,
+                torch.tensor(step.logits_indices, dtype=torch.int64, device=dev))
+
+    @torch.inference_mode()
+    def execute(self, step: StepInput) -> torch.Tensor | None:
+        """Forward one step; [S, vocab] fp32 logits of the sampling rows on rank 0, else None."""
+        input_ids, positions, meta, logits_indices = self._tensors(step)
+        hidden = self.model(input_ids, positions, meta, self.kv_caches)
+        return self.model.compute_logits(hidden.index_select(0, logits_indices))
+
+
+def build_step_input(out: "SchedulerOutput", block_size: int, block_ids_of) -> StepInput:
+    """Flatten a scheduler output into a StepInput; its sampled rows are ``out.sampled_seqs()``."""
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    tables: list[list[int]] = []
+    starts = [0]
+    seq_lens: list[int] = []
+    logits_indices: list[int] = []
+    for item in out.scheduled:
+        seq, n = item.seq, item.num_new_tokens
+        start = seq.num_computed_tokens
+        end = start + n
+        blocks = block_ids_of(seq)
+        input_ids.extend(seq.token_ids[start:end])
+        positions.extend(range(start, end))
+        slots.extend(blocks[p // block_size] * block_size + p % block_size for p in range(start, end))
+        tables.append(blocks)
+        starts.append(starts[-1] + n)
+        seq_lens.append(end)
+        if item.sample:
+            logits_indices.append(starts[-1] - 1)
+    return StepInput(input_ids, positions, slots, tables, starts, seq_lens, logits_indices)

@@ -1,0 +1,103 @@
+"""How the engine runs its model: an ``Executor`` over one or more ranks.
+
+The engine speaks only this protocol. ``UniProcExecutor`` is the single rank in
+the engine's own process (tensor_parallel_size 1); ``TPExecutor``
+(tp_executor.py) drives Ray actors for ranks 1..N-1 beside rank 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Protocol
+
+import torch
+
+from pagefleet.worker.model_executor.model_config import ModelConfig
+from pagefleet.worker.cpu.threads import available_cores, cpu_compute_threads, prepare_engine_thread
+from pagefleet.worker.engine.engine_args import EngineArgs
+from pagefleet.worker.model_executor.model_runner import ModelRunner, StepInput
+from pagefleet.worker.parallel.tp_group import SINGLE
+
+
+class Executor(Protocol):
+    def kv_bytes_per_block(self, block_size: int) -> int:
+        """KV bytes one block takes on each rank."""
+
+    def available_kv_bytes(self, kv_cache_bytes: int | None, gpu_memory_utilization: float | None,
+                           max_num_batched_tokens: int) -> int:
+        """The KV budget per rank (the smallest over ranks)."""
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None: ...
+
+    def execute(self, step: StepInput) -> torch.Tensor | None:
+        """Forward one step on every rank; the sampling rows' fp32 logits [S, vocab]."""
+
+    def check_health(self) -> None:
+        """Raise if a rank died or hung, even while the engine is idle."""
+
+    def shutdown(self) -> None:
+        """Release every rank (and its memory); the executor is unusable afterwards."""
+
+
+def cpu_threads_of(args: EngineArgs) -> int | None:
+    """The torch thread count a one-rank CPU engine computes with (None: a tensor-parallel
+    engine, whose ranks keep torch's own)."""
+    if args.tensor_parallel_size != 1:
+        return None
+    return cpu_compute_threads(args.cpu_omp_threads, available_cores())
+
+
+def prepare_step_thread(args: EngineArgs) -> tuple[EngineArgs, dict[int, int]]:
+    """Make the calling thread the step thread of the CPU engine about to be built on it
+    (``cpu_threads.prepare_engine_thread``: lowest priority, OpenMP team started and pinned), and
+    return ``args`` with a one-rank engine's torch thread count (``cpu_threads_of``) filled in,
+    with what was pinned. The count is taken first, on the process's cores: after the pinning
+    this thread may use one core, and the executor, built next on it, would compute on one thread."""
+    threads = cpu_threads_of(args)
+    if threads is not None:
+        args = dataclasses.replace(args, cpu_omp_threads=threads)
+    return args, prepare_engine_thread(threads)
+
+
+class UniProcExecutor:
+    """One rank, in this process: failures surface as exceptions from ``execute`` itself."""
+
+    def __init__(self, cfg: ModelConfig, args: EngineArgs, device: torch.device) -> None:
+        if device.type == "cpu":
+            torch.set_num_threads(cpu_threads_of(args))
+        self.runner: ModelRunner | None = ModelRunner(cfg, SINGLE, device, args.load_format, args.seed,
+                                                      args.enforce_eager)
+
+    def kv_bytes_per_block(self, block_size: int) -> int:
+        return self._runner().kv_bytes_per_block(block_size)
+
+    def available_kv_bytes(self, kv_cache_bytes: int | None, gpu_memory_utilization: float | None,
+                           max_num_batched_tokens: int) -> int:
+        return self._runner().available_kv_bytes(kv_cache_bytes, gpu_memory_utilization, max_num_batched_tokens)
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        self._runner().allocate_kv_cache(num_blocks, block_size)
+
+    def execute(self, step: StepInput) -> torch.Tensor | None:
+        return self._runner().execute(step)
+
+    def check_health(self) -> None:
+        self._runner()  # no other process to lose: only a shut-down executor is unhealthy
+
+    def shutdown(self) -> None:
+        # Drop the weights and KV cache now rather than when the engine is collected, so a new
+        # engine in this process (or on this GPU) gets the memory back.
+        self.runner = None
+
+    def _runner(self) -> ModelRunner:
+        if self.runner is None:
+            raise RuntimeError("the executor is shut down")
+        return self.runner
+
+
+def make_executor(cfg: ModelConfig, args: EngineArgs, device: torch.device) -> Executor:
+    if args.tensor_parallel_size == 1:
+        return UniProcExecutor(cfg, args, device)
+    from pagefleet.worker.parallel.tp_executor import TPExecutor
+
+    return TPExecutor(cfg, args, device)

@@ -1,0 +1,353 @@
+"""The worker as a Ray Serve deployment: the only Ray-importing file in worker/.
+
+``WorkerReplica`` is plain Python around one ``AsyncLLMEngine`` (injectable,
+as in Ray Serve LLM); ``worker_deployment`` binds it into a Serve deployment.
+The engine's step loop runs in its own thread, so this replica's event loop
+stays free for new requests, aborts, health checks and stats. Callers that
+run many requests (the ingress) take their deltas on one ``channel`` per
+replica rather than on each request's stream (``worker.replica.delta_channel``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import pickle
+from collections import deque
+from functools import partial
+from typing import Any, AsyncIterator, Callable, Mapping
+
+import ray
+from ray import serve
+from ray.serve import Application
+
+from pagefleet.worker.replica import hop_trace
+from pagefleet.worker.replica.delta_channel import ChannelServer, DeltaChannel
+from pagefleet.worker.engine.engine_args import EngineArgs
+from pagefleet.worker.core.kv_events import KVEventBatch, KVSnapshot, unpack_hashes
+from pagefleet.worker.replica.kv_publisher import KVEventPublisher
+from pagefleet.worker.outputs import RequestOutputDelta
+from pagefleet.worker.metrics.stats import ReplicaStats
+from pagefleet.worker.replica.worker_request import (Abort, ChannelOpen, Ended, Failed, Placed, Refused, SocketOffer,
+                                              WorkerRequest)
+
+logger = logging.getLogger(__name__)
+
+WORKER_DEPLOYMENT_NAME = "PagefleetWorker"
+
+
+def _default_engine(args: EngineArgs):
+    from pagefleet.worker.engine.async_engine import AsyncLLMEngine
+    from pagefleet.worker.metrics.recorder import RayEngineMetricsRecorder
+
+    def recorder(cfg):
+        return RayEngineMetricsRecorder(cfg.served_model_name, _replica_id(), cfg.max_model_len)
+
+    return AsyncLLMEngine(args, metrics=recorder)
+
+
+class _SchedulerLink:
+    """The publisher's calls to the global scheduler actor (``router.global_scheduler.actor``)."""
+
+    def __init__(self, scheduler: Any) -> None:
+        self._scheduler = scheduler
+
+    async def publish(self, batch: KVEventBatch) -> bool:
+        return await self._scheduler.publish.remote(batch)
+
+    async def publish_snapshot(self, snapshot: KVSnapshot) -> None:
+        await self._scheduler.publish_snapshot.remote(snapshot)
+
+
+class WorkerReplica:
+    """One engine (one TP group) per replica; every method is cheap except ``generate``.
+
+    With a ``kv_scheduler`` (the global scheduler actor's handle), the engine's KV events
+    are published to it from this replica's event loop (``KVEventPublisher``)."""
+
+    def __init__(self, engine_args: EngineArgs, engine_factory: Callable[[EngineArgs], Any] = _default_engine,
+                 kv_scheduler: Any = None, channel_host: str | None = None) -> None:
+        self.engine = engine_factory(engine_args)
+        self.replica_id = _replica_id()
+        self.num_requests_total = 0
+        # Requests in the engine, through Serve or sent on a channel connection: at most
+        # ``max_ongoing`` (the deployment's request limit). Serve counts only its own calls, so
+        # past the limit one sent on a connection is refused (the caller sends it through Serve)
+        # and a Serve call waits here for a seat, first come first served (``_take_seat``).
+        self.num_ongoing = 0
+        self.max_ongoing = engine_args.max_queued_seqs
+        self._seat_waiters: deque[asyncio.Future] = deque()
+        self._channels: dict[str, DeltaChannel] = {}
+        self._channel_server = ChannelServer(channel_host or _node_ip(), self._channel, self._drop_if_unused,
+                                             self._on_commands)
+        self._publisher: KVEventPublisher | None = None
+        if kv_scheduler is not None:
+            self._publisher = KVEventPublisher(_SchedulerLink(kv_scheduler), self.engine.kv_snapshot)
+            self.engine.enable_kv_events(self.replica_id, self._publisher.put)
+        cfg = self.engine.model_config
+        logger.info("worker replica %s serves %s (max_model_len %d)", self.replica_id, cfg.served_model_name,
+                    cfg.max_model_len)
+
+    def _start_publishing(self) -> None:
+        # The publisher's task belongs on the replica's event loop, which only async methods see;
+        # Serve calls record_routing_stats every stats period, so it starts within one.
+        if self._publisher is not None:
+            self._publisher.start()
+
+    async def generate(self, request: WorkerRequest) -> AsyncIterator[RequestOutputDelta | Placed | Ended]:
+        """Streams one delta per engine step, or with ``request.channel`` puts them on that channel
+        and streams ``Placed`` then ``Ended`` (``worker_request``; with no reader attached to the
+        channel, ``Placed(on_channel=False)`` then the deltas). When the caller cancels (a client
+        hung up), Serve cancels this generator and the engine aborts the request and frees its
+        blocks."""
+        await self._take_seat()
+        deltas = pump = None
+        try:
+            deltas = self._start(request)
+            channel = None if request.channel is None else self._channels.get(request.channel)
+            if channel is None or not channel.attached:  # no channel, or nobody reads it yet: this stream
+                if request.channel is not None:
+                    yield Placed(self.replica_id, on_channel=False)
+                async for delta in deltas:
+                    yield delta
+                return
+            channel.requests += 1
+            # The engine takes the request while Serve sends the Placed, not once it is sent.
+            pump = asyncio.ensure_future(_put_on(channel, deltas))  # it closes ``deltas`` when it ends
+            try:
+                yield Placed(self.replica_id)
+                yield Ended(await pump)
+            finally:
+                if not pump.done():  # the caller cancelled: the engine aborts the request now
+                    pump.cancel()
+                channel.requests -= 1
+                self._drop_if_unused(request.channel)
+                await asyncio.gather(pump, return_exceptions=True)
+        finally:
+            self._free_seat()  # before any await: a second cancellation cannot skip it
+            if deltas is not None and pump is None:
+                await deltas.aclose()  # at once, not when collected: a cancelled request is aborted now
+
+    async def _take_seat(self) -> None:
+        if self.num_ongoing < self.max_ongoing and not self._seat_waiters:
+            self.num_ongoing += 1
+            return
+        seat = asyncio.get_running_loop().create_future()
+        self._seat_waiters.append(seat)
+        try:
+            await seat  # ``_free_seat`` hands its seat over (num_ongoing stays)
+        except asyncio.CancelledError:
+            if seat.done() and not seat.cancelled():  # handed over as the caller went away
+                self._free_seat()
+            elif seat in self._seat_waiters:
+                self._seat_waiters.remove(seat)
+            raise
+
+    def _free_seat(self) -> None:
+        while self._seat_waiters:
+            seat = self._seat_waiters.popleft()
+            if not seat.done():
+                seat.set_result(None)
+                return
+        self.num_ongoing -= 1
+
+    def _start(self, request: WorkerRequest) -> AsyncIterator[RequestOutputDelta]:
+        hop_trace.mark(request.request_id, "worker_generate")
+        self._start_publishing()
+        self.num_requests_total += 1
+        hashes = unpack_hashes(request.block_hashes) if request.block_hashes else None
+        return self.engine.generate(request.request_id, request.prompt_token_ids, request.params,
+                                    request.extra_keys, hashes)
+
+    def _on_commands(self, channel_id: str, commands: list, running: dict[str, asyncio.Task]) -> None:
+        """Requests and aborts sent on a channel connection (``ChannelServer``); ``running``: that
+        connection's requests, cancelled when it ends. A request past ``max_ongoing`` is
+        ``Refused`` at once (the caller sends it through Serve: Serve's queue, then a seat here)."""
+        channel = self._channel(channel_id)
+        for command in commands:
+            if isinstance(command, Abort):
+                task = running.get(command.request_id)
+                if task is not None:
+                    task.cancel()
+            elif not isinstance(command, WorkerRequest) or self.num_ongoing >= self.max_ongoing \
+                    or self._seat_waiters:
+                channel.put(Refused(getattr(command, "request_id", "")))
+            else:
+                self.num_ongoing += 1
+                channel.requests += 1
+                task = asyncio.ensure_future(self._run_sent(command, channel))
+                running[command.request_id] = task
+                task.add_done_callback(partial(self._sent_ended, channel_id, channel, command.request_id, running))
+
+    async def _run_sent(self, request: WorkerRequest, channel: DeltaChannel) -> None:
+        try:
+            await _put_on(channel, self._start(request))
+        except Exception as exc:  # noqa: BLE001 — the caller makes it the client's error
+            channel.put(Failed(request.request_id, _sendable(exc)))
+
+    def _sent_ended(self, channel_id: str, channel: DeltaChannel, request_id: str,
+                    running: dict[str, asyncio.Task], task: asyncio.Task) -> None:
+        """Here, not in ``_run_sent``: a task cancelled before it ran never runs its ``finally``."""
+        if running.get(request_id) is task:
+            del running[request_id]
+        self._free_seat()
+        channel.requests -= 1
+        self._drop_if_unused(channel_id)
+
+    async def channel(self, request: ChannelOpen) -> AsyncIterator[list[RequestOutputDelta] | SocketOffer]:
+        """A caller's delta channel (``worker.replica.delta_channel``): ``[]`` once attached, then every
+        delta of its requests, one list per wake-up; with ``request.socket``, only a ``SocketOffer``
+        (the connection that claims it gets the same, and sends its requests on it), unless this
+        replica cannot listen; the call then lasts until that connection ends, so that Serve's
+        graceful shutdown waits for the requests on it. Refuses a call meant for another replica
+        (the request routers send it to ``request.replica_id`` alone)."""
+        if request.replica_id != self.replica_id:
+            raise ValueError(f"channel {request.channel_id} is for replica {request.replica_id}, "
+                             f"not {self.replica_id}")
+        if request.socket:
+            try:
+                offer, offered = await self._channel_server.offer(request.channel_id)
+            except OSError as exc:  # cannot listen on the node's address: this stream is the channel
+                logger.warning("delta channel socket unavailable on %s (%s); serving channel %s on its Serve "
+                               "stream", self._channel_server.host, exc, request.channel_id)
+            else:
+                yield offer
+                await offered.until_done()
+                return
+        batches = self._channel(request.channel_id).batches()
+        try:
+            async for batch in batches:
+                yield batch
+        finally:
+            await batches.aclose()  # detaches now, not when collected
+            self._drop_if_unused(request.channel_id)
+
+    def _channel(self, channel_id: str) -> DeltaChannel:
+        return self._channels.setdefault(channel_id, DeltaChannel())
+
+    def _drop_if_unused(self, channel_id: str) -> None:
+        channel = self._channels.get(channel_id)
+        if channel is not None and channel.unused:
+            del self._channels[channel_id]
+
+    async def kv_snapshot(self) -> KVSnapshot:
+        """Everything this replica's prefix cache holds, with the KV event number it is valid at."""
+        return await self.engine.kv_snapshot()
+
+    async def abort(self, request_id: str) -> bool:
+        return self.engine.abort(request_id)
+
+    async def check_health(self) -> None:
+        """Serve's health probe (raising marks this replica unhealthy and Serve replaces it), also
+        routed like a request by the ingress's /health. The engine raises when its loop died or it
+        has work but stopped stepping."""
+        self._start_publishing()
+        self.engine.check_health()
+
+    async def record_routing_stats(self) -> dict[str, Any]:
+        """Published to the request router every stats period (see ``request_router_config``)."""
+        self._start_publishing()
+        return self.stats().to_routing_stats()
+
+    def stats(self) -> ReplicaStats:
+        try:
+            self.engine.check_health()
+            healthy = True
+        except Exception:
+            healthy = False
+        return ReplicaStats(replica_id=self.replica_id, healthy=healthy,
+                            num_requests_total=self.num_requests_total, engine=self.engine.stats())
+
+    def __del__(self) -> None:
+        server = getattr(self, "_channel_server", None)
+        if server is not None:
+            server.close()
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.shutdown()
+
+
+async def _put_on(channel: DeltaChannel, deltas: AsyncIterator[RequestOutputDelta]) -> int:
+    """Puts a request's deltas on its channel; how many it put."""
+    sent = 0
+    try:
+        async for delta in deltas:
+            channel.put(delta)
+            sent += 1
+    finally:
+        await deltas.aclose()  # at once, not when collected: a cancelled request is aborted now
+    return sent
+
+
+def _sendable(exc: Exception) -> Exception:
+    """``exc`` if it survives pickling onto the channel, else a RuntimeError that says what it was."""
+    try:
+        pickle.loads(pickle.dumps(exc))
+    except Exception:  # noqa: BLE001 — any exception may hold what does not pickle
+        return RuntimeError(f"{type(exc).__name__}: {exc}")
+    return exc
+
+
+def _node_ip() -> str:
+    """Where this replica's channel sockets listen: the node's address, as Ray's own workers do
+    (loopback outside a Ray worker: tests that build the class directly)."""
+    return ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
+
+
+def _replica_id() -> str:
+    try:
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:  # outside a Serve replica (tests that build the class directly)
+        return "local"
+
+
+def worker_deployment_options(engine_args: EngineArgs, *, num_replicas: int = 1, num_cpus: float = 1.0,
+                              num_gpus_per_rank: float = 0.0, name: str = WORKER_DEPLOYMENT_NAME,
+                              channels: int = 1, runtime_env: Mapping[str, Any] | None = None,
+                              **deployment_options: Any) -> dict[str, Any]:
+    """``serve.deployment`` options for ``num_replicas`` engines of ``engine_args``, whose
+    ``channels`` callers (the ingress replicas) each hold one delta channel on every replica;
+    ``runtime_env``: each replica's Ray runtime_env (None: the job's, as Serve gives it).
+
+    A tensor-parallel engine gets a placement group of one bundle per rank,
+    STRICT_PACK so its ranks share a node (all-reduce stays on NVLink or
+    loopback): bundle 0 holds the replica itself (rank 0), bundles 1..N-1 the
+    rank actors the engine starts. ``deployment_options`` (request router
+    config, health periods, ...) override or extend these.
+    """
+    if num_replicas < 1:
+        raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
+    if channels < 0:
+        raise ValueError(f"channels must be >= 0, got {channels}")
+    if num_cpus < 0 or num_gpus_per_rank < 0:
+        raise ValueError("num_cpus and num_gpus_per_rank must be >= 0")
+    tp = engine_args.tensor_parallel_size
+    options: dict[str, Any] = {
+        "name": name,
+        "num_replicas": num_replicas,
+        # Requests beyond this wait in Serve's router queue, where they can still go to another
+        # replica, rather than in one engine's waiting queue. Each caller's delta channel is a
+        # call that lasts: it gets a place of its own, not a request's.
+        "max_ongoing_requests": engine_args.max_queued_seqs + channels,
+        "health_check_period_s": 5.0,
+        "health_check_timeout_s": 30.0,
+        "ray_actor_options": {"num_cpus": num_cpus, "num_gpus": num_gpus_per_rank},
+    }
+    if runtime_env is not None:
+        options["ray_actor_options"]["runtime_env"] = dict(runtime_env)
+    if tp > 1:
+        bundle = {"CPU": num_cpus, **({"GPU": num_gpus_per_rank} if num_gpus_per_rank else {})}
+        options["placement_group_bundles"] = [dict(bundle) for _ in range(tp)]
+        options["placement_group_strategy"] = "STRICT_PACK"
+    # A caller's ray_actor_options add to these (or override one key) rather than replace them.
+    options["ray_actor_options"].update(deployment_options.pop("ray_actor_options", {}))
+    options.update(deployment_options)
+    return options
+
+
+def worker_deployment(engine_args: EngineArgs, *, engine_factory: Callable[[EngineArgs], Any] | None = None,
+                      kv_scheduler: Any = None, **options: Any) -> Application:
+    """Bind ``WorkerReplica`` into a Serve deployment (options: ``worker_deployment_options``);
+    ``kv_scheduler``: the global scheduler actor the replicas publish KV events to."""
+    deployment = serve.deployment(WorkerReplica, **worker_deployment_options(engine_args, **options))
+    return deployment.bind(engine_args, engine_factory or _default_engine, kv_scheduler)
