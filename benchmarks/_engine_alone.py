@@ -8,8 +8,8 @@ step returns, and reduces the stamps with ``pagefleet bench``'s own metric code,
 ITL and output tok/s mean exactly what they mean for the servers. One JSON line per concurrency.
 
 ``--as-served``: build and step the engine as a worker replica's step thread does
-(``executor.prepare_step_thread``: the lowest priority, the OpenMP team pinned one thread
-per core) instead of as ``LLMEngine`` runs in a user's process (niceness 0, threads unpinned).
+(the platform's ``prepare_step_thread``: the lowest priority, the OpenMP team pinned one
+thread per core) instead of as ``LLMEngine`` runs in a user's process (niceness 0, threads unpinned).
 
     python _engine_alone.py [--as-served] CKPT INPUT_LEN OUTPUT_LEN C:N [C:N ...]
 """
@@ -26,9 +26,9 @@ from typing import Callable
 from _proc_cpu import sched_per_token, thread_sched
 
 from pagefleet.cluster.bench.metrics import RequestResult, compute_metrics
-from pagefleet.worker.engine.llm_engine import LLMEngine
+from pagefleet.worker.engine.llm_engine import LLMEngine, resolve_device
 from pagefleet.worker.engine.engine_args import EngineArgs
-from pagefleet.worker.parallel.executor import prepare_step_thread
+from pagefleet.worker.model_executor.platform import platform_for
 from pagefleet.worker.sampling_params import SamplingParams
 
 PERCENTILES = [50.0, 99.0]
@@ -108,7 +108,7 @@ def main() -> None:
     args = EngineArgs(model=ckpt, log_stats_interval=0)
     setup: dict = {"system": "engine-alone"}
     if as_served:  # this thread builds and steps the engine, as the replica's step thread does
-        args, pinned = prepare_step_thread(args)
+        args, pinned = platform_for(resolve_device(args.device)).prepare_step_thread(args)
         setup = {"system": "engine-as-served", "pinned_threads": len(pinned)}
     engine = LLMEngine(args)
     prompt = random_prompts(engine, input_len)

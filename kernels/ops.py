@@ -6,6 +6,12 @@ Triton kernels, anything else runs the PyTorch twins in `reference.py`.
 per-device choice); Triton on a CPU tensor runs under Triton's interpreter. The
 model calls the chosen ``Kernels``; nothing is looked up per call.
 
+Attention may take a per-step plan, as vLLM's attention backends build their metadata
+once a step: ``attention_planner(spec)`` gives the step's planner once the KV cache is
+allocated, the runner calls it once a step, and every layer hands its plan to
+``paged_attention``. The twins and the Triton kernels plan nothing (their plan is None);
+a platform's own table (the CPU engine's compiled kernels, kernels/cpu/backend.py) may.
+
 Triton is imported only when the Triton kernels are chosen, so this module
 imports (and the twins work) where Triton is not installed.
 """
@@ -37,6 +43,33 @@ def _triton_installed() -> bool:
 
 
 @dataclass(frozen=True, slots=True)
+class AttentionSpec:
+    """The attention shape a step's plan is made for (one rank's heads), known once the KV cache is."""
+
+    dtype: torch.dtype  # of the KV cache and the query
+    num_heads: int      # query heads
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+
+
+# A step's planner: (block_table [B, W] int32, seq_lens [B] int32, query_start_loc as B + 1 ints,
+# seq_lens as B ints) -> the step's plan (opaque: only the same table's paged_attention reads it),
+# or None where this step needs none.
+AttentionPlanner = Callable[[torch.Tensor, torch.Tensor, list[int], list[int]], object | None]
+
+
+def no_plan(block_table: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: list[int],
+            lens: list[int]) -> None:
+    """The planner of a backend that plans nothing."""
+    return None
+
+
+def no_attention_planner(spec: AttentionSpec) -> AttentionPlanner:
+    return no_plan
+
+
+@dataclass(frozen=True, slots=True)
 class Kernels:
     """One implementation of every kernel; shapes as in ``reference.py``'s twins."""
 
@@ -47,7 +80,14 @@ class Kernels:
     rotary_embedding: Callable    # (positions [T], q [T, Hq, D], k [T, Hkv, D], cos_sin [P, D]) -> (q, k)
     write_kv_cache: Callable      # (k, v [T, Hkv, D], key_cache, value_cache [N, bs, Hkv, D], slots [T]) -> None
     paged_attention: Callable     # (q [T, Hq, D], caches, block_table [B, W], query_start_loc [B+1],
-    #                                seq_lens [B], scale) -> [T, Hq, D]
+    #                                seq_lens [B], scale, *, plan) -> [T, Hq, D]
+    attention_planner: Callable[[AttentionSpec], AttentionPlanner] = no_attention_planner
+    # Kernels compiled for this machine in place of the backend's own, as the start-up log names
+    # them ("" where there are none).
+    compiled: str = ""
+
+    def __str__(self) -> str:
+        return f"{self.backend} with {self.compiled}" if self.compiled else self.backend
 
 
 def choose_backend(device: torch.device | str) -> str:

@@ -230,7 +230,7 @@ def _choose_num_splits(device: torch.device, num_seqs: int, num_kv_heads: int, m
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     block_table: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                     scale: float, *, num_kv_splits: int | None = None,
-                    config: AttentionConfig | None = None) -> torch.Tensor:
+                    config: AttentionConfig | None = None, plan: None = None) -> torch.Tensor:
     """Same contract as `reference.paged_attention`; returns [T, Hq, D].
 
     query: [T, Hq, D] (a strided view is fine); key_cache, value_cache: [N, bs, Hkv, D];
@@ -238,6 +238,7 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     num_kv_splits: force the split-KV variant's split count (tests, benchmarks);
     None picks 1 unless the batch is decode-only and too small to fill a CUDA device.
     config: force the launch shape (tests, tuning); None uses `default_config`.
+    plan: the step's attention plan (``ops.Kernels``); this kernel plans nothing, so it is None.
     Query rows past query_start_loc[B] (padding) are left unwritten, as in the twin.
     """
     if query.dim() != 3 or key_cache.dim() != 4 or value_cache.shape != key_cache.shape:

@@ -89,13 +89,14 @@ def _length_groups(rows: list[int], lens: list[int], max_padding: float = 1.25) 
 
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     block_table: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
-                    scale: float) -> torch.Tensor:
+                    scale: float, *, plan: None = None) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its whole paged context.
 
     query: [T, Hq, D]; key_cache, value_cache: [N, bs, Hkv, D];
     block_table: [B, max_blocks] int32; query_start_loc: [B+1] int32; seq_lens: [B] int32
     (context length including this step's tokens, which are already in the cache).
     Query token i of sequence b sits at position seq_lens[b] - q_len[b] + i.
+    plan: the step's attention plan (``ops.Kernels``); the twin plans nothing, so it is None.
     Returns [T, Hq, D].
 
     Decode rows (one query token) run as a few batched calls, grouped by context

@@ -18,11 +18,16 @@ and sums in fp32. Same 64 x 400 case: 4.1 ms (12.8 GB/s); one row 0.05 ms.
 
 Rows with several new tokens (prompts, prefill chunks) attend over their own context in
 the twin, where the gather is small next to the attention work.
+
+As a kernel-table entry (kernels/cpu/backend.py): ``decode_attention_planner`` builds the
+kernel for the model's shape and plans each step's decode rows (``plan_decode``), and
+``paged_attention`` consumes that plan.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -30,6 +35,7 @@ import torch
 
 from pagefleet.kernels import reference
 from pagefleet.kernels.cpu import build as cpu_build
+from pagefleet.kernels.ops import AttentionPlanner, AttentionSpec
 
 # The entry point of each cache dtype (ENTRY below).
 ENTRIES = {torch.float32: "decode_f32", torch.bfloat16: "decode_bf16", torch.float16: "decode_f16"}
@@ -142,11 +148,12 @@ ENTRY(decode_f16, _Float16)
 _ARGTYPES = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
              ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int64]
 
+
 def decode_kernel(dtype: torch.dtype, head_dim: int, group: int, num_kv_heads: int,
                   block_size: int) -> Callable[..., None]:
     """The kernel entry point for one model shape and cache dtype (the library from cpu_build:
-    its cache, else compiled into it). The engine resolves it once, at start; each step's plan
-    carries it to every layer."""
+    its cache, else compiled into it). Resolved once per engine, when its KV cache is allocated
+    (``decode_attention_planner``); each step's plan carries it to every layer."""
     source = (_SOURCE.replace("@HEAD_DIM@", str(head_dim)).replace("@GROUP@", str(group))
               .replace("@KV_HEADS@", str(num_kv_heads)).replace("@BLOCK_SIZE@", str(block_size)))
     fn = getattr(cpu_build.load_library("decode_attention", source), ENTRIES[dtype])
@@ -185,6 +192,14 @@ def plan_decode(block_table: torch.Tensor, seq_lens: torch.Tensor, query_start_l
                       seq_lens.index_select(0, index), multi, query_start_loc, lens)
 
 
+def decode_attention_planner(spec: AttentionSpec) -> AttentionPlanner:
+    """The step planner of an engine with this attention shape: ``plan_decode`` with the kernel
+    built (or taken from the kernel cache) now, at start, rather than on the first request."""
+    kernel = decode_kernel(spec.dtype, spec.head_dim, spec.num_heads // spec.num_kv_heads, spec.num_kv_heads,
+                           spec.block_size)
+    return functools.partial(plan_decode, kernel=kernel)
+
+
 def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, plan: DecodePlan,
                      scale: float) -> torch.Tensor:
     """Attention of the plan's decode rows. query: [T, Hq, D] -> [B, Hq, D] for plan.rows."""
@@ -203,7 +218,7 @@ def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
 
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     block_table: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                    plan: DecodePlan | None) -> torch.Tensor:
+                    *, plan: DecodePlan | None = None) -> torch.Tensor:
     """``reference.paged_attention``'s contract, with the step's decode rows (``plan``) read in
     place by the kernel and the rest computed by the twin. Returns [T, Hq, D]."""
     if plan is None:

@@ -51,7 +51,7 @@ def _check(batch, query=None):
     plan = cpu.plan_decode(batch.block_table, batch.seq_lens, batch.query_start_loc.tolist(), batch.seq_lens.tolist(),
                            kernel)
     with torch.inference_mode():  # as the engine calls it
-        got = cpu.paged_attention(*args, scale, plan)
+        got = cpu.paged_attention(*args, scale, plan=plan)
     want = reference.paged_attention(*(t.float() if t.is_floating_point() else t for t in args), scale)
     dtype = batch.query.dtype
     bound = batch.value_cache.abs().max().item()

@@ -19,7 +19,7 @@ from pagefleet.worker.replica import hop_trace
 from pagefleet.worker.engine.llm_engine import LLMEngine, resolve_device
 from pagefleet.worker.engine.engine_args import EngineArgs
 from pagefleet.worker.metrics.engine_metrics import EngineMetrics, MetricsRecorder
-from pagefleet.worker.parallel.executor import prepare_step_thread
+from pagefleet.worker.model_executor.platform import platform_for
 from pagefleet.worker.errors import EngineDeadError
 from pagefleet.worker.core.kv_events import KVEventBatch, KVSnapshot
 from pagefleet.worker.outputs import RequestOutputDelta, merge_deltas
@@ -83,8 +83,9 @@ class AsyncLLMEngine:
                  step_timeout_s: float | None = None) -> None:
         """``metrics`` makes the recorder for this engine's metrics (None: none recorded).
 
-        The engine is built on its own step thread (``_build_and_run``), so that one thread starts
-        every OpenMP parallel region in this process (see ``cpu_threads.prepare_engine_thread``)."""
+        The engine is built on its own step thread (``_build_and_run``), after the platform made it
+        the step thread (``prepare_step_thread``): on CPU, one thread then starts every OpenMP
+        parallel region in this process (see ``worker/cpu/threads.prepare_engine_thread``)."""
         self.stall_timeout_s = stall_timeout_s
         self.step_timeout_s = step_timeout_s or float(os.environ.get(STEP_TIMEOUT_ENV, DEFAULT_STEP_TIMEOUT_S))
         self._step_started: float | None = None  # monotonic start of the step running now
@@ -277,8 +278,7 @@ class AsyncLLMEngine:
 
     def _build_and_run(self, args: EngineArgs) -> None:
         try:
-            if resolve_device(args.device).type == "cpu":
-                args, self.pinned_threads = prepare_step_thread(args)
+            args, self.pinned_threads = platform_for(resolve_device(args.device)).prepare_step_thread(args)
             self.engine = LLMEngine(args)
         except BaseException as e:  # the constructor raises it
             self._build_error = e

@@ -10,8 +10,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from pagefleet.kernels.cpu import decode_attention as cpu_decode_attention
-from pagefleet.kernels.cpu.decode_attention import DecodePlan
 from pagefleet.kernels.ops import Kernels
 from pagefleet.kernels.reference import build_cos_sin_cache
 from pagefleet.worker.model_executor.model_config import ModelConfig
@@ -34,9 +32,9 @@ class AttentionMetadata:
     block_table: torch.Tensor      # [B, max_blocks] int32
     query_start_loc: torch.Tensor  # [B + 1] int32
     seq_lens: torch.Tensor         # [B] int32: context length including this step's tokens
-    # On CPU without enforce_eager: the step's decode rows, which read their KV blocks in place
-    # through the C++ decode attention kernel (built once per step, used by every layer).
-    decode_plan: DecodePlan | None = None
+    # The kernels' plan of this step's attention (``Kernels.attention_planner``), made once on
+    # the host and read by every layer; None where the backend plans nothing.
+    attn_plan: object | None = None
 
 
 class Attention(nn.Module):
@@ -68,13 +66,8 @@ class Attention(nn.Module):
         q, k = self.kernels.rotary_embedding(positions, q, k, cos_sin)
         key_cache, value_cache = kv_cache
         self.kernels.write_kv_cache(k, v, key_cache, value_cache, meta.slot_mapping)
-        if meta.decode_plan is None:
-            o = self.kernels.paged_attention(q, key_cache, value_cache, meta.block_table, meta.query_start_loc,
-                                             meta.seq_lens, self.scale)
-        else:
-            o = cpu_decode_attention.paged_attention(q, key_cache, value_cache, meta.block_table,
-                                                     meta.query_start_loc, meta.seq_lens, self.scale,
-                                                     meta.decode_plan)
+        o = self.kernels.paged_attention(q, key_cache, value_cache, meta.block_table, meta.query_start_loc,
+                                         meta.seq_lens, self.scale, plan=meta.attn_plan)
         return self.o_proj(o.reshape(num_tokens, self.num_heads * self.head_dim))
 
 

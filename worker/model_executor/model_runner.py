@@ -8,16 +8,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pagefleet.kernels.cpu.decode_attention import decode_kernel, plan_decode
-from pagefleet.kernels.cpu.fused_ops import with_fused_ops
-from pagefleet.kernels.ops import select_kernels
+from pagefleet.kernels.ops import AttentionPlanner, AttentionSpec, no_plan
 from pagefleet.worker.model_executor.model_config import ModelConfig
-from pagefleet.worker.cpu.linear import pack_linear_weights
-from pagefleet.worker.cpu.malloc import keep_freed_memory
 from pagefleet.worker.engine.engine_args import DEFAULT_GPU_MEMORY_UTILIZATION
 from pagefleet.worker.core.kv_cache_sizing import DEFAULT_CPU_KV_CACHE_BYTES, gpu_kv_budget, kv_bytes_per_block
 from pagefleet.worker.model_executor.loader import load_model
 from pagefleet.worker.model_executor.model import AttentionMetadata
+from pagefleet.worker.model_executor.platform import platform_for
 from pagefleet.worker.parallel.tp_group import TPGroup
 
 if TYPE_CHECKING:
@@ -42,34 +39,24 @@ class StepInput:
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, tp: TPGroup, device: torch.device, load_format: str = "safetensors",
                  seed: int = 0, enforce_eager: bool = False) -> None:
-        """enforce_eager: True keeps a CPU engine from compiling its C++ kernels (the decode
-        attention reading KV blocks in place, kernels/cpu/decode_attention.py; norms and rotary,
-        kernels/cpu/fused_ops.py): the PyTorch twins serve."""
+        """enforce_eager: True keeps the platform from compiling kernels of its own (on CPU the
+        C++ decode attention, norms and rotary): the backend's kernels serve."""
         self.cfg = cfg
         self.tp = tp
         self.device = device
-        if device.type == "cpu":
-            keep_freed_memory()
+        self.platform = platform_for(device)
+        self.platform.prepare_process()
         # Decided once, here: a bad PAGEFLEET_KERNELS stops the start instead of failing every step.
-        self.kernels = select_kernels(device)
-        # Only where the twins would run: the Triton kernels (CUDA, or PAGEFLEET_KERNELS=triton)
-        # already read the blocks in place and fuse these ops.
-        self.compiled_kernels = not enforce_eager and device.type == "cpu" and self.kernels.backend == "torch"
-        if self.compiled_kernels:
-            self.kernels = with_fused_ops(self.kernels)
-        logger.info("kernels on %s: %s%s", device, self.kernels.backend,
-                    " with the C++ decode attention, norms and rotary" if self.compiled_kernels else "")
+        self.kernels = self.platform.select_kernels(device, enforce_eager)
+        self.compiled_kernels = bool(self.kernels.compiled)
+        logger.info("kernels on %s: %s", device, self.kernels)
         self.model = load_model(cfg, tp, self.kernels, device, load_format, seed)
-        if device.type == "cpu":
-            count, one_row = pack_linear_weights(self.model, compiled_kernels=self.compiled_kernels)
-            logger.info("linear layers: %d weights packed for oneDNN%s", count, "" if one_row is None else
-                        f"; one-row steps take the {one_row.best} path (one-row pass over "
-                        f"{one_row.sample_bytes >> 20} MiB of weights: "
-                        + ", ".join(f"{path} {ms:.1f} ms" for path, ms in one_row.ms.items()) + ")")
+        self.platform.prepare_model(self.model, self.kernels)
         attn = self.model.layers[0].self_attn
         self.num_kv_heads = attn.num_kv_heads
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self.decode_kernel = None  # the C++ decode attention's entry point, once the KV cache is allocated
+        # The kernels' step planner, made for the KV cache's shape once it is allocated.
+        self.plan_attention: AttentionPlanner = no_plan
 
     def kv_bytes_per_block(self, block_size: int) -> int:
         elem = torch.empty((), dtype=self.cfg.dtype).element_size()
@@ -117,24 +104,23 @@ class ModelRunner:
         self.kv_caches = [(torch.zeros(shape, dtype=self.cfg.dtype, device=self.device),
                            torch.zeros(shape, dtype=self.cfg.dtype, device=self.device))
                           for _ in range(self.cfg.num_layers)]
-        if self.compiled_kernels:  # built (or taken from the cache) now rather than on the first request
-            attn = self.model.layers[0].self_attn
-            self.decode_kernel = decode_kernel(self.cfg.dtype, self.cfg.head_dim, attn.num_heads // attn.num_kv_heads,
-                                               attn.num_kv_heads, block_size)
+        attn = self.model.layers[0].self_attn
+        spec = AttentionSpec(self.cfg.dtype, attn.num_heads, attn.num_kv_heads, self.cfg.head_dim, block_size)
+        self.plan_attention = self.kernels.attention_planner(spec)  # may build a kernel: at start, not on a request
 
     def _tensors(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         dev = self.device
         width = max(len(t) for t in step.block_tables)
         padded = [row + [0] * (width - len(row)) for row in step.block_tables]
+        block_table = torch.tensor(padded, dtype=torch.int32, device=dev)
+        seq_lens = torch.tensor(step.seq_lens, dtype=torch.int32, device=dev)
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(step.slot_mapping, dtype=torch.int64, device=dev),
-            block_table=torch.tensor(padded, dtype=torch.int32, device=dev),
+            block_table=block_table,
             query_start_loc=torch.tensor(step.query_start_loc, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(step.seq_lens, dtype=torch.int32, device=dev),
+            seq_lens=seq_lens,
+            attn_plan=self.plan_attention(block_table, seq_lens, step.query_start_loc, step.seq_lens),
         )
-        if self.compiled_kernels:
-            meta.decode_plan = plan_decode(meta.block_table, meta.seq_lens, step.query_start_loc, step.seq_lens,
-                                           self.decode_kernel)
         return (torch.tensor(step.input_ids, dtype=torch.int64, device=dev),
                 torch.tensor(step.positions, dtype=torch.int64, device=dev), meta,
                 torch.tensor(step.logits_indices, dtype=torch.int64, device=dev))

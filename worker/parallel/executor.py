@@ -7,15 +7,14 @@ the engine's own process (tensor_parallel_size 1); ``TPExecutor``
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Protocol
 
 import torch
 
 from pagefleet.worker.model_executor.model_config import ModelConfig
-from pagefleet.worker.cpu.threads import available_cores, cpu_compute_threads, prepare_engine_thread
 from pagefleet.worker.engine.engine_args import EngineArgs
 from pagefleet.worker.model_executor.model_runner import ModelRunner, StepInput
+from pagefleet.worker.model_executor.platform import platform_for
 from pagefleet.worker.parallel.tp_group import SINGLE
 
 
@@ -39,32 +38,11 @@ class Executor(Protocol):
         """Release every rank (and its memory); the executor is unusable afterwards."""
 
 
-def cpu_threads_of(args: EngineArgs) -> int | None:
-    """The torch thread count a one-rank CPU engine computes with (None: a tensor-parallel
-    engine, whose ranks keep torch's own)."""
-    if args.tensor_parallel_size != 1:
-        return None
-    return cpu_compute_threads(args.cpu_omp_threads, available_cores())
-
-
-def prepare_step_thread(args: EngineArgs) -> tuple[EngineArgs, dict[int, int]]:
-    """Make the calling thread the step thread of the CPU engine about to be built on it
-    (``cpu_threads.prepare_engine_thread``: lowest priority, OpenMP team started and pinned), and
-    return ``args`` with a one-rank engine's torch thread count (``cpu_threads_of``) filled in,
-    with what was pinned. The count is taken first, on the process's cores: after the pinning
-    this thread may use one core, and the executor, built next on it, would compute on one thread."""
-    threads = cpu_threads_of(args)
-    if threads is not None:
-        args = dataclasses.replace(args, cpu_omp_threads=threads)
-    return args, prepare_engine_thread(threads)
-
-
 class UniProcExecutor:
     """One rank, in this process: failures surface as exceptions from ``execute`` itself."""
 
     def __init__(self, cfg: ModelConfig, args: EngineArgs, device: torch.device) -> None:
-        if device.type == "cpu":
-            torch.set_num_threads(cpu_threads_of(args))
+        platform_for(device).set_compute_threads(args)
         self.runner: ModelRunner | None = ModelRunner(cfg, SINGLE, device, args.load_format, args.seed,
                                                       args.enforce_eager)
 

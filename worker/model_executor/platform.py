@@ -1,0 +1,63 @@
+"""The platform an engine runs on: the set-up its device needs around the generic model runner.
+
+The model runner, the executor and a served engine's step thread ask the platform of their
+device (``platform_for``, CPU or CUDA) for what only that device needs, once, at start; each
+step then runs the same code on either. The CPU platform is worker/cpu/platform.py. CUDA needs
+nothing beyond its kernel table: its Triton kernels read the paged cache in place and plan
+nothing, and torch's defaults serve its host threads and memory.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from pagefleet.kernels.ops import Kernels, select_kernels
+from pagefleet.worker.cpu.platform import CpuPlatform
+from pagefleet.worker.engine.engine_args import EngineArgs
+
+
+class Platform(Protocol):
+    def prepare_process(self) -> None:
+        """Process-wide settings, before the model loads."""
+
+    def select_kernels(self, device: torch.device, enforce_eager: bool) -> Kernels:
+        """The kernel table an engine on ``device`` runs (``PAGEFLEET_KERNELS`` honoured), decided
+        once; ``enforce_eager`` keeps the platform from compiling kernels of its own."""
+
+    def prepare_model(self, model: nn.Module, kernels: Kernels) -> None:
+        """What is done once to the loaded weights."""
+
+    def set_compute_threads(self, args: EngineArgs) -> None:
+        """The host threads a one-rank engine in this process computes with (its executor, at start)."""
+
+    def prepare_step_thread(self, args: EngineArgs) -> tuple[EngineArgs, dict[int, int]]:
+        """Make the calling thread the step thread of the engine about to be built on it. Returns
+        ``args`` as that engine must take them, and the threads pinned (thread id -> core)."""
+
+
+class CudaPlatform:
+    def prepare_process(self) -> None:
+        return None
+
+    def select_kernels(self, device: torch.device, enforce_eager: bool) -> Kernels:
+        return select_kernels(device)
+
+    def prepare_model(self, model: nn.Module, kernels: Kernels) -> None:
+        return None
+
+    def set_compute_threads(self, args: EngineArgs) -> None:
+        return None
+
+    def prepare_step_thread(self, args: EngineArgs) -> tuple[EngineArgs, dict[int, int]]:
+        return args, {}
+
+
+_CPU, _CUDA = CpuPlatform(), CudaPlatform()
+
+
+def platform_for(device: torch.device | str) -> Platform:
+    """The CPU platform for a CPU device, else CUDA's."""
+    return _CPU if torch.device(device).type == "cpu" else _CUDA
