@@ -148,7 +148,7 @@ def multi_token_attention(query: torch.Tensor, key_cache: torch.Tensor, value_ca
         nblocks = (ctx_len + block_size - 1) // block_size
         table = block_table[b, :nblocks].long()
         # 4-D [1, H, L, D]: with a batch dimension CPU SDPA takes its flash kernel (3-D inputs fall
-        # back to the math path: 4-5x slower on 2 cores for a 544-token prompt)
+        # back to its much slower math path)
         k = _gather_blocks(key_cache, table)[:ctx_len].transpose(0, 1)[None]  # [1, Hkv, L, D]
         v = _gather_blocks(value_cache, table)[:ctx_len].transpose(0, 1)[None]
         q = query[starts[b]:starts[b + 1]].transpose(0, 1)[None]  # [1, Hq, q_len, D]

@@ -2,19 +2,15 @@
 
 Decode rows (one new token each) are most of a busy step's attention and all of a single
 stream's, and they are memory-bound: each reads its whole context's K and V once. The twin
-(``reference.paged_attention``) gathers every context into a contiguous copy first and
-PyTorch's FlexAttention (the compiled path before this kernel) reads the blocks in place
-but through a template made for prefill tiles: on a 2-core AMD EPYC, 64 rows x 400 tokens
-of the demo model's layer (4 KV heads x 64, fp32) took 9.2 ms through FlexAttention
-(5.7 GB/s) and one row 0.5 ms, mostly the compiled call's own overhead.
+(``reference.paged_attention``) first gathers every context into a contiguous copy; this
+kernel reads the blocks in place instead (figures in docs/cpu_engine.md).
 
-This kernel is plain C++ with OpenMP, built once per model shape by ``cpu_build`` and
-called through ctypes. One row is one work item (rows spread
-over the engine's threads): for each block of its table it reads the block's K (all KV
-heads: one contiguous ``block_size x Hkv x D`` span), scores every query head, folds the
-block into an online softmax, then reads the block's V. Head size, GQA group, KV heads
-and block size are compile-time constants. fp32, bf16 and fp16 caches; scores, softmax
-and sums in fp32. Same 64 x 400 case: 4.1 ms (12.8 GB/s); one row 0.05 ms.
+The kernel is plain C++ with OpenMP, built once per model shape by ``cpu_build`` and called
+through ctypes. One row is one work item (rows spread over the engine's threads): for each
+block of its table it reads the block's K (all KV heads: one contiguous
+``block_size x Hkv x D`` span), scores every query head, folds the block into an online
+softmax, then reads the block's V. Head size, GQA group, KV heads and block size are
+compile-time constants. fp32, bf16 and fp16 caches; scores, softmax and sums in fp32.
 
 Rows with several new tokens (prompts, prefill chunks) attend over their own context in
 the twin, where the gather is small next to the attention work.

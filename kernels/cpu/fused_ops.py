@@ -1,16 +1,13 @@
 """The CPU engine's small per-layer ops in one C++ pass each: residual add + RMSNorm, the
-rotary embedding (in place), and the one-row linear (worker/cpu/linear.py measures it at load
-against oneDNN and F.linear: on 2 AMD EPYC cores it streams weights at 17-19 GB/s where
-oneDNN's packed copy made 10-15).
+rotary embedding (in place), and the one-row linear (worker/cpu/linear.py times it at load
+against oneDNN and F.linear, and keeps the fastest).
 
-As PyTorch ops each of these is 6-12 kernel launches over a few kilobytes: at one decode row
-(a single stream) on 2 AMD EPYC cores, ``fused_add_rms_norm`` took 39 us, ``rms_norm`` 33 us
-and ``rotary_embedding`` 99 us, about 1.5 ms of every 22 ms token of the demo model (17 norms,
-8 rotaries). Here each is one call into C++ built by ``cpu_build`` (a few microseconds at one
-row), rows spread over torch's threads from 64 rows on. fp32 with the layouts the engine
-passes (rows of contiguous features; q and k views into the fused QKV projection); anything
-else goes to the twins in ``reference.py``, which these follow formula for formula (sums
-vectorised, so the last bit can differ).
+As PyTorch ops each of the norms and the rotary is 6-12 kernel launches over a few kilobytes,
+which at one decode row costs more than the arithmetic (figures in docs/cpu_engine.md). Here
+each is one call into C++ built by ``cpu_build``, rows spread over torch's threads from 64
+rows on. fp32 with the layouts the engine passes (rows of contiguous features; q and k views
+into the fused QKV projection); anything else goes to the twins in ``reference.py``, which
+these follow formula for formula (sums vectorised, so the last bit can differ).
 """
 
 from __future__ import annotations

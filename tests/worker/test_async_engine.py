@@ -235,7 +235,7 @@ def test_the_engine_is_built_on_its_step_thread_after_that_thread_took_the_lowes
     from pagefleet.worker.engine import async_engine
 
     # The torch thread count it computes with is counted on the process's cores, not on the one
-    # core the step thread is pinned to before the build (that count was 1).
+    # core the step thread is pinned to before the build (that would count 1).
     built_on: list = []
     computes_with: list = []
 

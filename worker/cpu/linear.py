@@ -2,16 +2,13 @@
 
 ``F.linear`` hands an fp32 weight to the BLAS as it lies ([out, in], row-major), and the
 BLAS re-blocks it on every call; oneDNN's matmul on a weight reordered once into its own
-blocked layout skips that. Measured on this project's 2-core machines, the demo model's
-eight layers plus its LM head in a row (weights cold in cache): 30-50% faster at 8-64
-rows, ~10% at 128-512. One row (a matrix-vector product, all of a single stream's
-decode) streams the weight once and is memory-bound, and which path streams fastest
-depends on the CPU: on an Intel Xeon the BLAS's gemv beat the packed copy; on an AMD
-EPYC the BLAS made 8-9 GB/s, the packed copy 10-17, and the engine's own C++
-matrix-vector product (kernels/cpu/fused_ops.py, when the engine compiles its kernels)
-17-19. So which one serves one-row inputs is measured at load, over the model's own
-weights (``choose_one_row_path``). The plain weight stays either way (the packed copy is
-extra memory, the size of the linear weights).
+blocked layout skips that. One row (a matrix-vector product, all of a single stream's
+decode) streams the weight once and is memory-bound, and which path streams it fastest
+depends on the CPU (the BLAS's gemv, the packed copy, or the engine's own C++ product in
+kernels/cpu/fused_ops.py when the engine compiles its kernels). So which one serves one-row
+inputs is timed at load, over the model's own weights (``choose_one_row_path``). The plain
+weight stays either way (the packed copy is extra memory, the size of the linear weights).
+Figures in docs/cpu_engine.md.
 """
 
 from __future__ import annotations

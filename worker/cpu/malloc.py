@@ -1,10 +1,10 @@
 """Keep freed large blocks in the process on CPU.
 
 glibc hands every allocation above its mmap threshold back to the kernel when freed, so
-each step's large temporaries (gathered KV, activations) page-fault afresh: measured here
-as a 5x slower KV gather (107 ms vs 20 ms for 50 MB). Raising the mmap and trim
-thresholds keeps those pages mapped for reuse, as tcmalloc/jemalloc would; peak RSS is
-unchanged since the memory is reused rather than grown.
+each step's large temporaries (gathered KV, activations) would page-fault afresh on every
+step. Raising the mmap and trim thresholds keeps those pages mapped for reuse, as
+tcmalloc/jemalloc would; peak RSS is unchanged since the memory is reused rather than
+grown (figures in docs/cpu_engine.md).
 """
 
 from __future__ import annotations

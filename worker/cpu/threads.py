@@ -23,8 +23,7 @@ def cpu_compute_threads(requested: int | None, cores: int, ranks: int = 1) -> in
     No core is kept back for the processes' other threads (the server's event loops, Ray's):
     a served engine computes at the lowest priority (``yield_cpu_to_serving_threads``), so
     those threads take a core the moment they have work and hand it back when done, instead
-    of owning one that sits idle between requests. (vLLM's CPU backend reserves a core for its
-    scheduler instead; on 2 cores that halves its compute.)"""
+    of owning one that sits idle between requests."""
     if requested is not None:
         return requested
     return max(1, cores // ranks)
@@ -58,12 +57,8 @@ def compute_thread_env(threads: int, cores: int, environ: Mapping[str, str] = os
     A passive team sleeps at the end of every parallel region, and the next region waits for it to
     be woken: on a virtual machine a sleeping vCPU is handed back to the host and its wake-up can
     take long, and meanwhile the server's own threads fill the core. Spinning at the engine's
-    lowest priority keeps the core and still yields it the moment a server thread wakes. Measured
-    on 2 cores (benchmarks/serving.py, c16, 256 in / 64 out, five alternating pairs): served 170,
-    186, 255, 249, 265 tok/s spinning against 153, 167, 188, 203, 256 passive (the engine alone,
-    given the same, 214, 227, 292, 305, 312 against 189, 183, 290, 289, 293); c1 the same either way.
-    (The served engine then had a second OpenMP pool, where libgomp ignores the spin count:
-    ``prepare_engine_thread``; the served figures are of that engine.)"""
+    lowest priority keeps the core and still yields it the moment a server thread wakes (figures
+    in docs/cpu_engine.md)."""
     if threads < 2 or threads != cores or "GOMP_SPINCOUNT" in environ or \
             environ.get("OMP_WAIT_POLICY", "").upper() == "ACTIVE":
         return {}
@@ -78,9 +73,8 @@ def yield_cpu_to_serving_threads() -> None:
     shares the cores with the matmuls, and Ray starts every worker process at one niceness
     (15 by default, 0 on pagefleet's clusters: ``serve_env.WORKER_PRIORITY_ENV``). At equal
     priority a busy engine delays each request's parse, route and 429 by whole scheduler slices;
-    at the lowest, a step waits only while those short tasks run. Measured on 2 cores (routing
-    benchmark, kv policy, 3x overload): 429 latency p50 601 -> 64 ms at the same 301 tok/s.
-    Lowering one's own priority needs no privilege."""
+    at the lowest, a step waits only while those short tasks run. Lowering one's own priority
+    needs no privilege."""
     try:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), LOWEST_NICE)  # Linux: this thread only
     except (AttributeError, OSError) as e:  # no per-thread priority on this platform
@@ -98,12 +92,9 @@ def prepare_engine_thread(compute_threads: int | None) -> dict[int, int]:
     hold more threads than the process has cores its barriers spin at most 100 times (1,000
     under OMP_WAIT_POLICY=ACTIVE, none under PASSIVE; GOMP_SPINCOUNT can only lower that), so
     each of a step's hundreds of regions ends with its threads asleep on a futex and begins with
-    waking them. An engine built on the replica's constructor thread (its own pool: loading and
-    packing the weights are parallel regions) and stepped on this one had two pools. The same
-    engine and work on 2 cores, three alternating rounds (``benchmarks/engine_thread_pools.py``,
-    medians): 6,689 voluntary context switches a second against 0, and 75.8 against 110.1 tok/s
-    at concurrency 1 (TPOT 11.95 against 7.90 ms), 375 against 436 at 16
-    (benchmarks/results/engine_thread_pools_ab_amd_2core_2026-12-02.jsonl)."""
+    waking them. An engine built on another thread (loading and packing the weights are parallel
+    regions: that thread's pool) and stepped on this one would have two pools
+    (``benchmarks/engine_thread_pools.py`` measures both; figures in docs/cpu_engine.md)."""
     import torch
 
     if compute_threads is not None:
@@ -128,11 +119,8 @@ def pin_compute_threads() -> dict[int, int]:
     here, by a parallel region over every thread. A step is a series of parallel regions, each
     ending at a barrier. Left free, the scheduler sometimes puts two of the team on one core (a
     waking OpenMP thread goes where its waker runs when its own core is busy) and the step then
-    advances at the pace of the one waiting for its turn: serving at concurrency 16 on 2 cores, where the server's other threads
-    wake ~650 times a second beside the engine, the engine's two threads followed each other on
-    one core in 814 of their 3,883 involuntary switches in a 6 s window (perf sched;
-    benchmarks/results/serving_pin_ab_amd_2core_2026-12-02.jsonl). Pinned, each keeps its own
-    core and waits only for what runs there."""
+    advances at the pace of the one waiting for its turn. Pinned, each keeps its own core and
+    waits only for what runs there (figures in docs/cpu_engine.md)."""
     import torch
 
     if not hasattr(os, "sched_setaffinity"):

@@ -107,11 +107,10 @@ class Sampler:
             )
         # Inverse CDF: one uniform per row, found in the row's cumulative distribution. (An
         # exponential race, argmax(p / E) with E ~ Exp(1), draws the same distribution but
-        # needs a random number per vocabulary entry: 9 ms a step for 16 rows of 32k on a CPU
-        # core, against 0.5 ms for this.) The sums run in float64 so that rounding moves no
-        # token's share measurably; u lies in (0, total], so a token of probability 0 (outside
-        # top-k/top-p) is never found. Seeded rows draw their uniform from their own
-        # generator, so batch-mates cannot shift their stream.
+        # needs a random number per vocabulary entry, many times slower on CPU.) The sums run
+        # in float64 so that rounding moves no token's share measurably; u lies in (0, total],
+        # so a token of probability 0 (outside top-k/top-p) is never found. Seeded rows draw
+        # their uniform from their own generator, so batch-mates cannot shift their stream.
         cdf = (logits - logits.amax(dim=-1, keepdim=True)).exp_().to(torch.float64).cumsum_(dim=-1)
         u = 1.0 - torch.rand(len(seqs), 1, dtype=torch.float64)
         for row, seq in enumerate(seqs):

@@ -38,8 +38,8 @@ def peak_rss_bytes() -> int:
 def build_runner(cfg: ModelConfig, groups: ProcessGroups, device: torch.device, load_format: str,
                  seed: int) -> tuple[ModelRunner, LoadReport]:
     before = peak_rss_bytes()
-    # Tensor-parallel ranks run eagerly, as before: the compiled decode attention is wired and
-    # tested for one-rank engines only.
+    # Tensor-parallel ranks run eagerly: the compiled decode attention is wired and tested for
+    # one-rank engines only.
     runner = ModelRunner(cfg, groups.tp, device, load_format, seed, enforce_eager=True)
     return runner, LoadReport(groups.tp.rank, runner.weight_bytes(), peak_rss_bytes() - before)
 
