@@ -88,8 +88,8 @@ def test_the_compiled_plan_of_a_mixed_step_is_its_decode_rows(twins):
     assert plan.rows.tolist() == old.rows.tolist() == [0, 13, 58]  # sequences 0, 2, 5's tokens
     assert plan.multi == old.multi == [1, 3, 4, 6]
     assert plan.seq_lens.tolist() == old.seq_lens.tolist() == [33, 8, 64]
-    assert torch.equal(plan.block_table, batch.block_table[[0, 2, 5]]) and torch.equal(plan.block_table,
-                                                                                         old.block_table)
+    assert torch.equal(plan.block_table, batch.block_table[[0, 2, 5]])
+    assert torch.equal(plan.block_table, old.block_table)
     assert (plan.starts, plan.lens) == (old.starts, old.lens) == (batch.query_start_loc.tolist(),
                                                                   batch.seq_lens.tolist())
     scale = HEAD_DIM ** -0.5
