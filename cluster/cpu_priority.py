@@ -3,13 +3,10 @@
 A served CPU engine computes at the lowest niceness (``worker.cpu.threads``), so that the
 request path (HAProxy, the ingress, the worker replica's event loop) takes a core the moment it
 has work. But Ray's own processes wake all the time with nothing to do for a request: the GCS,
-the dashboard and runtime-env agents, the log monitor, Serve's controller (its control loop
-runs ten times a second), the global scheduler actor. About 200 ms of CPU a second on an idle
-one-worker app, at niceness 0 or 15, each wake-up preempting an engine
-thread; with two OpenMP threads on two cores the step then waits at its barrier for the thread
-that was preempted. Measured on 2 cores (engine alone at niceness 19 beside an idle app, 256
-prompt tokens, 64 out): TPOT 23.3 ms with those processes as Ray starts them, 16.9 ms with them
-at ``SCHED_IDLE``, 18.7 ms with no app running.
+the dashboard and runtime-env agents, the log monitor, Serve's controller, the global scheduler
+actor. Each wake-up at niceness 0 or 15 preempts an engine thread, and with one OpenMP thread per
+core the whole step then waits at its barrier for the thread that was preempted
+(docs/benchmarks.md has the figures).
 
 ``SCHED_IDLE`` (Linux) runs a thread only on a core nothing else wants, and its wake-ups never
 preempt: the control plane still gets every cycle it needs on a machine that has any to spare,

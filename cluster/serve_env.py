@@ -45,30 +45,24 @@ FAST_PATH_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_THROUGHPUT_OPTIMIZ
 LOCAL_MIN_DRAINING_PERIOD_S = 1.0
 # A cluster pagefleet starts itself is one node, often a small one where Ray's polling competes
 # with the engine for cores. Serve's controller runs its control loop every 0.5 s instead of 0.1 s
-# (it checks replicas and nodes; requests never wait on it): idle app 50 -> 22 ms of CPU a second
-# in the controller and 26 -> 13 in the GCS it polls, on 2 cores. The log monitor lists the log
-# directory every 0.5 s instead of every 0.1 s pass (new log files show up to 0.4 s later):
-# 14 -> 7 ms/s.
+# (it checks replicas and nodes; requests never wait on it), and the log monitor lists the log
+# directory every 0.5 s instead of every 0.1 s pass (new log files show up to 0.4 s later), so both
+# wake a fifth as often.
 LOCAL_QUIET_ENV = {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5", "RAY_LOG_MONITOR_MANY_FILES_THRESHOLD": "0"}
 # Ray starts its worker processes at niceness 15 (its ``worker_niceness``), below every ordinary
 # process on the machine (its own GCS, raylet and dashboard included). On the clusters pagefleet
 # starts, and on every node of the deploy/ files, they run at 0 and priorities are set where they
 # matter instead: a CPU engine's compute threads go to 19 (``worker.cpu.threads``), the control plane to
 # SCHED_IDLE (``cpu_priority``). At 15 the request path (the ingress, HAProxy and its manager, the
-# replicas' event loops) loses the cores to any busy process at 0 (the client, a neighbour) by
-# 28 to 1. With one busy loop beside the killed-replica test (2 cores): at 15 the ingress's
-# busiest thread waited 15-16 s of 24-26 on the run queue (2 runs), and in 1 of 3 other runs
-# every stream went silent and Serve, getting no answer to its health checks for 90 s, replaced
-# the ingress; at 0, 5.8-5.9 s of 27-30 and none replaced in 3 runs (in 2, the streams retried
-# from the dead replica still waited over 15 s for a seat on the busy survivor). With nothing
-# else running the speed is the same (benchmarks/serving.py, 1 worker, alternating 15/0/0/15:
-# c1 TPOT 25.2, 19.8 ms at 15 and 20.5, 19.8 at 0; c16 164, 155 tok/s at 15 and 164, 164 at 0).
+# replicas' event loops) loses the cores to any busy process at 0 (the client, a neighbour), long
+# enough for Serve's health checks to give up on an ingress; on an otherwise idle machine the speed is
+# the same either way (docs/benchmarks.md).
 WORKER_PRIORITY_ENV = {"RAY_worker_niceness": "0"}
 # libgomp's spin-wait off in every process of a node (Ray's workers inherit it from the raylet): where
-# processes share a few cores, an OpenMP team spinning at its barriers holds cores the others need (small
-# matmuls about 30x slower on a busy few-core host). A CPU engine whose team has its cores to itself gets
-# its spin back in its own process's environment (``worker.cpu.threads.SPIN_WAIT_ENV``). ``pagefleet``
-# sets it for itself and the cluster it starts, unless the user set one; the deploy/ files set it too.
+# processes share a few cores, an OpenMP team spinning at its barriers holds cores the others need. A
+# CPU engine whose team has its cores to itself gets its spin back in its own process's environment
+# (``worker.cpu.threads.SPIN_WAIT_ENV``). ``pagefleet`` sets it for itself and the cluster it starts,
+# unless the user set one; the deploy/ files set it too.
 THREAD_WAIT_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
 # What every node of a cluster pagefleet serves on gets, from its `ray start` (the deploy/ files).
 NODE_ENV = {**FAST_PATH_ENV, **WORKER_PRIORITY_ENV, **THREAD_WAIT_ENV}

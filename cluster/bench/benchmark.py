@@ -119,7 +119,7 @@ async def run_requests(session: aiohttp.ClientSession, endpoint: Endpoint, reque
         return result
 
     # What exists now (tokenizer, dataset, imports) is moved out of the collector's sight, as
-    # vLLM's bench does: a full collection over it costs ~100-300 ms, a pause every stream sees.
+    # vLLM's bench does: a full collection over it would be a pause every stream sees.
     gc.collect()
     gc.freeze()
     start, cpu_started = time.perf_counter(), time.process_time()

@@ -65,7 +65,7 @@ class BenchMetrics:
     max_output_tokens_per_s: float
     max_concurrent_requests: int
     ms: dict[str, Summary]  # "ttft", "tpot", "itl", "e2el" -> summary in milliseconds
-    # The client's own CPU time over the run (every thread of its process), where it was measured:
+    # The client's own CPU time over the run (every thread of its process), where it was taken:
     # on a machine the client shares with the server, the cores the server did not get.
     client_cpu_s: float | None = None
 
@@ -75,7 +75,7 @@ class BenchMetrics:
 
     @property
     def client_cpu_ms_per_token(self) -> float | None:
-        """None where the client's CPU was not measured or no token came."""
+        """None where the client's CPU time was not taken or no token came."""
         if self.client_cpu_s is None or not self.total_output:
             return None
         return 1000 * self.client_cpu_s / self.total_output

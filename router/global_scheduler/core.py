@@ -1,7 +1,7 @@
 """The global scheduler's core: every worker's KV blocks and load, and where a request should go.
 
 Pure Python (no Ray, no torch, no clock of its own: callers pass ``now``), so
-every choice is tested on constructed states. ``scheduler_actor.py`` wraps it
+every choice is tested on constructed states. ``actor.py`` wraps it
 in a named Ray actor (the source of truth, fed by the workers); each ingress
 replica holds another instance as its read-only copy (``kv_mirror.py``), fed
 the same inputs in the same order, and routes with it.
@@ -10,8 +10,9 @@ The view of a worker is exact, not guessed: it is the worker's own KV event
 batches applied in sequence order. A batch whose first number is not the next
 one expected (a dropped or lost batch) makes the view unreliable: the core
 asks that worker for a snapshot and ignores its batches until one arrives. A
-worker silent for longer than ``liveness_timeout_s`` (workers publish at
-least every second), or reported dead, is dropped with everything it held.
+worker silent for longer than ``liveness_timeout_s`` (workers publish a
+heartbeat every few seconds when idle), or reported dead, is dropped with
+everything it held.
 
 Routing: a worker's cost for a request is
 ``weight * (prompt blocks it would compute after its cached prefix) + load``,

@@ -23,8 +23,8 @@ is answered at once when anything changes, so until its wait is over, no answer 
 nothing changed. An idle fleet's feed can then wait long (``POLL_WAIT_S``) without its copy
 going stale between replies. A call that fails takes the wait's word back (when the actor died
 during it is not known): the copy's age counts from the last reply again. Each poll costs
-the actor, the ingress and Ray's processes about a millisecond of CPU, every second, on a
-machine whose cores a CPU engine needs.
+the actor, the ingress and Ray's processes CPU, on a machine whose cores a CPU engine may need,
+so an idle feed should poll rarely.
 """
 
 from __future__ import annotations
@@ -43,11 +43,8 @@ from pagefleet.worker.core.kv_events import KVEventBatch, KVSnapshot
 logger = logging.getLogger(__name__)
 
 # How long a poll waits for news. An idle fleet's copy costs one poll per wait (and stays current
-# meanwhile: see the module's docstring); with news, the poll returns at once. An idle one-worker
-# `pagefleet serve` on 2 cores (/proc, 30 s windows, 4 alternating each), with this at 0.25 s and
-# the publisher's heartbeat at 0.5 s against 2 s and 3 s: 1,615-1,628 against 1,531-1,547 wake-ups
-# a second, the scheduler actor 12.7-18.0 against 9.7 ms of CPU a second or less, the whole tree
-# 94-139 against 85-121 (a noisy hour: the machine's neighbours moved every process's figure).
+# meanwhile: see the module's docstring); with news, the poll returns at once. Long, so that an
+# idle app wakes its ingress, the actor and Ray's processes rarely (docs/scaling.md).
 POLL_WAIT_S = 2.0
 
 

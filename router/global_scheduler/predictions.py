@@ -18,7 +18,7 @@ land where the view looked emptiest. So each routed request leaves a
   match), so a burst with one prefix keeps to one worker; these stay until the
   prediction's time runs out, confirmed or not.
 
-Pure Python, no clock of its own; the views (``global_scheduler.WorkerView``)
+Pure Python, no clock of its own; the views (``core.WorkerView``)
 are passed in.
 """
 
@@ -213,7 +213,8 @@ def _uncount(counter: Counter, keys: list[int]) -> list[int]:
 
     Routing decisions end predictions all the time, so distinct keys (every prediction's, in
     practice: a prompt's block hashes chain) take a path of C loops (Counter.subtract and
-    Counter.__delitem__ are Python-level loops: half a decision's time at 256 workers)."""
+    Counter.__delitem__ are Python-level loops, a large share of a decision at a few hundred
+    workers)."""
     if len(set(keys)) != len(keys):
         counter.subtract(keys)
         gone = [key for key in dict.fromkeys(keys) if counter[key] == 0]

@@ -1,7 +1,7 @@
 """Which workers can make a routing decision's ranking: the global scheduler's scoring walk.
 
 A worker's row for a request is ``(no room, cost, load, queue, id, cached)``, compared as a
-tuple (``global_scheduler.GlobalScheduler.route`` keeps the best ``k``), where
+tuple (``core.GlobalScheduler.route`` keeps the best ``k``), where
 ``cost = weight * (prompt blocks after its cached prefix) + load``. Workers holding the same
 number of prompt blocks (one *group*, from ``KVBlockIndex.prefix_runs``) differ in cost by their
 load alone, so with the workers sorted by ``RANK`` each group's best rows come first: the walk
@@ -10,7 +10,7 @@ once every group has them or has no worker left to show. Groups of at most ``k``
 looked at directly. At 256 workers this scores a handful instead of every one
 (``docs/scaling.md``).
 
-Pure Python; the views are ``global_scheduler.WorkerView``s.
+Pure Python; the views are ``core.WorkerView``s.
 """
 
 from __future__ import annotations

@@ -6,9 +6,9 @@ waiting sequences), or what this router has sent it since when that is more,
 because published stats are up to one stats period old and a burst would
 otherwise all land on the replica that looked idle.
 
-``kv`` routing asks the global scheduler instead (``global_scheduler``); these
-are the other policies, and ``pick_two`` is also ``kv``'s fallback when the
-scheduler does not answer in time.
+``kv`` routing ranks with the global scheduler's view instead (``kv_routing``);
+these are the other policies, and ``pick_two`` is also ``kv``'s choice for a
+request routed before the ingress's copy of that view knows any worker.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ busier than the least loaded one by more than ``balance_slack`` sequences.
 This is how text-matching prefix routers work (SGLang's, Ray Serve LLM's); it
 never hears about evictions, other routers' requests or restarts, so its guess
 drifts from the caches. It is here as the baseline that ``kv`` routing, which
-reads the workers' own KV events, is measured against.
+reads the workers' own KV events, is compared with.
 """
 
 from __future__ import annotations

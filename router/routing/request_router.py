@@ -3,14 +3,15 @@
 One class per ``--routing`` policy; each turns the candidate replicas into
 ranked tiers (one replica per tier, so Serve tries them in exactly that order
 and moves on only when a replica's queue is full) with a pure function from
-``routing_policy`` / ``prefix_table``. Loads are in sequences: the replica's
+``policies`` / ``prefix_table``. Loads are in sequences: the replica's
 published stats, or the sequences this router has in flight on it (tracked
 from Serve's routed/completed callbacks) when that is more.
 
-``KVRouter`` asks nothing itself: the ingress asked the global scheduler
-before sending (where admission control can still answer 429), and the
-ranking travels in the ``WorkerRequest``. Without one (the scheduler did not
-answer in time) it falls back to the power of two choices. Nothing here
+``KVRouter`` asks nothing itself: the ingress ranked the workers with its
+copy of the global scheduler's view before sending (where admission control
+can still answer 429), and the ranking travels in the ``WorkerRequest``.
+Without one (the copy has heard of no worker yet) it falls back to the power
+of two choices. Nothing here
 blocks: ``choose_replicas`` only computes. Each choice is counted in
 ``pagefleet_router_decisions`` by policy and reason (kv's by the ingress,
 which knows the scheduler's reason).

@@ -2,7 +2,7 @@
 
 Names are vLLM's with ``pagefleet_`` in place of ``vllm:`` (Ray's metric API
 refuses ``:``). They are recorded with ``ray.util.metrics`` by
-``metrics_recorder.py`` and leave each node through Ray's metrics agent, which
+``recorder.py`` and leave each node through Ray's metrics agent, which
 adds the ``ray_`` prefix (and ``_total`` to counters), as it does for every
 application metric: ``vllm:prompt_tokens_total`` here is
 ``ray_pagefleet_prompt_tokens_total``. docs/metrics.md holds the same table.

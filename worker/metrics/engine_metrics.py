@@ -3,7 +3,7 @@
 The loop that drives an ``LLMEngine`` (``AsyncLLMEngine``'s thread, or
 ``LLM.generate``) calls ``request_added``, ``after_step``, ``after_abort`` and
 ``idle``; each is cheap plain Python. Every ``flush_interval_s`` the gathered
-batch goes to the recorder in one call (``metrics_recorder.py`` records it
+batch goes to the recorder in one call (``recorder.py`` records it
 with Ray); every ``log_interval_s`` of work one stats line is logged.
 """
 
