@@ -1,21 +1,23 @@
-"""What the engine hands back: whole outputs (offline) and per-step deltas (streaming)."""
+"""What the engine hands back: whole outputs (offline) and per-step deltas (streaming).
+
+msgspec structs: plain data that a replica's delta channel encodes as it is
+(``worker.replica.wire``), field order on the wire being declaration order.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import msgspec
 
 
-@dataclass(slots=True)
-class TokenLogprob:
+class TokenLogprob(msgspec.Struct, array_like=True, gc=False):
     """The chosen token's logprob and, when asked for, the top alternatives."""
 
     token_id: int
     logprob: float
-    top: list[tuple[int, float]] = field(default_factory=list)
+    top: list[tuple[int, float]] = []
 
 
-@dataclass(slots=True)
-class CompletionOutput:
+class CompletionOutput(msgspec.Struct, array_like=True, gc=False):
     """One of a request's ``n`` sequences: its whole output (offline), or its new output in one
     engine step (in a ``RequestOutputDelta``)."""
 
@@ -27,8 +29,7 @@ class CompletionOutput:
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
 
 
-@dataclass(slots=True)
-class RequestOutputDelta:
+class RequestOutputDelta(msgspec.Struct, array_like=True, gc=False):
     """One chunk of a request's stream: at most one per request per engine step."""
 
     request_id: str
@@ -38,8 +39,7 @@ class RequestOutputDelta:
     finished: bool
 
 
-@dataclass(slots=True)
-class RequestOutput:
+class RequestOutput(msgspec.Struct, gc=False):
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]

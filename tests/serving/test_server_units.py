@@ -16,7 +16,7 @@ from pagefleet.worker.engine.options import parse_bytes
 from pagefleet.worker.metrics.stats import EngineStats, ReplicaStats
 from pagefleet.worker.core.block_hash import block_hashes
 from pagefleet.worker.core.kv_events import pack_hashes
-from pagefleet.worker.replica.worker_request import WorkerRequest
+from pagefleet.worker.replica.wire import WorkerRequest
 
 SERVE_YAML = Path(__file__).resolve().parents[2] / "deploy" / "serve.yaml"
 
