@@ -37,7 +37,7 @@ from pagefleet.router.openai.preprocess import ModelInfo, ServingLimits, longest
 from pagefleet.router.global_scheduler.actor import WorkerKVView, worker_kv_view
 from pagefleet.router.openai.service import Job, OpenAIService
 from pagefleet.router.worker_client.worker_errors import WorkerHealth, worker_failure
-from pagefleet.worker.replica import hop_trace
+from pagefleet.worker import tracing
 from pagefleet.worker.model_executor.model_config import model_config_of
 from pagefleet.worker.engine.engine_args import EngineArgs
 from pagefleet.worker.outputs import RequestOutputDelta
@@ -107,7 +107,7 @@ class HandleWorkerClient:
 
     async def _attempts(self, job: Job) -> AsyncIterator[RequestOutputDelta]:
         request = WorkerRequest(job.request_id, job.token_ids, job.params, job.block_hashes, job.extra_keys,
-                                job.ranking, channel=self.mux.channel_id)
+                                job.ranking, channel=self.mux.channel_id, trace_headers=tracing.headers_of(job.span))
         q = self.mux.register(request.request_id)  # before sending: its deltas may arrive before its Placed
         attempt = 1
         try:
@@ -115,11 +115,10 @@ class HandleWorkerClient:
                 response = None
                 started = finished = False
                 try:
-                    hop_trace.mark(job.request_id, "ingress_sent")
+                    tracing.event(job.span, "sent")
                     response = self._stream.remote(request)  # may refuse at once: Serve's queue is full
                     async for delta in await self._placed(request.request_id, response, q):
                         if not started:
-                            hop_trace.mark(job.request_id, "ingress_first_delta")
                             if self.kv is not None:
                                 self.kv.record_realised(delta.num_cached_tokens)
                         started = True
@@ -191,6 +190,7 @@ class OpenAIIngress:
                  serving: ServingLimits = ServingLimits(), body_limits: BodyLimits = BodyLimits(),
                  drain_timeout_s: float = 30.0) -> None:
         """``kv_scheduler``: the global scheduler actor, for ``kv`` routing (None: other policies)."""
+        tracing.init_tracing(engine_args.otlp_traces_endpoint, "pagefleet-ingress")
         tokenizer, info = load_model_info(engine_args, serving)
         self._metrics = RouterMetrics(default_tags={"model_name": info.served_model_name})
         kv = follower = self._mirror = None

@@ -24,7 +24,6 @@ from typing import Any, AsyncIterator, Callable
 import msgspec
 
 from pagefleet.worker.outputs import RequestOutputDelta, merge_deltas
-from pagefleet.worker.replica import hop_trace
 from pagefleet.worker.replica.delta_channel import TOKEN_BYTES, keep_alive
 from pagefleet.worker.replica.wire import (FRAME_HEADER, MAX_FRAME_BYTES, ChannelOpen, Ended, SocketOffer,
                                            decode_batch)
@@ -217,8 +216,6 @@ class ChannelMux:
         self.counters.deltas += len(batch)
         for item in batch:
             request_id = item.request_id
-            if hop_trace.PATH:
-                hop_trace.mark(request_id, "ingress_channel_recv")
             q = self._queues.get(request_id)
             # From the replica it runs on; before its Placed arrives, from wherever it runs. A send
             # that failed has an id of its own, whose queue is gone: its late deltas go to no one.

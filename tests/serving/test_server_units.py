@@ -34,7 +34,7 @@ class FakeEngine:
         self.closed = []
         self.received = []
 
-    async def generate(self, request_id, prompt_token_ids, params, extra_keys=(), block_hashes=None):
+    async def generate(self, request_id, prompt_token_ids, params, extra_keys=(), block_hashes=None, span=None):
         self.received.append((request_id, extra_keys, block_hashes))
         try:
             for step in range(params.max_tokens):

@@ -22,7 +22,6 @@ import time
 from typing import AsyncIterator, Callable
 
 from pagefleet.worker.outputs import RequestOutputDelta
-from pagefleet.worker.replica import hop_trace
 from pagefleet.worker.replica.wire import FRAME_HEADER, SocketOffer, encode_batch
 
 logger = logging.getLogger(__name__)
@@ -66,8 +65,6 @@ class DeltaChannel:
         return self._reader is None and self.requests == 0
 
     def put(self, delta: RequestOutputDelta) -> None:
-        if hop_trace.PATH:
-            hop_trace.mark(delta.request_id, "worker_channel_put")
         self.pending.append(delta)
         self._ready.set()
 

@@ -18,7 +18,7 @@ import ray
 from ray import serve
 from ray.serve import Application
 
-from pagefleet.worker.replica import hop_trace
+from pagefleet.worker import tracing
 from pagefleet.worker.replica.delta_channel import ChannelServer, DeltaChannel
 from pagefleet.worker.engine.engine_args import EngineArgs
 from pagefleet.worker.core.kv_events import KVEventBatch, KVSnapshot, unpack_hashes
@@ -63,6 +63,7 @@ class WorkerReplica:
 
     def __init__(self, engine_args: EngineArgs, engine_factory: Callable[[EngineArgs], Any] = _default_engine,
                  kv_scheduler: Any = None, channel_host: str | None = None) -> None:
+        tracing.init_tracing(engine_args.otlp_traces_endpoint, "pagefleet-worker")
         self.engine = engine_factory(engine_args)
         self.replica_id = _replica_id()
         self.num_requests_total = 0
@@ -88,9 +89,11 @@ class WorkerReplica:
         channel, ``Placed(on_channel=False)`` then the deltas). When the caller cancels (a client
         hung up), Serve cancels this generator and the engine aborts the request and frees its
         blocks."""
-        deltas = pump = None
+        span = tracing.start_span("pagefleet.worker.generate", request.trace_headers, None,
+                                  {"pagefleet.request_id": request.request_id, "pagefleet.replica": self.replica_id})
+        deltas = pump = error = None
         try:
-            deltas = self._start(request)
+            deltas = self._start(request, span)
             channel = None if request.channel is None else self._channels.get(request.channel)
             if channel is None or not channel.attached:  # no channel, or nobody reads it yet: this stream
                 if request.channel is not None:
@@ -110,17 +113,20 @@ class WorkerReplica:
                 channel.requests -= 1
                 self._drop_if_unused(request.channel)
                 await asyncio.gather(pump, return_exceptions=True)
+        except BaseException as exc:
+            error = exc
+            raise
         finally:
             if deltas is not None and pump is None:
                 await deltas.aclose()  # at once, not when collected: a cancelled request is aborted now
+            tracing.end(span, error)
 
-    def _start(self, request: WorkerRequest) -> AsyncIterator[RequestOutputDelta]:
-        hop_trace.mark(request.request_id, "worker_generate")
+    def _start(self, request: WorkerRequest, span) -> AsyncIterator[RequestOutputDelta]:
         self._start_publishing()
         self.num_requests_total += 1
         hashes = unpack_hashes(request.block_hashes) if request.block_hashes else None
         return self.engine.generate(request.request_id, request.prompt_token_ids, request.params,
-                                    request.extra_keys, hashes)
+                                    request.extra_keys, hashes, span=span)
 
     async def channel(self, request: ChannelOpen) -> AsyncIterator[bytes | SocketOffer]:
         """A caller's delta channel (``worker.replica.wire``): an encoded empty list once attached,

@@ -36,6 +36,8 @@ class WorkerRequest:
     ranking: list[str] | None = None
     # The caller's delta channel on the replica (None: deltas on the request's own stream).
     channel: str | None = None
+    # The W3C trace context of the ingress's span of this request (None: not traced).
+    trace_headers: dict[str, str] | None = None
 
 
 @dataclass(slots=True)
