@@ -22,8 +22,7 @@ from pagefleet.router.openai.errors import OpenAIError, bad_request, internal_er
 from pagefleet.router.openai.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from pagefleet.router.openai.responses import ChatResponseBuilder, CompletionResponseBuilder, ResponseBuilder
 from pagefleet.worker import tracing
-from pagefleet.worker.core.block_hash import block_hashes
-from pagefleet.worker.core.kv_events import pack_hashes
+from pagefleet.worker.core.block_hash import block_hashes, pack_hashes
 from pagefleet.worker.outputs import RequestOutputDelta
 from pagefleet.worker.request_check import InvalidRequest
 from pagefleet.worker.sampling_params import SamplingParams

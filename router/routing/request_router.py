@@ -39,7 +39,7 @@ from pagefleet.router.metrics import RouterMetrics
 from pagefleet.router.routing.prefix_table import PrefixTable
 from pagefleet.router.routing.policies import (ReplicaLoad, pick_two, rank_replicas, replica_load, round_robin,
                                              routing_reason)
-from pagefleet.worker.core.kv_events import unpack_hashes
+from pagefleet.worker.core.block_hash import PackedHashes
 from pagefleet.worker.metrics.stats import ReplicaStats
 from pagefleet.worker.replica.wire import ChannelOpen, WorkerRequest
 
@@ -165,7 +165,7 @@ class PrefixRouter(_PagefleetRouter):
     async def choose(self, candidate_replicas: List[RunningReplica],
                      pending_request: Optional[PendingRequest]) -> List[List[RunningReplica]]:
         request = _worker_request(pending_request)
-        hashes = unpack_hashes(request.block_hashes) if request is not None else []
+        hashes = PackedHashes(request.block_hashes) if request is not None else []
         ranking, reason = self.table.rank(hashes, self.loads(candidate_replicas))
         self.metrics.inc("routing_decisions", policy="prefix", reason=reason)
         return self.tiers(candidate_replicas, ranking)
@@ -174,7 +174,7 @@ class PrefixRouter(_PagefleetRouter):
         super().on_request_routed(pending_request, replica_id, result)
         request = _worker_request(pending_request)
         if request is not None and request.block_hashes:
-            self.table.record(unpack_hashes(request.block_hashes), replica_id.unique_id)
+            self.table.record(PackedHashes(request.block_hashes), replica_id.unique_id)
 
 
 class KVRouter(_PagefleetRouter):

@@ -6,13 +6,11 @@ from __future__ import annotations
 
 import asyncio
 
-import pytest
-
 from pagefleet.router.ingress import HandleWorkerClient
 from pagefleet.router.openai.service import Job
 from pagefleet.worker.engine.engine_args import EngineArgs
 from pagefleet.worker.replica.deployment import WorkerReplica
-from pagefleet.worker.replica.wire import ChannelOpen, WorkerRequest, decode_batch
+from pagefleet.worker.replica.wire import ChannelOpen, decode_batch
 from pagefleet.worker.sampling_params import SamplingParams
 
 from channel_fakes import Call, SteppedEngine, until
@@ -115,16 +113,5 @@ def test_a_channel_connection_that_breaks_mid_request_loses_no_output():
         assert client.mux.counters.socket_channels == 2
         assert [call for call, _ in handle.generate_calls] == ["warm", "r"]  # nothing was sent again
         await _close(replica, client)
-
-    asyncio.run(run())
-
-
-def test_a_serve_call_that_fails_before_the_engine_starts_nothing():
-    async def run():
-        replica = WorkerReplica(EngineArgs(), engine_factory=SteppedEngine, channel_host="127.0.0.1")
-        bad = WorkerRequest("a", [1, 2], SamplingParams(max_tokens=1), block_hashes=b"abc")  # not 16-byte hashes
-        with pytest.raises(ValueError, match="multiple of 16"):
-            await replica.generate(bad).__anext__()
-        assert replica.engine.started == []
 
     asyncio.run(run())

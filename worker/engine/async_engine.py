@@ -13,7 +13,6 @@ import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
-from pagefleet.worker.core.block_hash import BlockHash
 from pagefleet.worker.model_executor.model_config import ModelConfig
 from pagefleet.worker import tracing
 from pagefleet.worker.engine.llm_engine import LLMEngine, resolve_device
@@ -40,7 +39,7 @@ class AddRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     extra_keys: tuple
-    block_hashes: list[BlockHash] | None = None
+    block_hashes: bytes = b""
 
 
 @dataclass(slots=True)
@@ -123,14 +122,14 @@ class AsyncLLMEngine:
     # ---- caller side (any event loop) -------------------------------------------------------
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       extra_keys: tuple = (), block_hashes: list[BlockHash] | None = None,
+                       extra_keys: tuple = (), block_hashes: bytes = b"",
                        span=None) -> AsyncIterator[RequestOutputDelta]:
         """Stream a request's deltas. Bad input raises ValueError before anything is queued;
         if the consumer stops early the request is aborted and its blocks freed. ``span``: the
         request's tracing span, which the engine thread marks when it takes the request in and
         when its first and last tokens come (``worker.tracing``)."""
         self._raise_if_dead()
-        self.engine.check(prompt_token_ids, params)
+        self.engine.check(prompt_token_ids, params, block_hashes)  # the engine thread does not check again
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already running")
         q: asyncio.Queue = asyncio.Queue()
@@ -262,8 +261,8 @@ class AsyncLLMEngine:
                 return
             if isinstance(command, AddRequest):
                 try:
-                    self.engine.add_request(command.request_id, command.prompt_token_ids, command.params,
-                                            command.extra_keys, command.block_hashes)
+                    self.engine.add_checked_request(command.request_id, command.prompt_token_ids, command.params,
+                                                    command.extra_keys, command.block_hashes)
                 except Exception as e:  # a bad request fails alone, never the loop
                     self._deliver(command.request_id, e)
                 else:

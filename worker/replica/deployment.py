@@ -21,7 +21,7 @@ from ray.serve import Application
 from pagefleet.worker import tracing
 from pagefleet.worker.replica.delta_channel import ChannelServer, DeltaChannel
 from pagefleet.worker.engine.engine_args import EngineArgs
-from pagefleet.worker.core.kv_events import KVEventBatch, KVSnapshot, unpack_hashes
+from pagefleet.worker.core.kv_events import KVEventBatch, KVSnapshot
 from pagefleet.worker.replica.kv_publisher import KVEventPublisher
 from pagefleet.worker.outputs import RequestOutputDelta
 from pagefleet.worker.metrics.stats import ReplicaStats
@@ -124,9 +124,8 @@ class WorkerReplica:
     def _start(self, request: WorkerRequest, span) -> AsyncIterator[RequestOutputDelta]:
         self._start_publishing()
         self.num_requests_total += 1
-        hashes = unpack_hashes(request.block_hashes) if request.block_hashes else None
         return self.engine.generate(request.request_id, request.prompt_token_ids, request.params,
-                                    request.extra_keys, hashes, span=span)
+                                    request.extra_keys, request.block_hashes, span=span)
 
     async def channel(self, request: ChannelOpen) -> AsyncIterator[bytes | SocketOffer]:
         """A caller's delta channel (``worker.replica.wire``): an encoded empty list once attached,
