@@ -9,11 +9,9 @@ scheduler actor's feed, off the requests' path) and hands the ranking to the
 request router inside the ``WorkerRequest``. Requests go to workers through a Serve
 handle; their deltas come back on this ingress's delta channel to that replica
 (one TCP connection per replica, or a Serve stream where it cannot connect, carrying every
-request's deltas of a step: ``router.worker_client.delta_mux``), their errors on their own stream. Closing a request's
-stream cancels the handle's response, which cancels the worker-side generator,
-which aborts the request in the engine. A request whose ranking puts first a replica that this
-ingress's channel to is an open connection goes on that connection instead (Serve's handle call
-is the largest hop before the engine); if the replica refuses it (full), through Serve after all.
+request's deltas of a step: ``router.worker_client.delta_mux``), their errors on their own
+stream. Closing a request's stream cancels the handle's response, which cancels the worker-side
+generator, which aborts the request in the engine.
 """
 
 from __future__ import annotations
@@ -27,7 +25,7 @@ from typing import Any, AsyncIterator
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from pagefleet.router.worker_client.delta_mux import ChannelLost, ChannelMux, ReplicaBusy, read_deltas, watch
+from pagefleet.router.worker_client.delta_mux import ChannelMux, read_deltas, watch
 from pagefleet.router.global_scheduler.core import SchedulerCounters
 from pagefleet.router.openai.http_guards import BodyLimits
 from pagefleet.router.global_scheduler.kv_mirror import MirrorCounters, SchedulerMirror, ViewFollower
@@ -36,16 +34,15 @@ from pagefleet.router.metrics import RouterMetrics
 from pagefleet.router.openai.node_metrics import NodeMetricsReader
 from pagefleet.router.openai.app import build_openai_app
 from pagefleet.router.openai.preprocess import ModelInfo, ServingLimits, longest_token_chars
-from pagefleet.router.routing.request_router import routable
 from pagefleet.router.global_scheduler.actor import WorkerKVView, worker_kv_view
 from pagefleet.router.openai.service import Job, OpenAIService
 from pagefleet.router.worker_client.worker_errors import WorkerHealth, worker_failure
-from pagefleet.worker.replica import hop_trace
+from pagefleet.worker import tracing
 from pagefleet.worker.model_executor.model_config import model_config_of
 from pagefleet.worker.engine.engine_args import EngineArgs
 from pagefleet.worker.outputs import RequestOutputDelta
 from pagefleet.worker.request_check import RequestLimits
-from pagefleet.worker.replica.worker_request import Placed, WorkerRequest
+from pagefleet.worker.replica.wire import Placed, WorkerRequest
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +70,6 @@ class HandleWorkerClient:
                  health: WorkerHealth | None = None, metrics: RouterMetrics | None = None,
                  follower: ViewFollower | None = None) -> None:
         self._stream = handle.options(method_name="generate", stream=True)
-        self._deployment = (handle.app_name, handle.deployment_name)
         self.metrics = metrics or RouterMetrics()
         self.mux = ChannelMux(handle.options(method_name="channel", stream=True).remote,
                               on_opened=lambda transport: self.metrics.inc("delta_channels_opened",
@@ -111,49 +107,25 @@ class HandleWorkerClient:
 
     async def _attempts(self, job: Job) -> AsyncIterator[RequestOutputDelta]:
         request = WorkerRequest(job.request_id, job.token_ids, job.params, job.block_hashes, job.extra_keys,
-                                job.ranking, channel=self.mux.channel_id)
+                                job.ranking, channel=self.mux.channel_id, trace_headers=tracing.headers_of(job.span))
         q = self.mux.register(request.request_id)  # before sending: its deltas may arrive before its Placed
-        attempt, sends, on_connection, again = 1, 1, True, False
+        attempt = 1
         try:
             while True:
-                if again:
-                    # Sent again under an id of its own: the replica the last send ran on may hold
-                    # that id until its abort lands between two steps, and anything that send still
-                    # puts on its way goes to no queue.
-                    self.mux.release(request.request_id)
-                    sends += 1
-                    request.request_id = f"{job.request_id}#{sends}"
-                    q = self.mux.register(request.request_id)
-                    again = False
                 response = None
                 started = finished = False
                 try:
-                    hop_trace.mark(job.request_id, "ingress_sent")
-                    deltas = self._sent(request, q) if on_connection else None
-                    if deltas is None:
-                        response = self._stream.remote(request)  # may refuse at once: Serve's queue is full
-                        deltas = await self._placed(request.request_id, response, q)
-                    async for delta in deltas:
+                    tracing.event(job.span, "sent")
+                    response = self._stream.remote(request)  # may refuse at once: Serve's queue is full
+                    async for delta in await self._placed(request.request_id, response, q):
                         if not started:
-                            hop_trace.mark(job.request_id, "ingress_first_delta")
                             if self.kv is not None:
                                 self.kv.record_realised(delta.num_cached_tokens)
                         started = True
                         finished = delta.finished
                         yield delta
                     return
-                except ReplicaBusy:  # refused on the connection, nothing ran: through Serve, which queues it
-                    on_connection = False
                 except Exception as exc:  # noqa: BLE001 — each becomes an OpenAI error (or a retry) below
-                    if isinstance(exc, ChannelLost) and on_connection and not started:
-                        # The connection it was sent on ended before any of its output came: the
-                        # replica closes a channel idle for a few seconds and a request sent just then
-                        # goes with it, or the replica went away. Nothing reached the client and the
-                        # replica aborts whatever of it ran, so it goes through Serve as a refused one
-                        # does, with its ranking and without spending an attempt (a failure there would).
-                        on_connection, again = False, True
-                        self.metrics.inc("worker_resends", reason="connection_lost")
-                        continue
                     error, retry = worker_failure(exc)
                     if error.status_code == 429:
                         self.metrics.inc("admission_rejections", reason="worker_queue_full")
@@ -162,27 +134,21 @@ class HandleWorkerClient:
                     attempt += 1
                     logger.warning("request %s: worker unavailable before its first output (%s); attempt %d of %d",
                                    job.request_id, type(exc).__name__, attempt, MAX_ATTEMPTS)
-                    request.ranking = None  # its first choice failed: let the request router pick again
-                    again = True
+                    # Sent again under an id of its own: the replica the last send ran on may hold
+                    # that id until its abort lands between two steps, and anything that send still
+                    # puts on its way goes to no queue. Its first choice failed: the request router
+                    # picks again.
+                    self.mux.release(request.request_id)
+                    request.request_id = f"{job.request_id}#{attempt}"
+                    request.ranking = None
+                    q = self.mux.register(request.request_id)
                     self.metrics.inc("worker_resends", reason="worker_failed")
                 finally:
-                    if not finished:
-                        self.mux.abort(request.request_id)  # sent on a connection and still running there
-                        if response is not None:
-                            with contextlib.suppress(Exception):  # a refused or failed call re-raises on cancel
-                                response.cancel()
+                    if not finished and response is not None:
+                        with contextlib.suppress(Exception):  # a refused or failed call re-raises on cancel
+                            response.cancel()
         finally:
             self.mux.release(request.request_id)
-
-    def _sent(self, request: WorkerRequest, q: asyncio.Queue) -> AsyncIterator[RequestOutputDelta] | None:
-        """The request's deltas (``ReplicaBusy`` first if the replica refuses it) once sent on the
-        channel connection of its first-ranked replica; None when it has no ranking, that replica
-        no open connection, or Serve no longer routes there (one it is stopping): it goes through
-        Serve."""
-        replica_id = request.ranking[0] if request.ranking else None
-        if replica_id is None or not routable(*self._deployment, replica_id) or not self.mux.send(request, replica_id):
-            return None
-        return read_deltas(q)
 
     async def _placed(self, request_id: str, response: Any, q: asyncio.Queue) -> AsyncIterator[RequestOutputDelta]:
         """Where a sent request's deltas come from, once its ``Placed`` says: its queue, fed by the
@@ -224,6 +190,7 @@ class OpenAIIngress:
                  serving: ServingLimits = ServingLimits(), body_limits: BodyLimits = BodyLimits(),
                  drain_timeout_s: float = 30.0) -> None:
         """``kv_scheduler``: the global scheduler actor, for ``kv`` routing (None: other policies)."""
+        tracing.init_tracing(engine_args.otlp_traces_endpoint, "pagefleet-ingress")
         tokenizer, info = load_model_info(engine_args, serving)
         self._metrics = RouterMetrics(default_tags={"model_name": info.served_model_name})
         kv = follower = self._mirror = None
@@ -258,8 +225,8 @@ class OpenAIIngress:
         return None if self._client.kv is None else self._client.kv.counters
 
     async def channel_counters(self):
-        """This replica's delta channel counters (``MuxCounters``: requests sent on connections,
-        refused there, deltas), for benchmarks and tests."""
+        """This replica's delta channel counters (``MuxCounters``: channels opened, batches,
+        deltas), for benchmarks and tests."""
         return self._client.mux.counters
 
     async def mirror_view(self, worker_id: str) -> WorkerKVView | None:

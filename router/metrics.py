@@ -47,9 +47,8 @@ ROUTER_METRICS: dict[str, MetricSpec] = {
     "worker_resends": MetricSpec(
         "pagefleet_router_worker_resends", "counter",
         "Requests the ingress sent to a worker again before any of their output reached the client, by "
-        "reason (connection_lost: the channel connection it was sent on ended, as when a replica closes an "
-        "idle channel just as the request arrives; not counted as an attempt. worker_failed: the worker "
-        "replica failed or was unavailable; each is one of the request's few attempts).",
+        "reason (worker_failed: the worker replica failed or was unavailable; each is one of the request's "
+        "few attempts).",
         tag_keys=("reason",)),
     "admission_queue_length": MetricSpec(
         "pagefleet_router_admission_queue_length", "gauge",

@@ -58,3 +58,24 @@ def tiny_checkpoint(tmp_path_factory):
 def tokenizer_dir(tiny_checkpoint) -> Path:
     """Directory of the tiny Llama checkpoint, for tests that only need its tokenizer."""
     return tiny_checkpoint("llama")
+
+
+@pytest.fixture(scope="session")
+def _spans():
+    """Tracing on in this process, into memory, for the rest of the session (OpenTelemetry takes
+    one tracer provider per process)."""
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from pagefleet.worker import tracing
+
+    exporter = InMemorySpanExporter()
+    tracing.init_tracing("memory", "pagefleet-test", exporter=exporter)
+    return exporter
+
+
+@pytest.fixture
+def recorded(_spans):
+    """The spans finished during the test (``get_finished_spans()``)."""
+    _spans.clear()
+    yield _spans
+    _spans.clear()

@@ -1,21 +1,23 @@
-"""What the engine hands back: whole outputs (offline) and per-step deltas (streaming)."""
+"""What the engine hands back: whole outputs (offline) and per-step deltas (streaming).
+
+msgspec structs: plain data that a replica's delta channel encodes as it is
+(``worker.replica.wire``), field order on the wire being declaration order.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import msgspec
 
 
-@dataclass(slots=True)
-class TokenLogprob:
+class TokenLogprob(msgspec.Struct, array_like=True, gc=False):
     """The chosen token's logprob and, when asked for, the top alternatives."""
 
     token_id: int
     logprob: float
-    top: list[tuple[int, float]] = field(default_factory=list)
+    top: list[tuple[int, float]] = []
 
 
-@dataclass(slots=True)
-class CompletionOutput:
+class CompletionOutput(msgspec.Struct, array_like=True, gc=False):
     """One of a request's ``n`` sequences: its whole output (offline), or its new output in one
     engine step (in a ``RequestOutputDelta``)."""
 
@@ -27,8 +29,7 @@ class CompletionOutput:
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
 
 
-@dataclass(slots=True)
-class RequestOutputDelta:
+class RequestOutputDelta(msgspec.Struct, array_like=True, gc=False):
     """One chunk of a request's stream: at most one per request per engine step."""
 
     request_id: str
@@ -38,8 +39,7 @@ class RequestOutputDelta:
     finished: bool
 
 
-@dataclass(slots=True)
-class RequestOutput:
+class RequestOutput(msgspec.Struct, gc=False):
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
@@ -48,26 +48,36 @@ class RequestOutput:
     finished: bool
 
 
+def append_output(into: CompletionOutput, *new: CompletionOutput) -> None:
+    """Extends ``into`` with the next outputs of the same sequence, oldest first: texts, token ids
+    and logprobs joined in order (each once: linear in what is added), the latest finish kept. The
+    one place outputs accumulate."""
+    into.text += "".join(n.text for n in new)
+    for n in new:
+        into.token_ids.extend(n.token_ids)
+        if n.logprobs is not None:
+            if into.logprobs is None:
+                into.logprobs = []
+            into.logprobs.extend(n.logprobs)
+    if new:
+        into.finish_reason, into.stop_reason = new[-1].finish_reason, new[-1].stop_reason
+
+
 def merge_deltas(deltas: list[RequestOutputDelta]) -> RequestOutputDelta:
     """One delta for consecutive deltas of one request, oldest first: what a consumer slower than
     the engine missed, in one chunk. Per sequence its texts, token ids and logprobs are joined in
     order and the latest finish is kept; the prompt and cache counts are the first delta's."""
     if len(deltas) == 1:
         return deltas[0]
-    merged: dict[int, CompletionOutput] = {}
+    by_index: dict[int, list[CompletionOutput]] = {}
     for delta in deltas:
         for seq in delta.sequences:
-            into = merged.get(seq.index)
-            if into is None:
-                merged[seq.index] = CompletionOutput(seq.index, seq.text, list(seq.token_ids),
-                                                     None if seq.logprobs is None else list(seq.logprobs),
-                                                     seq.finish_reason, seq.stop_reason)
-                continue
-            into.text += seq.text
-            into.token_ids.extend(seq.token_ids)
-            if seq.logprobs is not None:
-                into.logprobs = (into.logprobs or []) + seq.logprobs
-            into.finish_reason, into.stop_reason = seq.finish_reason, seq.stop_reason
+            by_index.setdefault(seq.index, []).append(seq)
+    merged = []
+    for index in sorted(by_index):
+        into = CompletionOutput(index, "", [], None, None)
+        append_output(into, *by_index[index])
+        merged.append(into)
     first = deltas[0]
-    return RequestOutputDelta(first.request_id, [merged[i] for i in sorted(merged)], first.num_prompt_tokens,
-                              first.num_cached_tokens, deltas[-1].finished)
+    return RequestOutputDelta(first.request_id, merged, first.num_prompt_tokens, first.num_cached_tokens,
+                              deltas[-1].finished)

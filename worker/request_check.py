@@ -60,10 +60,6 @@ def check_request(prompt_token_ids: list[int], params: "SamplingParams", limits:
     n = len(prompt_token_ids)
     if n == 0:
         raise InvalidRequest("prompt must not be empty", "prompt")
-    bad = _first_outside_vocab(prompt_token_ids, limits.vocab_size)
-    if bad is not None:
-        raise InvalidRequest(f"token id {prompt_token_ids[bad]!r} is outside the vocabulary "
-                             f"[0, {limits.vocab_size})", "prompt")
     if n >= limits.max_model_len:
         raise InvalidRequest(f"This model's maximum context length is {limits.max_model_len} tokens. However, "
                              f"your prompt has {n} tokens, leaving no room for a completion.", "prompt",
@@ -77,6 +73,11 @@ def check_request(prompt_token_ids: list[int], params: "SamplingParams", limits:
         raise InvalidRequest(f"min_tokens ({params.min_tokens}) does not fit beside the prompt ({n} tokens) "
                              f"within the maximum context length of {limits.max_model_len} tokens", "min_tokens",
                              CONTEXT_LENGTH_EXCEEDED)
+    # Sizes first: only a prompt that fits is scanned token by token.
+    bad = _first_outside_vocab(prompt_token_ids, limits.vocab_size)
+    if bad is not None:
+        raise InvalidRequest(f"token id {prompt_token_ids[bad]!r} is outside the vocabulary "
+                             f"[0, {limits.vocab_size})", "prompt")
     if params.n > limits.max_num_seqs:
         raise InvalidRequest(f"n ({params.n}) must be <= max_num_seqs ({limits.max_num_seqs})", "n")
     if len(params.stop) > limits.max_stop_strings:

@@ -32,7 +32,7 @@ from pagefleet.router.openai.openapi_spec import install_schemas, route_docs
 from pagefleet.router.openai.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from pagefleet.router.openai.service import OpenAIService, PreparedRequest
 from pagefleet.router.openai.sse import sse_stream
-from pagefleet.worker.replica import hop_trace
+from pagefleet.worker import tracing
 
 logger = logging.getLogger(__name__)
 
@@ -109,11 +109,8 @@ def build_openai_app(service: OpenAIService, *, api_key: str | None = None, body
     async def list_models() -> dict:
         return service.models()
 
-    async def respond(prepared: PreparedRequest, started: float) -> Response:
-        if hop_trace.PATH:
-            for job in prepared.jobs:
-                hop_trace.mark(job.request_id, "ingress_http", started)
-                hop_trace.mark(job.request_id, "ingress_prepared")
+    async def respond(prepared: PreparedRequest, request: Request, started: float) -> Response:
+        service.trace(prepared, request.headers, started)
         await service.admit(prepared)
         if prepared.stream:
             return _event_stream(service.stream_chunks(prepared))
@@ -127,14 +124,14 @@ def build_openai_app(service: OpenAIService, *, api_key: str | None = None, body
     async def create_completion(request: Request) -> Response:
         started = time.time()
         service.check_open()
-        return await respond(await service.completion(await _parse(request, CompletionRequest)), started)
+        return await respond(await service.completion(await _parse(request, CompletionRequest)), request, started)
 
     @app.post("/v1/chat/completions", **route_docs(request=ChatCompletionRequest, ok=out.ChatCompletionResponse,
                                                    chunk=out.ChatCompletionChunk, errors=generating, api_key=keyed))
     async def create_chat_completion(request: Request) -> Response:
         started = time.time()
         service.check_open()
-        return await respond(await service.chat(await _parse(request, ChatCompletionRequest)), started)
+        return await respond(await service.chat(await _parse(request, ChatCompletionRequest)), request, started)
 
     @app.post("/tokenize", **route_docs(request=TokenizeRequest, ok=out.TokenizeResponse, errors=reading,
                                         api_key=keyed))

@@ -9,7 +9,7 @@ request gets the same message from the ingress as from ``LLM.generate``.
 
 from __future__ import annotations
 
-import dataclasses
+import copy
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -208,10 +208,13 @@ def check_job(token_ids: list[int], params: SamplingParams, info: ModelInfo,
 
 
 def with_max_tokens(params: SamplingParams, prompt_len: int, info: ModelInfo) -> SamplingParams:
-    """A request without max_tokens may fill the context: say how far (as vLLM does)."""
+    """A request without max_tokens may fill the context: say how far (as vLLM does). A copy, not
+    validated again: the request check has just refused a prompt that leaves no room."""
     if params.max_tokens is not None:
         return params
-    return dataclasses.replace(params, max_tokens=info.limits.max_model_len - prompt_len)
+    filled = copy.copy(params)  # the prompts of one request share ``params``
+    filled.max_tokens = info.limits.max_model_len - prompt_len
+    return filled
 
 
 def _sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: int | None,

@@ -12,7 +12,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagefleet.worker.outputs import CompletionOutput, RequestOutputDelta, TokenLogprob
+from pagefleet.worker.outputs import CompletionOutput, RequestOutputDelta, TokenLogprob, append_output
 
 
 @dataclass(slots=True)
@@ -31,11 +31,7 @@ class Usage:
 class ChoiceState:
     """One choice's output so far (non-streaming) and its text offset (streaming logprobs)."""
 
-    text: list[str] = field(default_factory=list)
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None  # the stop string or stop token id that ended it (as vLLM reports)
+    output: CompletionOutput = field(default_factory=lambda: CompletionOutput(0, "", [], None, None))
     text_offset: int = 0
     sent_role: bool = False
 
@@ -85,24 +81,17 @@ class ResponseBuilder(ABC):
 
     def accumulate(self, index: int, seq: CompletionOutput) -> None:
         state = self.choice(index)
-        if state.finish_reason is not None:
+        if state.output.finish_reason is not None:
             return  # the engine repeats a finished sequence, empty, while its siblings run
-        state.text.append(seq.text)
-        state.token_ids.extend(seq.token_ids)
-        if seq.logprobs:
-            state.logprobs.extend(seq.logprobs)
-        if seq.finish_reason is not None:
-            state.finish_reason = seq.finish_reason
-            state.stop_reason = seq.stop_reason
+        append_output(state.output, seq)
         self.count_sequence(seq)
 
     def full_response(self) -> dict:
         choices = []
         for index in sorted(self._choices):
-            state = self._choices[index]
-            logprobs = self._logprobs(state.logprobs, 0) if self.want_logprobs else None
-            choices.append(self._choice(index, "".join(state.text), logprobs, state.finish_reason,
-                                        state.stop_reason))
+            out = self._choices[index].output
+            logprobs = self._logprobs(out.logprobs or [], 0) if self.want_logprobs else None
+            choices.append(self._choice(index, out.text, logprobs, out.finish_reason, out.stop_reason))
         return {"id": self.id, "object": self.object_name,
                 "created": self.created, "model": self.model, "choices": choices,
                 "usage": self.usage.to_dict()}
@@ -116,10 +105,10 @@ class ResponseBuilder(ABC):
     def delta_chunk(self, index: int, seq: CompletionOutput) -> dict | None:
         """The chunk for one choice's new output in one engine step; None when it has nothing."""
         state = self.choice(index)
-        if state.finish_reason is not None:
+        if state.output.finish_reason is not None:
             return None  # the engine repeats a finished sequence, empty, while its siblings run
         self.count_sequence(seq)
-        state.finish_reason = seq.finish_reason
+        state.output.finish_reason = seq.finish_reason
         if not seq.text and not seq.token_ids and seq.finish_reason is None:
             return None
         logprobs = None

@@ -15,15 +15,14 @@ import asyncio
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable, Protocol, TypeVar
+from typing import Any, AsyncIterator, Callable, Mapping, Protocol, TypeVar
 
 from pagefleet.router.openai import preprocess as pre
 from pagefleet.router.openai.errors import OpenAIError, bad_request, internal_error, unavailable
 from pagefleet.router.openai.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from pagefleet.router.openai.responses import ChatResponseBuilder, CompletionResponseBuilder, ResponseBuilder
-from pagefleet.worker.replica import hop_trace
-from pagefleet.worker.core.block_hash import block_hashes
-from pagefleet.worker.core.kv_events import pack_hashes
+from pagefleet.worker import tracing
+from pagefleet.worker.core.block_hash import block_hashes, pack_hashes
 from pagefleet.worker.outputs import RequestOutputDelta
 from pagefleet.worker.request_check import InvalidRequest
 from pagefleet.worker.sampling_params import SamplingParams
@@ -142,11 +141,25 @@ class OpenAIService:
 
     # ---- running jobs ------------------------------------------------------------------
 
+    def trace(self, prepared: PreparedRequest, headers: Mapping[str, str], started: float) -> None:
+        """Opens each job's span (when tracing is on), from when its HTTP handler ``started``,
+        continuing the client's trace if ``headers`` carry one."""
+        for job in prepared.jobs:
+            job.span = tracing.start_span("pagefleet.request", headers, started, {
+                "pagefleet.request_id": job.request_id, "gen_ai.request.model": self.info.served_model_name,
+                "gen_ai.usage.prompt_tokens": len(job.token_ids), "gen_ai.request.n": job.params.n})
+            tracing.event(job.span, "prepared")
+
     async def admit(self, prepared: PreparedRequest) -> None:
         """Ask where each job goes, before any response starts (a 429 must be a whole response)."""
-        for job in prepared.jobs:
-            job.ranking = await self.client.route(job)
-            hop_trace.mark(job.request_id, "ingress_routed")
+        try:
+            for job in prepared.jobs:
+                job.ranking = await self.client.route(job)
+                tracing.event(job.span, "routed")
+        except BaseException as exc:
+            for job in prepared.jobs:
+                _end_span(job, exc)
+            raise
 
     async def run_to_completion(self, prepared: PreparedRequest) -> dict:
         """All prompts run concurrently; the response is built once every one has finished."""
@@ -168,8 +181,6 @@ class OpenAIService:
             for chunk in builder.role_chunks(list(range(len(jobs) * n))):
                 yield chunk
             async for job_index, delta in self._merged(prepared):
-                if hop_trace.PATH:
-                    hop_trace.mark(delta.request_id, "ingress_first_chunk")
                 for seq in delta.sequences:
                     chunk = builder.delta_chunk(job_index * n + seq.index, seq)
                     if chunk is not None:
@@ -182,7 +193,7 @@ class OpenAIService:
     async def _merged(self, prepared: PreparedRequest) -> AsyncIterator[tuple[int, RequestOutputDelta]]:
         """Deltas of every job as they come; leaving early closes every worker stream."""
         builder, jobs = prepared.builder, prepared.jobs
-        streams = [_counting(builder, i, self.client.generate(job)) for i, job in enumerate(jobs)]
+        streams = [_counting(builder, i, job, self.client.generate(job)) for i, job in enumerate(jobs)]
         if len(streams) == 1:  # the common case needs no tasks
             try:
                 async for item in streams[0]:
@@ -258,6 +269,7 @@ class Job:
     block_hashes: bytes = b""  # the prompt's full-block hashes, packed
     extra_keys: tuple = ()  # the cache salt, when the request has one
     ranking: list[str] | None = None  # where the global scheduler would run it, best first
+    span: Any = None  # its span while tracing is on (``worker.tracing``)
 
 
 @dataclass(slots=True)
@@ -276,28 +288,38 @@ def _include_usage(req: CompletionRequest | ChatCompletionRequest) -> bool:
 _FINISHED = object()
 
 
-async def _counting(builder: ResponseBuilder, index: int,
+async def _counting(builder: ResponseBuilder, index: int, job: Job,
                     stream: AsyncIterator[RequestOutputDelta]) -> AsyncIterator[tuple[int, RequestOutputDelta]]:
     """Tags deltas with their job and counts each request's prompt once; worker errors
     become OpenAI errors (a request the engine refused is still the client's fault; anything
-    else is a 500 whose details stay in the server log)."""
-    first = True
+    else is a 500 whose details stay in the server log). Ends the job's span."""
+    first, error = True, None
     try:
         async for delta in stream:
             if first:
                 builder.count_request(delta)
+                tracing.event(job.span, "first_delta")
                 first = False
             yield index, delta
-    except OpenAIError:
+    except OpenAIError as exc:
+        error = exc
         raise
     except InvalidRequest as exc:
-        raise bad_request(str(exc), exc.param, exc.code) from exc
+        error = bad_request(str(exc), exc.param, exc.code)
+        raise error from exc
     except Exception as exc:
-        raise internal_error(exc) from exc
+        error = internal_error(exc)
+        raise error from exc
     finally:
         close = getattr(stream, "aclose", None)
         if close is not None:
             await close()
+        _end_span(job, error)
+
+
+def _end_span(job: Job, error: BaseException | None) -> None:
+    tracing.end(job.span, error)
+    job.span = None
 
 
 async def _pump(stream: AsyncIterator, queue: asyncio.Queue) -> None:

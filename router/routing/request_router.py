@@ -16,10 +16,8 @@ blocks: ``choose_replicas`` only computes. Each choice is counted in
 ``pagefleet_router_decisions`` by policy and reason (kv's by the ingress,
 which knows the scheduler's reason).
 
-A replica's delta channel (``ChannelOpen``, ``worker.replica.delta_channel``) goes to the replica it
-names and nowhere else, whatever the policy, and counts no sequences. ``routable`` tells the
-ingress whether a replica is still one Serve routes to (one Serve is stopping is not), before it
-sends a request on that replica's channel connection instead of through Serve.
+A replica's delta channel (``ChannelOpen``, ``worker.replica.wire``) goes to the replica it
+names and nowhere else, whatever the policy, and counts no sequences.
 
 Every router is FIFO (``FIFOMixin``): Serve gives each choice to the oldest
 pending request. It has to be: the handle calls of one HTTP request (a
@@ -32,9 +30,7 @@ length (an await) can two routing tasks finish out of order and swap.
 
 from __future__ import annotations
 
-import importlib
 import random
-import weakref
 from collections import Counter
 from typing import Any, List, Optional, TypeVar
 
@@ -44,24 +40,12 @@ from pagefleet.router.metrics import RouterMetrics
 from pagefleet.router.routing.prefix_table import PrefixTable
 from pagefleet.router.routing.policies import (ReplicaLoad, pick_two, rank_replicas, replica_load, round_robin,
                                              routing_reason)
-from pagefleet.worker.core.kv_events import unpack_hashes
+from pagefleet.worker.core.block_hash import PackedHashes
 from pagefleet.worker.metrics.stats import ReplicaStats
-from pagefleet.worker.replica.worker_request import ChannelOpen, WorkerRequest
+from pagefleet.worker.replica.wire import ChannelOpen, WorkerRequest
 
 _MODULE = "pagefleet.router.routing.request_router"
 T = TypeVar("T")
-
-# (app, deployment) -> a request router of it in this process (Serve makes them, for each handle).
-_ROUTERS: dict[tuple[str, str], weakref.ReferenceType] = {}
-
-
-def routable(app_name: str, deployment_name: str, replica_id: str) -> bool:
-    """Whether a request router of the deployment in this process has ``replica_id`` among the
-    replicas it routes to now (False when there is no such router here)."""
-    ref = _ROUTERS.get((app_name, deployment_name))
-    router = ref() if ref is not None else None
-    return router is not None and any(r.unique_id == replica_id for r in router.curr_replicas)
-
 
 def _argument(pending_request: Optional[PendingRequest], kind: type[T]) -> T | None:
     """The call's argument if it is a ``kind`` (a ``WorkerRequest``, a ``ChannelOpen``), else None."""
@@ -90,12 +74,6 @@ class _PagefleetRouter(FIFOMixin, RequestRouter):
         self._in_flight: dict[tuple[ReplicaID, str], list[int]] = {}
         self._in_flight_seqs: Counter = Counter()  # replica -> sequences in flight from this router
         self.metrics = RouterMetrics()
-        deployment = getattr(self, "_deployment_id", None)
-        if deployment is not None:
-            # Through the imported module: Serve may hand this process the class pickled by value,
-            # whose globals (this module's registry among them) are then a copy of their own.
-            registry = importlib.import_module(_MODULE)._ROUTERS
-            registry[(deployment.app_name, deployment.name)] = weakref.ref(self)
 
     async def choose_replicas(self, candidate_replicas: List[RunningReplica],
                               pending_request: Optional[PendingRequest] = None) -> List[List[RunningReplica]]:
@@ -188,7 +166,7 @@ class PrefixRouter(_PagefleetRouter):
     async def choose(self, candidate_replicas: List[RunningReplica],
                      pending_request: Optional[PendingRequest]) -> List[List[RunningReplica]]:
         request = _worker_request(pending_request)
-        hashes = unpack_hashes(request.block_hashes) if request is not None else []
+        hashes = PackedHashes(request.block_hashes) if request is not None else []
         ranking, reason = self.table.rank(hashes, self.loads(candidate_replicas))
         self.metrics.inc("routing_decisions", policy="prefix", reason=reason)
         return self.tiers(candidate_replicas, ranking)
@@ -197,7 +175,7 @@ class PrefixRouter(_PagefleetRouter):
         super().on_request_routed(pending_request, replica_id, result)
         request = _worker_request(pending_request)
         if request is not None and request.block_hashes:
-            self.table.record(unpack_hashes(request.block_hashes), replica_id.unique_id)
+            self.table.record(PackedHashes(request.block_hashes), replica_id.unique_id)
 
 
 class KVRouter(_PagefleetRouter):

@@ -1,16 +1,12 @@
-"""The ingress's side of its delta channels (``worker.replica.delta_channel``): one channel per worker
+"""The ingress's side of its delta channels (``worker.replica.wire``): one channel per worker
 replica carries the deltas of every request this ingress placed there, and this module hands
 each delta to its request's queue. A channel is a TCP connection to the replica where the
 ingress can reach it (the replica's ``channel`` call offers the address and a token), else that
-call's own Serve stream.
+call's own Serve stream; either carries the same encoded frames.
 
 A request registers its queue before it is sent (its first deltas can arrive before its
 ``Placed``), says where it was placed, and reads its queue (``read_deltas``), where the
-request's own stream also puts its ``Ended`` or its error (``watch``). Once a replica's channel
-is an open connection, ``send`` puts a request on it instead of on a Serve call: the replica
-answers on the channel with its deltas, or a refusal (``ReplicaBusy``: send it through Serve)
-or its error, and a request whose connection ends before it finished fails with
-``ChannelLost``. The reader of a replica's
+request's own stream also puts its ``Ended`` or its error (``watch``). The reader of a replica's
 channel runs while requests are placed there: it opens the channel again if the stream breaks
 (the replica keeps what was not taken) or ends (the replica closes a channel idle for a few
 seconds), and stops once no request of this ingress runs there: the replica is gone and its
@@ -21,16 +17,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import pickle
 import uuid
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
 
-from pagefleet.worker.replica import hop_trace
+import msgspec
+
 from pagefleet.worker.outputs import RequestOutputDelta, merge_deltas
-from pagefleet.worker.replica.delta_channel import FRAME_HEADER, MAX_FRAME_BYTES, encode_frame, keep_alive
-from pagefleet.worker.replica.worker_request import (Abort, ChannelOpen, Ended, Failed, Refused, SocketOffer,
-                                              WorkerRequest)
+from pagefleet.worker.replica.delta_channel import TOKEN_BYTES, keep_alive
+from pagefleet.worker.replica.wire import (FRAME_HEADER, MAX_FRAME_BYTES, ChannelOpen, Ended, SocketOffer,
+                                           decode_batch)
 
 logger = logging.getLogger(__name__)
 
@@ -47,15 +43,6 @@ class LostOutputError(RuntimeError):
     """The replica sent more deltas than arrived (a channel broke with them in flight)."""
 
 
-class ReplicaBusy(RuntimeError):
-    """The replica refused a request sent on its channel connection: nothing of it ran."""
-
-
-class ChannelLost(ConnectionError):
-    """The channel connection a request was sent on ended before the request finished (the
-    replica's process or node went away, or the connection broke): the replica aborted it."""
-
-
 @dataclass(slots=True)
 class MuxCounters:
     channels_opened: int = 0
@@ -63,8 +50,6 @@ class MuxCounters:
     batches: int = 0
     deltas: int = 0
     unclaimed: int = 0  # deltas of no running request (cancelled meanwhile, or a send that failed)
-    sent: int = 0  # requests sent on a channel connection
-    refused: int = 0  # of those, refused by the replica (then sent through Serve)
 
 
 class SocketUnusable(ConnectionError):
@@ -73,23 +58,15 @@ class SocketUnusable(ConnectionError):
 
 class _FrameReader(asyncio.Protocol):
     """The ingress's end of a socket channel: sends the offer's token, then hands each frame's
-    batch to ``on_batch`` as it arrives. ``done`` resolves when the connection ends: to whether
+    body to ``on_body`` as it arrives. ``done`` resolves when the connection ends: to whether
     any frame came (the replica accepted the token), or to the error it broke with."""
 
-    def __init__(self, token: bytes, on_batch: Callable[[list[RequestOutputDelta]], None]) -> None:
+    def __init__(self, token: bytes, on_body: Callable[[memoryview], None]) -> None:
         self._token = token
-        self._on_batch = on_batch
+        self._on_body = on_body
         self._buf = bytearray()
         self.frames = 0
         self.done: asyncio.Future = asyncio.get_running_loop().create_future()
-
-    @property
-    def open(self) -> bool:
-        """Attached (the replica's first frame came) and not ended."""
-        return self.frames > 0 and not self.done.done() and not self._transport.is_closing()
-
-    def send(self, commands: list) -> None:
-        self._transport.write(encode_frame(commands))  # type: ignore[attr-defined]
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport
@@ -107,10 +84,18 @@ class _FrameReader(asyncio.Protocol):
             end = start + FRAME_HEADER.size + length
             if end > size:
                 break
-            batch = pickle.loads(memoryview(buf)[start + FRAME_HEADER.size:end])
+            body = memoryview(buf)[start + FRAME_HEADER.size:end]
             start = end
             self.frames += 1
-            self._on_batch(batch)
+            try:
+                self._on_body(body)
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:  # not a peer of ours
+                self._transport.abort()
+                if not self.done.done():
+                    self.done.set_exception(ConnectionError(f"a frame that is not a delta batch: {exc}"))
+                return
+            finally:
+                body.release()  # the buffer is resized below
         del buf[:start]
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -141,8 +126,6 @@ class ChannelMux:
         self._replica_of: dict[str, str] = {}  # request id -> replica it was placed on
         self._on: dict[str, set[str]] = {}  # replica -> request ids placed there
         self._readers: dict[str, asyncio.Task] = {}
-        self._connections: dict[str, _FrameReader] = {}  # replica -> its channel's open connection
-        self._sent: set[str] = set()  # requests sent on their replica's connection, still running there
         self.counters = MuxCounters()
 
     def register(self, request_id: str) -> asyncio.Queue:
@@ -163,30 +146,8 @@ class ChannelMux:
         if replica_id not in self._readers:
             self._readers[replica_id] = asyncio.ensure_future(self._read(replica_id))
 
-    def send(self, request: WorkerRequest, replica_id: str) -> bool:
-        """Sends ``request`` on the replica's channel connection and says so, or says it has none
-        open (the request goes through Serve). Its deltas, refusal or error come to its queue."""
-        connection = self._connections.get(replica_id)
-        if connection is None or not connection.open:
-            return False
-        self.placed(request.request_id, replica_id)
-        self._sent.add(request.request_id)
-        connection.send([request])
-        self.counters.sent += 1
-        return True
-
-    def abort(self, request_id: str) -> None:
-        """Stops a request sent on a connection that has not finished (the client went away)."""
-        if request_id not in self._sent:
-            return
-        self._sent.remove(request_id)
-        connection = self._connections.get(self._replica_of.get(request_id))
-        if connection is not None and connection.open:
-            connection.send([Abort(request_id)])
-
     def release(self, request_id: str) -> None:
         self._queues.pop(request_id, None)
-        self._sent.discard(request_id)
         self._unplace(request_id)
 
     def _unplace(self, request_id: str) -> None:
@@ -200,15 +161,16 @@ class ChannelMux:
                 use_socket = self._sockets and replica_id not in self._no_socket
                 stream = self._open(ChannelOpen(self.channel_id, replica_id, socket=use_socket))
                 try:
-                    # [] once attached, or where to connect
+                    # an empty batch once attached, or where to connect
                     first = await asyncio.wait_for(stream.__anext__(), self.attach_timeout_s)
                     if isinstance(first, SocketOffer):
                         await self._read_socket(replica_id, first)
                         continue
                     self.counters.channels_opened += 1
                     self._on_opened("serve_stream")
-                    async for batch in stream:
-                        self._dispatch(replica_id, batch)
+                    self._dispatch(replica_id, first)
+                    async for body in stream:
+                        self._dispatch(replica_id, body)
                 except SocketUnusable as exc:
                     self._no_socket.add(replica_id)
                     logger.warning("delta channel socket of %s unusable (%s); its Serve stream carries the "
@@ -232,11 +194,10 @@ class ChannelMux:
         loop = asyncio.get_running_loop()
         try:
             transport, reader = await asyncio.wait_for(loop.create_connection(
-                lambda: _FrameReader(offer.token, lambda batch: self._dispatch(replica_id, batch)),
+                lambda: _FrameReader(offer.token, lambda body: self._dispatch(replica_id, body)),
                 offer.host, offer.port), CONNECT_TIMEOUT_S)
         except (OSError, asyncio.TimeoutError) as exc:
             raise SocketUnusable(f"connecting to {offer.host}:{offer.port}: {exc!r}") from exc
-        self._connections[replica_id] = reader
         try:
             keep_alive(transport.get_extra_info("socket"))
             self.counters.channels_opened += 1
@@ -246,42 +207,22 @@ class ChannelMux:
                 raise SocketUnusable(f"{offer.host}:{offer.port} closed the connection unanswered")
         finally:
             transport.close()
-            if self._connections.get(replica_id) is reader:
-                del self._connections[replica_id]
-            self._lose_sent(replica_id)
 
-    def _lose_sent(self, replica_id: str) -> None:
-        """The requests sent on a replica's connection that ended: the replica aborted them."""
-        for request_id in [r for r in self._sent if self._replica_of.get(r) == replica_id]:
-            self._sent.discard(request_id)
-            q = self._queues.get(request_id)
-            if q is not None:
-                q.put_nowait(ChannelLost(f"the channel connection to worker replica {replica_id} ended"))
-
-    def _dispatch(self, replica_id: str, batch: list[RequestOutputDelta]) -> None:
+    def _dispatch(self, replica_id: str, body: bytes | memoryview) -> None:
+        """Hands each delta of one channel item to its request's queue (``msgspec.ValidationError``
+        or ``DecodeError`` for an item that is not a delta batch)."""
+        batch = decode_batch(body)
         self.counters.batches += 1
         self.counters.deltas += len(batch)
         for item in batch:
             request_id = item.request_id
-            if hop_trace.PATH:
-                hop_trace.mark(request_id, "ingress_channel_recv")
             q = self._queues.get(request_id)
             # From the replica it runs on; before its Placed arrives, from wherever it runs. A send
             # that failed has an id of its own, whose queue is gone: its late deltas go to no one.
             if q is None or self._replica_of.get(request_id, replica_id) != replica_id:
                 self.counters.unclaimed += 1
-            elif isinstance(item, RequestOutputDelta):
-                if item.finished:
-                    self._sent.discard(request_id)
+            else:
                 q.put_nowait(item)
-            else:  # a request sent on the connection that did not run, or failed
-                self._sent.discard(request_id)
-                if isinstance(item, Refused):  # it goes through Serve, to this replica or another
-                    self._unplace(request_id)
-                    self.counters.refused += 1
-                    q.put_nowait(ReplicaBusy(f"worker replica {replica_id} holds as many requests as it may"))
-                elif isinstance(item, Failed):
-                    q.put_nowait(item.error)
 
 
 async def watch(response: Any, q: asyncio.Queue) -> None:

@@ -7,8 +7,8 @@ from hypothesis import given, settings, strategies as st
 
 from pagefleet.router.global_scheduler.core import GlobalScheduler, RouteRequest
 from pagefleet.router.global_scheduler.kv_index import KVBlockIndex, routing_keys
-from pagefleet.worker.core.block_hash import block_hashes
-from pagefleet.worker.core.kv_events import KVEventBatch, KVSnapshot, pack_hashes
+from pagefleet.worker.core.block_hash import block_hashes, pack_hashes
+from pagefleet.worker.core.kv_events import KVEventBatch, KVSnapshot
 
 BS = 4
 PROMPT = list(range(100, 117))  # 4 full blocks + 1 token

@@ -2,8 +2,7 @@
 (over the real FastAPI app with a scripted worker)."""
 
 from pagefleet.router.openai.errors import too_many_requests
-from pagefleet.worker.core.block_hash import block_hashes
-from pagefleet.worker.core.kv_events import pack_hashes
+from pagefleet.worker.core.block_hash import block_hashes, pack_hashes
 
 from serving_fakes import MODEL
 

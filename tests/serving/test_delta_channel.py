@@ -13,11 +13,12 @@ import pytest
 from channel_fakes import Call, SteppedEngine, delta, settle, until
 from pagefleet.router.worker_client.delta_mux import ChannelMux, LostOutputError, _FrameReader, read_deltas
 from pagefleet.router.routing.request_router import KVRouter, RoundRobinRouter
-from pagefleet.worker.replica.delta_channel import TOKEN_BYTES, DeltaChannel, encode_frame
+from pagefleet.worker.replica.delta_channel import TOKEN_BYTES, DeltaChannel
+from pagefleet.worker.replica.wire import FRAME_HEADER, MAX_FRAME_BYTES, decode_batch, encode_batch, encode_frame
 from pagefleet.worker.replica.deployment import WorkerReplica
 from pagefleet.worker.engine.engine_args import EngineArgs
 from pagefleet.worker.sampling_params import SamplingParams
-from pagefleet.worker.replica.worker_request import ChannelOpen, Ended, Placed, SocketOffer, WorkerRequest
+from pagefleet.worker.replica.wire import ChannelOpen, Ended, Placed, SocketOffer, WorkerRequest
 
 
 def _request(request_id: str, max_tokens: int, channel: str | None = "c1") -> WorkerRequest:
@@ -28,7 +29,7 @@ def test_one_item_per_step_carries_every_requests_delta():
     async def run():
         replica = WorkerReplica(EngineArgs(), engine_factory=SteppedEngine)
         channel = replica.channel(ChannelOpen("c1", "local"))
-        assert await channel.__anext__() == []  # attached
+        assert decode_batch(await channel.__anext__()) == []  # attached
         a, b = replica.generate(_request("a", 2)), replica.generate(_request("b", 2))
         assert (await a.__anext__(), await b.__anext__()) == (Placed("local"), Placed("local"))
         ends = [asyncio.ensure_future(a.__anext__()), asyncio.ensure_future(b.__anext__())]
@@ -36,7 +37,7 @@ def test_one_item_per_step_carries_every_requests_delta():
         for step in range(2):
             await settle()
             replica.engine.steps[step].set()
-            items.append(await channel.__anext__())
+            items.append(decode_batch(await channel.__anext__()))
         assert [[(d.request_id, d.sequences[0].token_ids) for d in item] for item in items] == \
             [[("a", [0]), ("b", [0])], [("a", [1]), ("b", [1])]]
         assert await asyncio.gather(*ends) == [Ended(2), Ended(2)]
@@ -64,7 +65,7 @@ def test_a_cancelled_channel_request_is_aborted_at_once_and_leaves_nothing():
     async def run():
         replica = WorkerReplica(EngineArgs(), engine_factory=SteppedEngine)
         channel = replica.channel(ChannelOpen("c1", "local"))
-        assert await channel.__anext__() == []
+        assert decode_batch(await channel.__anext__()) == []
         gen = replica.generate(_request("a", 3))
         assert await gen.__anext__() == Placed("local")
         replica.engine.steps[0].set()
@@ -86,7 +87,7 @@ def test_the_engine_takes_a_channel_request_while_its_placed_is_on_the_way():
     async def run():
         replica = WorkerReplica(EngineArgs(), engine_factory=SteppedEngine)
         channel = replica.channel(ChannelOpen("c1", "local"))
-        assert await channel.__anext__() == []
+        assert decode_batch(await channel.__anext__()) == []
         gen = replica.generate(_request("a", 3))
         assert await gen.__anext__() == Placed("local")
         await settle()  # Serve is sending the Placed: nothing asks for the next item yet
@@ -127,16 +128,16 @@ def test_a_new_reader_takes_over_and_gets_everything_not_yet_taken():
     async def run():
         channel = DeltaChannel()
         first = channel.batches()
-        assert await first.__anext__() == []
+        assert decode_batch(await first.__anext__()) == []
         channel.put(delta("a", 0))
-        assert await first.__anext__() == [delta("a", 0)]
+        assert decode_batch(await first.__anext__()) == [delta("a", 0)]
         channel.put(delta("a", 1))  # the first reader's stream broke before it took this one
         second = channel.batches()
-        assert await second.__anext__() == []
+        assert decode_batch(await second.__anext__()) == []
         with pytest.raises(StopAsyncIteration):  # the old reader ends at its next wake-up
             await first.__anext__()
         channel.put(delta("a", 2))
-        assert await second.__anext__() == [delta("a", 1), delta("a", 2)]
+        assert decode_batch(await second.__anext__()) == [delta("a", 1), delta("a", 2)]
         assert channel.attached
 
     asyncio.run(run())
@@ -146,28 +147,28 @@ def test_a_channel_with_no_request_ends_its_stream_and_one_with_requests_does_no
     async def run():
         channel = DeltaChannel()
         idle = channel.batches(idle_close_s=0.05)
-        assert await idle.__anext__() == []
+        assert decode_batch(await idle.__anext__()) == []
         with pytest.raises(StopAsyncIteration):  # nothing ran for 50 ms: the stream ends
             await idle.__anext__()
         assert not channel.attached
         channel.requests = 1
         busy = channel.batches(idle_close_s=0.05)
-        assert await busy.__anext__() == []
+        assert decode_batch(await busy.__anext__()) == []
         waiting = asyncio.ensure_future(busy.__anext__())
         await asyncio.sleep(0.15)
         assert not waiting.done()  # a request runs there: the stream stays, however long its step
         channel.put(delta("a", 0))
-        assert await waiting == [delta("a", 0)]
+        assert decode_batch(await waiting) == [delta("a", 0)]
 
     asyncio.run(run())
 
 
 class _Stream:
-    """A channel stream stand-in: [] once attached, then what the test puts."""
+    """A channel stream stand-in: an empty batch once attached, then what the test puts."""
 
     def __init__(self):
         self.items: asyncio.Queue = asyncio.Queue()
-        self.items.put_nowait([])
+        self.items.put_nowait(encode_batch([]))
         self.cancelled = False
 
     def __aiter__(self):
@@ -203,10 +204,10 @@ def test_the_mux_opens_one_channel_per_replica_and_routes_each_delta_to_its_requ
         mux.placed("b", "w0")
         await settle()
         assert [request for request, _ in opened] == [ChannelOpen("c1", "w0")]
-        opened[0][1].items.put_nowait([delta("a", 0), delta("b", 0), delta("gone", 0)])
+        opened[0][1].items.put_nowait(encode_batch([delta("a", 0), delta("b", 0), delta("gone", 0)]))
         await settle()
         assert (qa.get_nowait(), qb.get_nowait()) == (delta("a", 0), delta("b", 0))
-        assert (mux.counters.batches, mux.counters.deltas, mux.counters.unclaimed) == (1, 3, 1)
+        assert (mux.counters.batches, mux.counters.deltas, mux.counters.unclaimed) == (2, 3, 1)  # the first: attached
         with pytest.raises(ValueError, match="already running"):
             mux.register("a")
 
@@ -221,17 +222,17 @@ def test_deltas_before_placed_are_kept_and_a_failed_attempts_late_deltas_are_not
         q = mux.register("a")
         await settle()
         w0 = opened[0][1]
-        w0.items.put_nowait([delta("a", 0)])  # before a's Placed: from wherever a runs
+        w0.items.put_nowait(encode_batch([delta("a", 0)]))  # before a's Placed: from wherever a runs
         await settle()
         assert q.get_nowait() == delta("a", 0)
         mux.placed("a", "w0")
         mux.release("a")  # w0 failed; the next send has an id of its own (the ingress's "a#2")
         q = mux.register("a#2")
-        w0.items.put_nowait([delta("a", 1)])  # w0's late delta, before the new send's Placed
+        w0.items.put_nowait(encode_batch([delta("a", 1)]))  # w0's late delta, before the new send's Placed
         mux.placed("a#2", "w1")
         await settle()
-        opened[1][1].items.put_nowait([delta("a#2", 7)])
-        w0.items.put_nowait([delta("a", 2)])  # and after it
+        opened[1][1].items.put_nowait(encode_batch([delta("a#2", 7)]))
+        w0.items.put_nowait(encode_batch([delta("a", 2)]))  # and after it
         await settle()
         assert q.get_nowait() == delta("a#2", 7) and q.empty()
         assert mux.counters.unclaimed == 2
@@ -248,7 +249,7 @@ def test_a_broken_channel_is_opened_again_while_requests_run_there_and_not_after
         opened[0][1].items.put_nowait(ConnectionError("stream broke"))
         await asyncio.sleep(0.3)  # the reopen backoff
         assert len(opened) == 2 and opened[0][1].cancelled
-        opened[1][1].items.put_nowait([delta("a", 0, finished=True)])
+        opened[1][1].items.put_nowait(encode_batch([delta("a", 0, finished=True)]))
         await settle()
         assert q.get_nowait() == delta("a", 0, finished=True)
         mux.release("a")
@@ -362,7 +363,8 @@ def test_a_socket_offer_is_claimed_once_and_a_wrong_token_gets_nothing():
         call = replica.channel(ChannelOpen("c1", "local", socket=True))
         offer = await call.__anext__()
         assert isinstance(offer, SocketOffer) and len(offer.token) == TOKEN_BYTES
-        call_ends = asyncio.ensure_future(call.__anext__())  # the call lasts until its connection ends
+        with pytest.raises(StopAsyncIteration):  # the offer is the call's one item
+            await call.__anext__()
 
         async def claim(token: bytes) -> bytes:
             reader, writer = await asyncio.open_connection(offer.host, offer.port)
@@ -374,12 +376,27 @@ def test_a_socket_offer_is_claimed_once_and_a_wrong_token_gets_nothing():
 
         assert await claim(bytes(TOKEN_BYTES)) == b""  # closed, nothing sent
         assert replica._channels == {}
-        assert not call_ends.done()
         first = await claim(offer.token)
         assert first == encode_frame([])  # attached: the channel's first batch
-        with pytest.raises(StopAsyncIteration):  # the connection that claimed the offer ended: so does the call
-            await asyncio.wait_for(call_ends, 2.0)
         assert await claim(offer.token) == b""  # used once already
+        replica._channel_server.close()
+
+    asyncio.run(run())
+
+
+def test_a_peer_that_sends_anything_after_its_token_is_closed():
+    async def run():
+        replica = WorkerReplica(EngineArgs(), engine_factory=SteppedEngine, channel_host="127.0.0.1")
+        replica._channel("c1").requests = 1  # a request runs there: the channel would not end on its own
+        offer = await replica.channel(ChannelOpen("c1", "local", socket=True)).__anext__()
+        reader, writer = await asyncio.open_connection(offer.host, offer.port)
+        writer.write(offer.token)
+        assert await asyncio.wait_for(reader.readexactly(len(encode_frame([]))), 2.0) == encode_frame([])
+        assert replica._channels["c1"].attached
+        writer.write(b"\x00\x00\x00\x01x")  # what a request sent on the connection would look like
+        assert await asyncio.wait_for(reader.read(1 << 16), 2.0) == b""  # closed
+        await until(lambda: not replica._channels["c1"].attached)
+        writer.close()
         replica._channel_server.close()
 
     asyncio.run(run())
@@ -408,7 +425,7 @@ def test_a_replica_whose_socket_cannot_be_reached_gets_serve_stream_channels():
         await until(lambda: len(opened) == 2)
         assert [request for request, _ in opened] == [ChannelOpen("c1", "w0", socket=True),
                                                        ChannelOpen("c1", "w0", socket=False)]
-        opened[1][1].items.put_nowait([delta("a", 0)])
+        opened[1][1].items.put_nowait(encode_batch([delta("a", 0)]))
         assert await asyncio.wait_for(q.get(), 2.0) == delta("a", 0)
         assert mux._no_socket == {"w0"} and mux.counters.socket_channels == 0
         mux.release("a")
@@ -422,7 +439,7 @@ def test_a_replica_that_cannot_listen_serves_the_channel_on_its_stream():
         # an address of no interface here (TEST-NET-3): binding it fails
         replica = WorkerReplica(EngineArgs(), engine_factory=SteppedEngine, channel_host="203.0.113.1")
         call = replica.channel(ChannelOpen("c1", "local", socket=True))
-        assert await call.__anext__() == []  # attached on this stream instead of an offer
+        assert decode_batch(await call.__anext__()) == []  # attached on this stream instead of an offer
         assert replica._channels["c1"].attached
         await call.aclose()
 
@@ -432,7 +449,7 @@ def test_a_replica_that_cannot_listen_serves_the_channel_on_its_stream():
 def test_the_frame_reader_takes_frames_however_the_bytes_arrive():
     async def run():
         got: list[list] = []
-        reader = _FrameReader(b"t" * TOKEN_BYTES, got.append)
+        reader = _FrameReader(b"t" * TOKEN_BYTES, lambda body: got.append(decode_batch(body)))
         sent = SimpleNamespace(data=b"")
         reader.connection_made(SimpleNamespace(write=lambda b: setattr(sent, "data", sent.data + b)))
         assert sent.data == b"t" * TOKEN_BYTES
@@ -444,6 +461,28 @@ def test_the_frame_reader_takes_frames_however_the_bytes_arrive():
         assert len(got) == 6 and reader.frames == 6
         reader.connection_lost(None)
         assert reader.done.result() is True  # frames came: the replica had accepted the token
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("frame", [FRAME_HEADER.pack(3) + b"abc",  # not msgpack of a delta list
+                                   FRAME_HEADER.pack(3),  # a header alone: it waits for the body
+                                   FRAME_HEADER.pack(MAX_FRAME_BYTES + 1)])  # longer than any of ours
+def test_the_frame_reader_drops_a_connection_that_sends_what_is_not_ours(frame):
+    async def run():
+        got: list[list] = []
+        reader = _FrameReader(b"t" * TOKEN_BYTES, lambda body: got.append(decode_batch(body)))
+        aborted = []
+        reader.connection_made(SimpleNamespace(write=lambda b: None, abort=lambda: aborted.append(True)))
+        reader.data_received(frame)
+        return got, aborted, reader.done
+
+    got, aborted, done = asyncio.run(run())
+    assert got == []
+    if frame == FRAME_HEADER.pack(3):
+        assert aborted == [] and not done.done()
+    else:
+        assert aborted == [True]
 
     asyncio.run(run())
 

@@ -14,9 +14,8 @@ from pagefleet.worker.outputs import CompletionOutput, RequestOutputDelta
 from pagefleet.worker.sampling_params import SamplingParams
 from pagefleet.worker.engine.options import parse_bytes
 from pagefleet.worker.metrics.stats import EngineStats, ReplicaStats
-from pagefleet.worker.core.block_hash import block_hashes
-from pagefleet.worker.core.kv_events import pack_hashes
-from pagefleet.worker.replica.worker_request import WorkerRequest
+from pagefleet.worker.core.block_hash import block_hashes, pack_hashes
+from pagefleet.worker.replica.wire import WorkerRequest
 
 SERVE_YAML = Path(__file__).resolve().parents[2] / "deploy" / "serve.yaml"
 
@@ -34,7 +33,7 @@ class FakeEngine:
         self.closed = []
         self.received = []
 
-    async def generate(self, request_id, prompt_token_ids, params, extra_keys=(), block_hashes=None):
+    async def generate(self, request_id, prompt_token_ids, params, extra_keys=(), block_hashes=None, span=None):
         self.received.append((request_id, extra_keys, block_hashes))
         try:
             for step in range(params.max_tokens):
@@ -70,7 +69,8 @@ def test_worker_replica_streams_and_publishes_its_load():
     deltas = asyncio.run(run())
     assert [d.sequences[0].token_ids for d in deltas] == [[0], [1], [2]]
     assert deltas[-1].finished
-    assert replica.engine.received == [("r1", ("salt",), hashes)]  # the ingress's hashes, unpacked
+    # the ingress's hashes as they came: packed, for the engine to unpack once
+    assert replica.engine.received == [("r1", ("salt",), pack_hashes(hashes))]
     published = asyncio.run(replica.record_routing_stats())
     assert ReplicaStats.from_routing_stats(published) == ReplicaStats(
         replica_id="local", healthy=True, num_requests_total=1, engine=EngineStats(100, 90, 1, 2, 0, 0, 0, 5, 10, 20))

@@ -4,8 +4,8 @@ and a retry on another replica only for a request that had produced nothing yet.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 
+import msgspec
 import pytest
 import ray.exceptions as ray_exceptions
 from ray.serve.exceptions import BackPressureError
@@ -18,7 +18,7 @@ from pagefleet.worker.errors import EngineDeadError
 from pagefleet.worker.outputs import CompletionOutput, RequestOutputDelta
 from pagefleet.worker.request_check import InvalidRequest
 from pagefleet.worker.sampling_params import SamplingParams
-from pagefleet.worker.replica.worker_request import Ended, Placed
+from pagefleet.worker.replica.wire import Ended, Placed
 
 from channel_fakes import ResendMetrics
 
@@ -85,7 +85,7 @@ class _Response:
     async def _run(self):
         yield Placed("w0")
         for d in self.deltas:
-            self.channel.put(dataclasses.replace(d, request_id=self.request_id))
+            self.channel.put(msgspec.structs.replace(d, request_id=self.request_id))
             while self.channel.pending:  # taken by the ingress's channel reader
                 await asyncio.sleep(0)
             for _ in range(3):  # and handed to the request's reader
@@ -106,7 +106,7 @@ class _OwnStreamResponse(_Response):
         yield Placed("w0", on_channel=False)
         for d in self.deltas:
             await asyncio.sleep(0)
-            yield dataclasses.replace(d, request_id=self.request_id)
+            yield msgspec.structs.replace(d, request_id=self.request_id)
         if self.fail is not None:
             raise self.fail
 

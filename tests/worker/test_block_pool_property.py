@@ -9,7 +9,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, precondi
 
 from pagefleet.worker.core.block_pool import BlockPool
 from pagefleet.worker.core.kv_cache_manager import KVCacheManager
-from pagefleet.worker.core.kv_events import KVEventLog, KVEventSource, KVLoad, unpack_hashes
+from pagefleet.worker.core.kv_events import KVEventLog, KVEventSource, KVLoad
+from pagefleet.worker.core.block_hash import unpack_hashes
 from pagefleet.worker.sampling_params import SamplingParams
 from pagefleet.worker.core.scheduler import Scheduler
 from pagefleet.worker.core.sequence import Sequence, SequenceStatus

@@ -4,11 +4,16 @@ A block's hash covers its parent's hash, its token ids and any extra keys
 that change KV content (a per-tenant cache salt, say). It is deterministic
 across processes and machines: blake2b over a fixed byte encoding, never
 Python's ``hash()``.
+
+A prompt's hashes cross processes in one form, packed: the 16-byte hashes
+concatenated (``pack_hashes``). The ingress packs them once; routers read the
+packed bytes; the engine unpacks them once, when it takes the request in.
 """
 
 from __future__ import annotations
 
 import struct
+from collections.abc import Sequence as SequenceABC
 from hashlib import blake2b
 from typing import Iterable, NewType, Sequence
 
@@ -39,3 +44,37 @@ def block_hashes(token_ids: Sequence[int], block_size: int, extra_keys: tuple = 
         parent = hash_block(parent, token_ids[i * block_size:(i + 1) * block_size], extra_keys)
         hashes.append(parent)
     return hashes
+
+
+def pack_hashes(hashes: Iterable[BlockHash]) -> bytes:
+    return b"".join(hashes)
+
+
+def unpack_hashes(packed: bytes) -> list[BlockHash]:
+    _check_packed(packed)
+    return [BlockHash(packed[i:i + HASH_SIZE]) for i in range(0, len(packed), HASH_SIZE)]
+
+
+def _check_packed(packed: bytes) -> None:
+    if len(packed) % HASH_SIZE:
+        raise ValueError(f"packed hashes must be a multiple of {HASH_SIZE} bytes, got {len(packed)}")
+
+
+class PackedHashes(SequenceABC):
+    """Packed hashes read in place, as a sequence (a router that looks at a prompt's first few
+    blocks reads those and builds nothing)."""
+
+    __slots__ = ("packed",)
+
+    def __init__(self, packed: bytes) -> None:
+        _check_packed(packed)
+        self.packed = packed
+
+    def __len__(self) -> int:
+        return len(self.packed) // HASH_SIZE
+
+    def __getitem__(self, i: int) -> BlockHash:  # type: ignore[override]  # no slices
+        if not -len(self) <= i < len(self):
+            raise IndexError(i)
+        start = (i % len(self)) * HASH_SIZE
+        return BlockHash(self.packed[start:start + HASH_SIZE])

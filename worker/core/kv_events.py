@@ -26,7 +26,7 @@ import struct
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
-from pagefleet.worker.core.block_hash import HASH_SIZE, ROOT_HASH, BlockHash
+from pagefleet.worker.core.block_hash import HASH_SIZE, ROOT_HASH, BlockHash, pack_hashes, unpack_hashes
 
 
 @dataclass(slots=True)
@@ -93,16 +93,6 @@ def pack_token_ids(token_ids: Sequence[int]) -> bytes:
 
 def unpack_token_ids(packed: bytes) -> list[int]:
     return list(struct.unpack(f"<{len(packed) // 4}i", packed))
-
-
-def pack_hashes(hashes: Iterable[BlockHash]) -> bytes:
-    return b"".join(hashes)
-
-
-def unpack_hashes(packed: bytes) -> list[BlockHash]:
-    if len(packed) % HASH_SIZE:
-        raise ValueError(f"packed hashes must be a multiple of {HASH_SIZE} bytes, got {len(packed)}")
-    return [BlockHash(packed[i:i + HASH_SIZE]) for i in range(0, len(packed), HASH_SIZE)]
 
 
 class KVEventLog:

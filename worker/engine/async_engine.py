@@ -13,9 +13,8 @@ import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
-from pagefleet.worker.core.block_hash import BlockHash
 from pagefleet.worker.model_executor.model_config import ModelConfig
-from pagefleet.worker.replica import hop_trace
+from pagefleet.worker import tracing
 from pagefleet.worker.engine.llm_engine import LLMEngine, resolve_device
 from pagefleet.worker.engine.engine_args import EngineArgs
 from pagefleet.worker.metrics.engine_metrics import EngineMetrics, MetricsRecorder
@@ -40,7 +39,7 @@ class AddRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     extra_keys: tuple
-    block_hashes: list[BlockHash] | None = None
+    block_hashes: bytes = b""
 
 
 @dataclass(slots=True)
@@ -92,6 +91,8 @@ class AsyncLLMEngine:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        # request id -> [its span, whether its first token was marked], for traced requests only
+        self._spans: dict[str, list] = {}
         self._error: BaseException | None = None
         self._kv_sink: Callable[[KVEventBatch], None] | None = None
         self._stopped = False
@@ -122,20 +123,25 @@ class AsyncLLMEngine:
     # ---- caller side (any event loop) -------------------------------------------------------
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       extra_keys: tuple = (),
-                       block_hashes: list[BlockHash] | None = None) -> AsyncIterator[RequestOutputDelta]:
+                       extra_keys: tuple = (), block_hashes: bytes = b"",
+                       span=None) -> AsyncIterator[RequestOutputDelta]:
         """Stream a request's deltas. Bad input raises ValueError before anything is queued;
-        if the consumer stops early the request is aborted and its blocks freed."""
+        if the consumer stops early the request is aborted and its blocks freed. ``span``: the
+        request's tracing span, which the engine thread marks when it takes the request in and
+        when its first and last tokens come (``worker.tracing``)."""
         self._raise_if_dead()
-        self.engine.check(prompt_token_ids, params)
+        self.engine.check(prompt_token_ids, params, block_hashes)  # the engine thread does not check again
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already running")
         q: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), q)
+        if span is not None:
+            self._spans[request_id] = [span, False]
         try:
             self._raise_if_dead()  # the loop may have died while this stream was being registered
         except EngineDeadError:
             self._streams.pop(request_id, None)
+            self._spans.pop(request_id, None)
             raise
         self._send(AddRequest(request_id, list(prompt_token_ids), params, extra_keys, block_hashes))
         finished = False
@@ -158,6 +164,7 @@ class AsyncLLMEngine:
             if not finished:
                 self._send(AbortRequest(request_id))
             self._streams.pop(request_id, None)
+            self._spans.pop(request_id, None)
 
     def abort(self, request_id: str) -> bool:
         if request_id not in self._streams:
@@ -230,15 +237,22 @@ class AsyncLLMEngine:
         request."""
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutputDelta]]] = {}
         for delta in deltas:
-            if hop_trace.PATH:
-                hop_trace.mark(delta.request_id, "engine_first_token")
-                if delta.finished:
-                    hop_trace.mark(delta.request_id, "engine_finished")
+            if self._spans:
+                self._mark_tokens(delta)
             stream = self._streams.get(delta.request_id)
             if stream is not None:
                 by_loop.setdefault(stream[0], []).append((stream[1], delta))
         for loop, items in by_loop.items():
             loop.call_soon_threadsafe(_put_all, items)
+
+    def _mark_tokens(self, delta: RequestOutputDelta) -> None:
+        traced = self._spans.get(delta.request_id)
+        if traced is not None:
+            if not traced[1]:
+                tracing.event(traced[0], "engine_first_token")
+                traced[1] = True
+            if delta.finished:
+                tracing.event(traced[0], "engine_finished")
 
     def _apply_commands(self) -> None:
         while True:
@@ -248,13 +262,16 @@ class AsyncLLMEngine:
                 return
             if isinstance(command, AddRequest):
                 try:
-                    self.engine.add_request(command.request_id, command.prompt_token_ids, command.params,
-                                            command.extra_keys, command.block_hashes)
+                    self.engine.add_checked_request(command.request_id, command.prompt_token_ids, command.params,
+                                                    command.extra_keys, command.block_hashes)
                 except Exception as e:  # a bad request fails alone, never the loop
                     self._deliver(command.request_id, e)
                 else:
                     self._metrics.request_added(command.request_id, time.monotonic())
-                    hop_trace.mark(command.request_id, "engine_added")
+                    if self._spans:
+                        traced = self._spans.get(command.request_id)
+                        if traced is not None:
+                            tracing.event(traced[0], "engine_added")
             elif isinstance(command, AbortRequest):
                 delta = self.engine.abort_request(command.request_id)
                 if delta is not None:

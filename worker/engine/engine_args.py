@@ -47,6 +47,10 @@ class EngineArgs:
     log_stats_interval: float = option(10.0, metavar="SECONDS",
                                        help="seconds between engine stats lines (throughput, queue, KV usage, "
                                             "prefix hits) while busy; 0 turns them off")
+    otlp_traces_endpoint: str | None = option(None, metavar="URL",
+                                              help="export request spans to this OpenTelemetry collector "
+                                                   "(OTLP; OTEL_EXPORTER_OTLP_TRACES_PROTOCOL http/protobuf, "
+                                                   "the default, or grpc), as vLLM's flag; off without it")
     trust_remote_code: bool = option(False, help="refused when true: pagefleet runs no code from a model "
                                                  "directory (its architectures are built in)")
     # Per-request limits on what the engine thread scans after every token.

@@ -7,7 +7,7 @@ from typing import Any, Sequence as Seq
 
 from pagefleet.worker.engine.llm_engine import LLMEngine
 from pagefleet.worker.engine.engine_args import EngineArgs
-from pagefleet.worker.outputs import CompletionOutput, RequestOutput
+from pagefleet.worker.outputs import CompletionOutput, RequestOutput, append_output
 from pagefleet.worker.sampling_params import SamplingParams
 
 
@@ -55,13 +55,7 @@ class LLM:
                     out.num_cached_tokens = delta.num_cached_tokens
                     out.finished = delta.finished
                     for s in delta.sequences:
-                        c = out.outputs[s.index]
-                        c.text += s.text
-                        c.token_ids.extend(s.token_ids)
-                        if s.logprobs is not None:
-                            c.logprobs.extend(s.logprobs)
-                        c.finish_reason = s.finish_reason
-                        c.stop_reason = s.stop_reason
+                        append_output(out.outputs[s.index], s)
         except BaseException:
             for rid in order:
                 engine.abort_request(rid)

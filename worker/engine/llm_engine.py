@@ -8,7 +8,7 @@ from itertools import count
 import torch
 from transformers import AutoTokenizer
 
-from pagefleet.worker.core.block_hash import BlockHash
+from pagefleet.worker.core.block_hash import HASH_SIZE, unpack_hashes
 from pagefleet.worker.core.block_pool import BlockPool
 from pagefleet.worker.model_executor.model_config import model_config_of
 from pagefleet.worker.engine.detokenizer import IncrementalDetokenizer
@@ -80,10 +80,15 @@ class LLMEngine:
 
     # ---- requests -------------------------------------------------------------------------
 
-    def check(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Raise InvalidRequest for a request that can never be served: the shared request check,
-        plus what only the engine knows (its pool must hold the longest sequence)."""
+    def check(self, prompt_token_ids: list[int], params: SamplingParams, block_hashes: bytes = b"") -> None:
+        """Raise InvalidRequest (or ValueError, for ``block_hashes``) for a request that can never be
+        served: the shared request check, plus what only the engine knows (its pool must hold the
+        longest sequence)."""
         check_request(prompt_token_ids, params, self.limits)
+        full_blocks = len(prompt_token_ids) // self.args.block_size
+        if len(block_hashes) % HASH_SIZE or len(block_hashes) // HASH_SIZE > full_blocks:
+            raise ValueError(f"{len(block_hashes)} bytes of packed block hashes for a prompt of "
+                             f"{len(prompt_token_ids)} tokens (16 bytes a full block)")
         max_len = self.limits.max_model_len
         longest = min(max_len, len(prompt_token_ids) + (params.max_tokens or max_len))
         if -(-longest // self.args.block_size) > self.pool.num_blocks:
@@ -91,20 +96,26 @@ class LLMEngine:
                                  f"({self.pool.num_blocks} blocks of {self.args.block_size})", "max_tokens")
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    extra_keys: tuple = (), block_hashes: list[BlockHash] | None = None) -> None:
-        """``block_hashes``: the prompt's full-block hashes under ``extra_keys``, when the caller
-        (the ingress) has computed them already; the engine then does not hash them again."""
+                    extra_keys: tuple = (), block_hashes: bytes = b"") -> None:
+        """``block_hashes``: the prompt's full-block hashes under ``extra_keys``, packed
+        (``block_hash.pack_hashes``), when the caller (the ingress) has computed them already; the
+        engine then does not hash them again."""
+        self.check(prompt_token_ids, params, block_hashes)
+        self.add_checked_request(request_id, prompt_token_ids, params, extra_keys, block_hashes)
+
+    def add_checked_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                            extra_keys: tuple = (), block_hashes: bytes = b"") -> None:
+        """``add_request`` for a request that passed ``check`` already (``AsyncLLMEngine`` checks
+        on the caller's side, before it queues the request for the engine thread)."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already running")
-        self.check(prompt_token_ids, params)
-        if block_hashes and len(block_hashes) > len(prompt_token_ids) // self.args.block_size:
-            raise ValueError(f"{len(block_hashes)} block hashes for a prompt of {len(prompt_token_ids)} tokens")
+        hashes = unpack_hashes(block_hashes)
         seqs: list[Sequence] = []
         for i in range(params.n):
             seq = Sequence(next(self._seq_ids), request_id, i, prompt_token_ids, params,
                            parent=seqs[0] if seqs else None, extra_keys=extra_keys)
-            if block_hashes:
-                seq.block_hashes = list(block_hashes)  # each sequence extends its own list
+            if hashes:
+                seq.block_hashes = list(hashes)  # each sequence extends its own list
             self.detok[seq.seq_id] = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop,
                                                             params.include_stop_str_in_output)
             self.scheduler.add(seq)

@@ -5,31 +5,27 @@ as in Ray Serve LLM); ``worker_deployment`` binds it into a Serve deployment.
 The engine's step loop runs in its own thread, so this replica's event loop
 stays free for new requests, aborts, health checks and stats. Callers that
 run many requests (the ingress) take their deltas on one ``channel`` per
-replica rather than on each request's stream (``worker.replica.delta_channel``).
+replica rather than on each request's stream (``worker.replica.wire``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import pickle
-from collections import deque
-from functools import partial
 from typing import Any, AsyncIterator, Callable, Mapping
 
 import ray
 from ray import serve
 from ray.serve import Application
 
-from pagefleet.worker.replica import hop_trace
+from pagefleet.worker import tracing
 from pagefleet.worker.replica.delta_channel import ChannelServer, DeltaChannel
 from pagefleet.worker.engine.engine_args import EngineArgs
-from pagefleet.worker.core.kv_events import KVEventBatch, KVSnapshot, unpack_hashes
+from pagefleet.worker.core.kv_events import KVEventBatch, KVSnapshot
 from pagefleet.worker.replica.kv_publisher import KVEventPublisher
 from pagefleet.worker.outputs import RequestOutputDelta
 from pagefleet.worker.metrics.stats import ReplicaStats
-from pagefleet.worker.replica.worker_request import (Abort, ChannelOpen, Ended, Failed, Placed, Refused, SocketOffer,
-                                              WorkerRequest)
+from pagefleet.worker.replica.wire import ChannelOpen, Ended, Placed, SocketOffer, WorkerRequest
 
 logger = logging.getLogger(__name__)
 
@@ -67,19 +63,12 @@ class WorkerReplica:
 
     def __init__(self, engine_args: EngineArgs, engine_factory: Callable[[EngineArgs], Any] = _default_engine,
                  kv_scheduler: Any = None, channel_host: str | None = None) -> None:
+        tracing.init_tracing(engine_args.otlp_traces_endpoint, "pagefleet-worker")
         self.engine = engine_factory(engine_args)
         self.replica_id = _replica_id()
         self.num_requests_total = 0
-        # Requests in the engine, through Serve or sent on a channel connection: at most
-        # ``max_ongoing`` (the deployment's request limit). Serve counts only its own calls, so
-        # past the limit one sent on a connection is refused (the caller sends it through Serve)
-        # and a Serve call waits here for a seat, first come first served (``_take_seat``).
-        self.num_ongoing = 0
-        self.max_ongoing = engine_args.max_queued_seqs
-        self._seat_waiters: deque[asyncio.Future] = deque()
         self._channels: dict[str, DeltaChannel] = {}
-        self._channel_server = ChannelServer(channel_host or _node_ip(), self._channel, self._drop_if_unused,
-                                             self._on_commands)
+        self._channel_server = ChannelServer(channel_host or _node_ip(), self._channel, self._drop_if_unused)
         self._publisher: KVEventPublisher | None = None
         if kv_scheduler is not None:
             self._publisher = KVEventPublisher(_SchedulerLink(kv_scheduler), self.engine.kv_snapshot)
@@ -96,14 +85,15 @@ class WorkerReplica:
 
     async def generate(self, request: WorkerRequest) -> AsyncIterator[RequestOutputDelta | Placed | Ended]:
         """Streams one delta per engine step, or with ``request.channel`` puts them on that channel
-        and streams ``Placed`` then ``Ended`` (``worker_request``; with no reader attached to the
+        and streams ``Placed`` then ``Ended`` (``wire``; with no reader attached to the
         channel, ``Placed(on_channel=False)`` then the deltas). When the caller cancels (a client
         hung up), Serve cancels this generator and the engine aborts the request and frees its
         blocks."""
-        await self._take_seat()
-        deltas = pump = None
+        span = tracing.start_span("pagefleet.worker.generate", request.trace_headers, None,
+                                  {"pagefleet.request_id": request.request_id, "pagefleet.replica": self.replica_id})
+        deltas = pump = error = None
         try:
-            deltas = self._start(request)
+            deltas = self._start(request, span)
             channel = None if request.channel is None else self._channels.get(request.channel)
             if channel is None or not channel.attached:  # no channel, or nobody reads it yet: this stream
                 if request.channel is not None:
@@ -123,96 +113,37 @@ class WorkerReplica:
                 channel.requests -= 1
                 self._drop_if_unused(request.channel)
                 await asyncio.gather(pump, return_exceptions=True)
+        except BaseException as exc:
+            error = exc
+            raise
         finally:
-            self._free_seat()  # before any await: a second cancellation cannot skip it
             if deltas is not None and pump is None:
                 await deltas.aclose()  # at once, not when collected: a cancelled request is aborted now
+            tracing.end(span, error)
 
-    async def _take_seat(self) -> None:
-        if self.num_ongoing < self.max_ongoing and not self._seat_waiters:
-            self.num_ongoing += 1
-            return
-        seat = asyncio.get_running_loop().create_future()
-        self._seat_waiters.append(seat)
-        try:
-            await seat  # ``_free_seat`` hands its seat over (num_ongoing stays)
-        except asyncio.CancelledError:
-            if seat.done() and not seat.cancelled():  # handed over as the caller went away
-                self._free_seat()
-            elif seat in self._seat_waiters:
-                self._seat_waiters.remove(seat)
-            raise
-
-    def _free_seat(self) -> None:
-        while self._seat_waiters:
-            seat = self._seat_waiters.popleft()
-            if not seat.done():
-                seat.set_result(None)
-                return
-        self.num_ongoing -= 1
-
-    def _start(self, request: WorkerRequest) -> AsyncIterator[RequestOutputDelta]:
-        hop_trace.mark(request.request_id, "worker_generate")
+    def _start(self, request: WorkerRequest, span) -> AsyncIterator[RequestOutputDelta]:
         self._start_publishing()
         self.num_requests_total += 1
-        hashes = unpack_hashes(request.block_hashes) if request.block_hashes else None
         return self.engine.generate(request.request_id, request.prompt_token_ids, request.params,
-                                    request.extra_keys, hashes)
+                                    request.extra_keys, request.block_hashes, span=span)
 
-    def _on_commands(self, channel_id: str, commands: list, running: dict[str, asyncio.Task]) -> None:
-        """Requests and aborts sent on a channel connection (``ChannelServer``); ``running``: that
-        connection's requests, cancelled when it ends. A request past ``max_ongoing`` is
-        ``Refused`` at once (the caller sends it through Serve: Serve's queue, then a seat here)."""
-        channel = self._channel(channel_id)
-        for command in commands:
-            if isinstance(command, Abort):
-                task = running.get(command.request_id)
-                if task is not None:
-                    task.cancel()
-            elif not isinstance(command, WorkerRequest) or self.num_ongoing >= self.max_ongoing \
-                    or self._seat_waiters:
-                channel.put(Refused(getattr(command, "request_id", "")))
-            else:
-                self.num_ongoing += 1
-                channel.requests += 1
-                task = asyncio.ensure_future(self._run_sent(command, channel))
-                running[command.request_id] = task
-                task.add_done_callback(partial(self._sent_ended, channel_id, channel, command.request_id, running))
-
-    async def _run_sent(self, request: WorkerRequest, channel: DeltaChannel) -> None:
-        try:
-            await _put_on(channel, self._start(request))
-        except Exception as exc:  # noqa: BLE001 — the caller makes it the client's error
-            channel.put(Failed(request.request_id, _sendable(exc)))
-
-    def _sent_ended(self, channel_id: str, channel: DeltaChannel, request_id: str,
-                    running: dict[str, asyncio.Task], task: asyncio.Task) -> None:
-        """Here, not in ``_run_sent``: a task cancelled before it ran never runs its ``finally``."""
-        if running.get(request_id) is task:
-            del running[request_id]
-        self._free_seat()
-        channel.requests -= 1
-        self._drop_if_unused(channel_id)
-
-    async def channel(self, request: ChannelOpen) -> AsyncIterator[list[RequestOutputDelta] | SocketOffer]:
-        """A caller's delta channel (``worker.replica.delta_channel``): ``[]`` once attached, then every
-        delta of its requests, one list per wake-up; with ``request.socket``, only a ``SocketOffer``
-        (the connection that claims it gets the same, and sends its requests on it), unless this
-        replica cannot listen; the call then lasts until that connection ends, so that Serve's
-        graceful shutdown waits for the requests on it. Refuses a call meant for another replica
-        (the request routers send it to ``request.replica_id`` alone)."""
+    async def channel(self, request: ChannelOpen) -> AsyncIterator[bytes | SocketOffer]:
+        """A caller's delta channel (``worker.replica.wire``): an encoded empty list once attached,
+        then every delta of its requests, one encoded list per wake-up; with ``request.socket``,
+        only a ``SocketOffer`` (the connection that claims it gets the same), unless this replica
+        cannot listen. Refuses a call meant for another replica (the request routers send it to
+        ``request.replica_id`` alone)."""
         if request.replica_id != self.replica_id:
             raise ValueError(f"channel {request.channel_id} is for replica {request.replica_id}, "
                              f"not {self.replica_id}")
         if request.socket:
             try:
-                offer, offered = await self._channel_server.offer(request.channel_id)
+                offer = await self._channel_server.offer(request.channel_id)
             except OSError as exc:  # cannot listen on the node's address: this stream is the channel
                 logger.warning("delta channel socket unavailable on %s (%s); serving channel %s on its Serve "
                                "stream", self._channel_server.host, exc, request.channel_id)
             else:
                 yield offer
-                await offered.until_done()
                 return
         batches = self._channel(request.channel_id).batches()
         try:
@@ -277,15 +208,6 @@ async def _put_on(channel: DeltaChannel, deltas: AsyncIterator[RequestOutputDelt
     finally:
         await deltas.aclose()  # at once, not when collected: a cancelled request is aborted now
     return sent
-
-
-def _sendable(exc: Exception) -> Exception:
-    """``exc`` if it survives pickling onto the channel, else a RuntimeError that says what it was."""
-    try:
-        pickle.loads(pickle.dumps(exc))
-    except Exception:  # noqa: BLE001 — any exception may hold what does not pickle
-        return RuntimeError(f"{type(exc).__name__}: {exc}")
-    return exc
 
 
 def _node_ip() -> str:

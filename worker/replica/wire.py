@@ -1,25 +1,24 @@
-"""What the ingress and a worker replica send each other (plain data, crosses Ray).
+"""The one wire between the ingress and a worker replica: plain typed messages.
 
-A request goes to a replica as a ``WorkerRequest``. Without a ``channel`` its Serve stream
-carries its deltas, one item per engine step. With one (what the ingress does), the replica
-puts its deltas on that ingress's ``channel`` instead (one TCP connection, or one Serve stream,
-per (ingress, replica) carrying every request's deltas of a step as one item:
-``worker.replica.delta_channel``), and the
-request's own stream carries only a ``Placed`` first and an ``Ended`` last, or an error; a
-request that starts while no reader is attached to the channel keeps its deltas on its own
-stream, after its ``Placed``.
-
-Once its channel is a TCP connection, the ingress sends a request on that connection instead of
-through Serve (``worker.replica.delta_channel``): the ``WorkerRequest`` itself, then an ``Abort`` if the
-client goes away first; the replica answers on the channel with the request's deltas, or a
-``Refused`` (it holds as many requests as it may: the ingress sends it through Serve, which
-queues it) or a ``Failed`` with the error.
+A request goes to a replica as a Serve handle call, ``generate(WorkerRequest)``, so that Serve's
+request router (pagefleet's, reading the request's ``ranking``) places it and Serve's queue and
+graceful shutdown count it. Its output comes back on the caller's *delta channel* to that replica:
+one per (ingress, replica), carrying every request's deltas of an engine step as one frame, a
+``list[RequestOutputDelta]`` encoded with msgspec (``encode_batch``). The channel is a TCP
+connection from the ingress to the replica where it can connect, else the ``channel`` call's own
+Serve stream, which carries the same encoded frames. Nothing on the connection is pickled: a frame
+decodes into these types or is refused. A request's own stream carries its ``Placed`` first and
+its ``Ended`` last, or its error.
 """
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
 
+import msgspec
+
+from pagefleet.worker.outputs import RequestOutputDelta
 from pagefleet.worker.sampling_params import SamplingParams
 
 
@@ -37,6 +36,8 @@ class WorkerRequest:
     ranking: list[str] | None = None
     # The caller's delta channel on the replica (None: deltas on the request's own stream).
     channel: str | None = None
+    # The W3C trace context of the ingress's span of this request (None: not traced).
+    trace_headers: dict[str, str] | None = None
 
 
 @dataclass(slots=True)
@@ -73,32 +74,34 @@ class ChannelOpen:
 @dataclass(slots=True)
 class SocketOffer:
     """Where to connect for a channel, and the one-time token that claims it (the first bytes
-    the caller sends)."""
+    the caller sends; it sends nothing else)."""
 
     host: str
     port: int
     token: bytes
 
 
-@dataclass(slots=True)
-class Abort:
-    """Sent on a channel connection: stop a request sent on it and free its blocks."""
+# A frame on a channel connection: this header (the body's length), then the body.
+FRAME_HEADER = struct.Struct("!I")
+# A frame longer than this is not from a peer of ours: the connection is dropped.
+MAX_FRAME_BYTES = 64 << 20
 
-    request_id: str
-
-
-@dataclass(slots=True)
-class Refused:
-    """On a channel: the replica did not start a request sent on the connection (it holds as many
-    as it may); nothing of it ran."""
-
-    request_id: str
+_encoder = msgspec.msgpack.Encoder()
+_batch_decoder = msgspec.msgpack.Decoder(list[RequestOutputDelta])
 
 
-@dataclass(slots=True)
-class Failed:
-    """On a channel: a request sent on the connection failed with ``error`` (the engine refused
-    it, or its engine died)."""
+def encode_batch(batch: list[RequestOutputDelta]) -> bytes:
+    """One channel item: the deltas the engine produced since the reader last took, oldest first."""
+    return _encoder.encode(batch)
 
-    request_id: str
-    error: BaseException
+
+def decode_batch(body: bytes | memoryview) -> list[RequestOutputDelta]:
+    """The deltas of one channel item; ``msgspec.ValidationError`` or ``msgspec.DecodeError``
+    for anything else."""
+    return _batch_decoder.decode(body)
+
+
+def encode_frame(batch: list[RequestOutputDelta]) -> bytes:
+    """A channel item as it goes on a connection: header, then body."""
+    body = encode_batch(batch)
+    return FRAME_HEADER.pack(len(body)) + body
