@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from pagefleet.worker import AsyncLLMEngine, EngineArgs, SamplingParams
-from pagefleet.worker.core.block_hash import ROOT_HASH, block_hashes, hash_block, unpack_hashes
+from pagefleet.worker.core.block_hash import ROOT_HASH, block_hashes, hash_block, pack_hashes, unpack_hashes
 from pagefleet.worker.engine.llm_engine import LLMEngine
 from pagefleet.worker.core.kv_events import KVLoad
 
@@ -25,7 +25,7 @@ def test_the_engine_publishes_the_hashes_it_was_given_and_counts_its_load(args):
     # Hashes the ingress would have computed. Deliberately not the real ones: what comes out
     # shows the engine used them instead of hashing the prompt again.
     given = [bytes([1]) * 16, bytes([2]) * 16]
-    engine.add_request("r", PROMPT, SamplingParams(max_tokens=10, ignore_eos=True), ("salt",), given)
+    engine.add_request("r", PROMPT, SamplingParams(max_tokens=10, ignore_eos=True), ("salt",), pack_hashes(given))
     assert engine.kv_load() == KVLoad(num_running=0, num_waiting=1, num_reserved_blocks=4)  # 50 tokens = 4 blocks
     first = engine.drain_kv_events()
     assert (first.seq, first.cleared, first.added, first.stored) == (0, True, ["r"], b"")
