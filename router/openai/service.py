@@ -29,9 +29,9 @@ from pagefleet.worker.sampling_params import SamplingParams
 
 T = TypeVar("T")
 
-# Text up to this many characters is tokenized (or templated) on the event loop: it takes under
-# about a millisecond, less than handing it to a thread and back costs in latency under load.
-# Longer text goes to the tokenizer threads so it never stalls other requests' streams.
+# Text up to this many characters is tokenized (or templated) on the event loop: short text
+# takes less time than handing it to a thread and back adds in latency under load. Longer text
+# goes to the tokenizer threads so it never stalls other requests' streams.
 INLINE_TEXT_CHARS = 2048
 TOKENIZER_THREADS = 2
 

@@ -2,10 +2,10 @@
 
 Each engine request is routed with this ingress's own copy of the global
 scheduler's view (``kv_mirror.SchedulerMirror``, kept current by a
-``ViewFollower``): the decision is a local computation of well under a
-millisecond, with no call to the scheduler actor on the request's path. The
-copy's predictions are this ingress's own routing (the others' show up one
-feed round trip later, in the workers' load).
+``ViewFollower``): the decision is a local computation, with no call to the
+scheduler actor on the request's path. The copy's predictions are this
+ingress's own routing (the others' show up one feed round trip later, in the
+workers' load).
 
 When the copy is older than ``max_staleness_s`` (the actor is dead, restarting
 or too busy to answer its feed; a poll still within its wait keeps the copy
