@@ -22,6 +22,7 @@ from pagefleet.router.openai.errors import OpenAIError, bad_request, internal_er
 from pagefleet.router.openai.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from pagefleet.router.openai.responses import ChatResponseBuilder, CompletionResponseBuilder, ResponseBuilder
 from pagefleet.worker import tracing
+from pagefleet.worker.aio import cancel_and_wait
 from pagefleet.worker.core.block_hash import block_hashes, pack_hashes
 from pagefleet.worker.outputs import RequestOutputDelta
 from pagefleet.worker.request_check import InvalidRequest
@@ -214,9 +215,7 @@ class OpenAIService:
                 else:
                     yield item
         finally:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await cancel_and_wait(*tasks)
 
     # ---- /tokenize, /detokenize --------------------------------------------------------
 

@@ -22,6 +22,7 @@ import socket
 import time
 from typing import AsyncIterator, Callable
 
+from pagefleet.worker.aio import cancel_and_wait
 from pagefleet.worker.outputs import RequestOutputDelta
 from pagefleet.worker.replica.wire import FRAME_HEADER, SocketOffer, encode_batch
 
@@ -143,9 +144,7 @@ class ChannelServer:
             try:  # until the channel ends here (idle, or another reader took over) or the peer leaves
                 await asyncio.wait((sending, peer_done), return_when=asyncio.FIRST_COMPLETED)
             finally:
-                for task in (sending, peer_done):
-                    task.cancel()
-                await asyncio.gather(sending, peer_done, return_exceptions=True)
+                await cancel_and_wait(sending, peer_done)
         except (asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError) as e:
             logger.debug("delta channel connection ended: %s", type(e).__name__)
         finally:

@@ -26,6 +26,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Awaitable, Callable, Protocol
 
+from pagefleet.worker.aio import cancel_and_wait
 from pagefleet.worker.core.kv_events import KVEventBatch, KVSnapshot, merge_batches
 
 # At most one call every this long. Each call costs the scheduler actor CPU and wakes each
@@ -111,10 +112,8 @@ class KVEventPublisher:
                 pass
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
 
     async def _run(self) -> None:
         assert self._wake is not None and self._loop is not None
