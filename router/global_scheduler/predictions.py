@@ -25,9 +25,9 @@ are passed in.
 from __future__ import annotations
 
 from collections import Counter, deque
+from dataclasses import dataclass, field
 from itertools import compress, repeat
 from operator import not_, sub
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
 from pagefleet.router.global_scheduler.kv_index import holders_mask

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import json
 import re
-from decimal import Decimal
 from dataclasses import dataclass
+from decimal import Decimal
 from typing import Any
 
 from starlette.requests import Request

@@ -19,7 +19,12 @@ from typing import Any, AsyncIterator, Callable, Mapping, Protocol, TypeVar
 
 from pagefleet.router.openai import preprocess as pre
 from pagefleet.router.openai.errors import OpenAIError, bad_request, internal_error, unavailable
-from pagefleet.router.openai.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from pagefleet.router.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
 from pagefleet.router.openai.responses import ChatResponseBuilder, CompletionResponseBuilder, ResponseBuilder
 from pagefleet.worker import tracing
 from pagefleet.worker.aio import cancel_and_wait

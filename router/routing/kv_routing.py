@@ -32,11 +32,11 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
-from pagefleet.router.routing.admission import AdmissionQueue, AdmissionRejected
-from pagefleet.router.openai.errors import too_many_requests
 from pagefleet.router.global_scheduler.core import RouteDecision, RouteRequest
 from pagefleet.router.global_scheduler.kv_mirror import SchedulerMirror
 from pagefleet.router.metrics import RouterMetrics
+from pagefleet.router.openai.errors import too_many_requests
+from pagefleet.router.routing.admission import AdmissionQueue, AdmissionRejected
 
 
 @dataclass(slots=True, frozen=True)

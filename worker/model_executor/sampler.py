@@ -6,8 +6,8 @@ from typing import NamedTuple
 
 import torch
 
-from pagefleet.worker.outputs import TokenLogprob
 from pagefleet.worker.core.sequence import Sequence
+from pagefleet.worker.outputs import TokenLogprob
 
 
 class SamplerOutput(NamedTuple):
