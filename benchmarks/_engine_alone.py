@@ -23,13 +23,13 @@ import sys
 import time
 from typing import Callable
 
-from _proc_cpu import sched_per_token, thread_sched
-
 from pagefleet.cluster.bench.metrics import RequestResult, compute_metrics
-from pagefleet.worker.engine.llm_engine import LLMEngine, resolve_device
 from pagefleet.worker.engine.engine_args import EngineArgs
+from pagefleet.worker.engine.llm_engine import LLMEngine, resolve_device
 from pagefleet.worker.model_executor.platform import platform_for
 from pagefleet.worker.sampling_params import SamplingParams
+
+from _proc_cpu import sched_per_token, thread_sched
 
 PERCENTILES = [50.0, 99.0]
 

@@ -27,12 +27,13 @@ from types import SimpleNamespace
 import ray
 from ray import serve
 
-from _proc_cpu import tree_cpu_s
 from pagefleet.cluster.serve_env import fast_path_env, raylet_env
 from pagefleet.router.worker_client.delta_mux import ChannelMux
-from pagefleet.worker.replica.deployment import WorkerReplica
 from pagefleet.worker.engine.engine_args import EngineArgs
 from pagefleet.worker.outputs import CompletionOutput, RequestOutputDelta
+from pagefleet.worker.replica.deployment import WorkerReplica
+
+from _proc_cpu import tree_cpu_s
 
 REQUEST = "r0"
 

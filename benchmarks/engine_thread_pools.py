@@ -13,7 +13,7 @@ OMP_WAIT_POLICY=PASSIVE, and GOMP_SPINCOUNT where the engine has every core), dr
 engine alone is in serving.py (`_engine_alone.run`, C requests in flight, 256 in, 64 out):
 
   one-thread    built and stepped on one thread (what `AsyncLLMEngine` does)
-  two-threads   built on the main thread, stepped on another (what it did before)
+  two-threads   built on the main thread, stepped on another (the layout it avoids)
 
 alternating, ``--rounds`` times. One JSON line per run and concurrency (output tok/s, TTFT p50,
 TPOT, and the voluntary context switches per second of the process's threads: a barrier that
@@ -50,11 +50,11 @@ def voluntary_switches() -> int:
 
 
 def child(mode: str, ckpt: str, input_len: int, output_len: int, concurrency: list[int]) -> None:
+    from pagefleet.worker.engine.engine_args import EngineArgs
+    from pagefleet.worker.engine.llm_engine import LLMEngine
+
     from _engine_alone import random_prompts, run
     from serving import num_prompts
-
-    from pagefleet.worker.engine.llm_engine import LLMEngine
-    from pagefleet.worker.engine.engine_args import EngineArgs
 
     built: dict = {}
 

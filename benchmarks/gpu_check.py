@@ -30,7 +30,6 @@ from dataclasses import dataclass
 
 import torch
 
-from gpu_check_engine import LLAMA3_SCALING, check_engine  # beside this file: the engine section
 from pagefleet.kernels import reference
 from pagefleet.kernels.activation import silu_and_mul
 from pagefleet.kernels.kv_cache_write import write_kv_cache
@@ -38,6 +37,8 @@ from pagefleet.kernels.paged_attention import AttentionConfig, default_config, p
 from pagefleet.kernels.rms_norm import fused_add_rms_norm, rms_norm
 from pagefleet.kernels.rotary import rotary_embedding
 from pagefleet.kernels.testing import make_paged_batch
+
+from gpu_check_engine import LLAMA3_SCALING, check_engine  # beside this file: the engine section
 
 # Peak HBM bandwidth (bytes/s) by device-name fragment, most specific first.
 PEAK_BANDWIDTH = [("GH200", 4.0e12), ("H200", 4.8e12), ("H100 NVL", 3.9e12), ("H100 PCIe", 2.0e12),

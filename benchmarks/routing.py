@@ -70,9 +70,10 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads, here 
 os.environ.setdefault("RAY_AUTH_MODE", "token")  # as `pagefleet serve` runs its local Ray (read at `import ray`)
 
 import aiohttp  # noqa: E402
-from _machine import machine_with_load as machine  # noqa: E402
 
 from pagefleet.router.routing.admission import WAITED_OUT  # noqa: E402  (how a 429 after waiting reads)
+
+from _machine import machine_with_load as machine  # noqa: E402
 
 POLICIES = ("round_robin", "kv", "least_loaded", "pow2", "prefix")
 TENANTS = 16
@@ -258,7 +259,6 @@ def deploy(policy: str, ckpt: Path, args: argparse.Namespace) -> str:
     from ray import serve
 
     from pagefleet.cluster.app import build_app
-
     from pagefleet.cluster.cpu_priority import idle_control_plane
 
     app = f"bench-{policy}"

@@ -45,10 +45,11 @@ import time
 from collections import deque
 from itertools import accumulate
 
-from _machine import machine_with_load as machine
 from pagefleet.router.global_scheduler.core import GlobalScheduler, RouteRequest
 from pagefleet.worker.core.block_hash import HASH_SIZE, ROOT_HASH
 from pagefleet.worker.core.kv_events import KVEventBatch, KVSnapshot, pack_token_ids
+
+from _machine import machine_with_load as machine
 
 BLOCK_SIZE = 16
 PREFIX_BLOCKS = 32  # a 512-token system prompt

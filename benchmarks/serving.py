@@ -55,12 +55,17 @@ from typing import Mapping
 
 import httpx
 
+from pagefleet.cluster.cpu_priority import descendants
+from pagefleet.worker.cpu.threads import (
+    LOWEST_NICE,
+    available_cores,
+    compute_thread_env,
+    cpu_compute_threads,
+    libgomp_spins,
+)
+
 from _machine import machine
 from _proc_cpu import per_token_ms, role_of, sched_per_token, thread_sched, tree_cpu_s
-
-from pagefleet.cluster.cpu_priority import descendants
-from pagefleet.worker.cpu.threads import (LOWEST_NICE, available_cores, compute_thread_env, cpu_compute_threads,
-                                          libgomp_spins)
 
 HERE = Path(__file__).resolve().parent
 BIN = Path(sys.executable).parent

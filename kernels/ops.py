@@ -108,7 +108,7 @@ def select_kernels(device: torch.device | str) -> Kernels:
     if backend == "torch":
         impl = reference
     else:
-        # Imported on first use: importing triton costs about a second, and it may be absent.
+        # Imported on first use: importing triton is slow, and it may be absent.
         from pagefleet.kernels import activation, kv_cache_write, paged_attention, rms_norm, rotary
 
         impl = SimpleNamespace(

@@ -65,7 +65,7 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tens
 
 def _gather_blocks(cache: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     """cache: [N, bs, Hkv, D]; table: [..., M] int64 -> [..., M * bs, Hkv, D] contiguous."""
-    # index_select over whole blocks is several times faster on CPU than advanced indexing.
+    # index_select over whole blocks: faster on CPU than advanced indexing.
     rows = cache.reshape(cache.shape[0], -1).index_select(0, table.reshape(-1))
     return rows.view(*table.shape[:-1], table.shape[-1] * cache.shape[1], *cache.shape[2:])
 

@@ -25,24 +25,24 @@ from typing import Any, AsyncIterator
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from pagefleet.router.worker_client.delta_mux import ChannelMux, read_deltas, watch
-from pagefleet.router.global_scheduler.core import SchedulerCounters
-from pagefleet.router.openai.http_guards import BodyLimits
-from pagefleet.router.global_scheduler.kv_mirror import MirrorCounters, SchedulerMirror, ViewFollower
-from pagefleet.router.routing.kv_routing import KVRoutingClient, KVRoutingOptions, RoutingCounters
-from pagefleet.router.metrics import RouterMetrics
-from pagefleet.router.openai.node_metrics import NodeMetricsReader
-from pagefleet.router.openai.app import build_openai_app
-from pagefleet.router.openai.preprocess import ModelInfo, ServingLimits, longest_token_chars
 from pagefleet.router.global_scheduler.actor import WorkerKVView, worker_kv_view
+from pagefleet.router.global_scheduler.core import SchedulerCounters
+from pagefleet.router.global_scheduler.kv_mirror import MirrorCounters, SchedulerMirror, ViewFollower
+from pagefleet.router.metrics import RouterMetrics
+from pagefleet.router.openai.app import build_openai_app
+from pagefleet.router.openai.http_guards import BodyLimits
+from pagefleet.router.openai.node_metrics import NodeMetricsReader
+from pagefleet.router.openai.preprocess import ModelInfo, ServingLimits, longest_token_chars
 from pagefleet.router.openai.service import Job, OpenAIService
+from pagefleet.router.routing.kv_routing import KVRoutingClient, KVRoutingOptions, RoutingCounters
+from pagefleet.router.worker_client.delta_mux import ChannelMux, read_deltas, watch
 from pagefleet.router.worker_client.worker_errors import WorkerHealth, worker_failure
 from pagefleet.worker import tracing
-from pagefleet.worker.model_executor.model_config import model_config_of
 from pagefleet.worker.engine.engine_args import EngineArgs
+from pagefleet.worker.model_executor.model_config import model_config_of
 from pagefleet.worker.outputs import RequestOutputDelta
-from pagefleet.worker.request_check import RequestLimits
 from pagefleet.worker.replica.wire import Placed, WorkerRequest
+from pagefleet.worker.request_check import RequestLimits
 
 logger = logging.getLogger(__name__)
 

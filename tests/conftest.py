@@ -8,10 +8,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-# Must be set before torch loads libgomp, which reads it once. On a busy
-# 2-core machine libgomp's default spin-waiting makes every small matmul on the
-# main thread cost ~15 ms instead of ~0.5 ms (measured: the engine
-# equivalence tests took 58 s with spinning, 16 s without).
+# Must be set before torch loads libgomp, which reads it once. On a busy machine
+# with few cores libgomp's default spin-waiting makes every small matmul on the
+# main thread slow: spinning threads hold the cores the others wait for.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import pytest  # noqa: E402

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from pagefleet.worker.model_executor.model_config import ModelConfig
     from pagefleet.worker.engine.engine_args import EngineArgs
+    from pagefleet.worker.model_executor.model_config import ModelConfig
     from pagefleet.worker.sampling_params import SamplingParams
 
 # The engine's one thread scans every stop string and stop token id of every running sequence

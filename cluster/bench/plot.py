@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from pagefleet.cluster.bench.metrics import BenchMetrics, RequestResult, tokens_per_second, tpot
 
-
 NICE_WIDTHS_S = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60)
 
 

@@ -12,8 +12,14 @@ import math
 from dataclasses import dataclass, field, replace
 
 from pagefleet.cluster.plan.presets import GPUSpec, ModelShape
-from pagefleet.worker.core.kv_cache_sizing import (DEFAULT_CPU_KV_CACHE_BYTES, gpu_kv_budget, kv_bytes_per_block,
-                                              kv_bytes_per_token, kv_heads_per_rank, size_kv_pool)
+from pagefleet.worker.core.kv_cache_sizing import (
+    DEFAULT_CPU_KV_CACHE_BYTES,
+    gpu_kv_budget,
+    kv_bytes_per_block,
+    kv_bytes_per_token,
+    kv_heads_per_rank,
+    size_kv_pool,
+)
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1}
 HOURS_PER_MONTH = 730  # 365 * 24 / 12

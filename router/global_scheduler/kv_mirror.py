@@ -38,6 +38,7 @@ from typing import Callable, Protocol
 
 from pagefleet.router.global_scheduler.core import GlobalScheduler
 from pagefleet.router.global_scheduler.view_feed import ViewUpdate, WorkerDropped
+from pagefleet.worker.aio import cancel_and_wait
 from pagefleet.worker.core.kv_events import KVEventBatch, KVSnapshot
 
 logger = logging.getLogger(__name__)
@@ -145,10 +146,8 @@ class ViewFollower:
             self._task = asyncio.get_running_loop().create_task(self._run(), name="pagefleet-view-follower")
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
 
     async def _run(self) -> None:
         while True:

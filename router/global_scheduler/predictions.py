@@ -25,9 +25,9 @@ are passed in.
 from __future__ import annotations
 
 from collections import Counter, deque
+from dataclasses import dataclass, field
 from itertools import compress, repeat
 from operator import not_, sub
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
 from pagefleet.router.global_scheduler.kv_index import holders_mask
@@ -213,8 +213,7 @@ def _uncount(counter: Counter, keys: list[int]) -> list[int]:
 
     Routing decisions end predictions all the time, so distinct keys (every prediction's, in
     practice: a prompt's block hashes chain) take a path of C loops (Counter.subtract and
-    Counter.__delitem__ are Python-level loops, a large share of a decision at a few hundred
-    workers)."""
+    Counter.__delitem__ are Python-level loops, too slow on the decision path)."""
     if len(set(keys)) != len(keys):
         counter.subtract(keys)
         gone = [key for key in dict.fromkeys(keys) if counter[key] == 0]

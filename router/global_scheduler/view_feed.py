@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import dataclasses
 from collections import deque
-from itertools import islice
 from dataclasses import dataclass, field
+from itertools import islice
 from typing import Union
 
 from pagefleet.router.global_scheduler.core import GlobalScheduler, WorkerState

@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from pagefleet.router.metrics import RouterMetrics
 from pagefleet.router.openai import response_schema as out
 from pagefleet.router.openai.auth import APIKeyMiddleware
 from pagefleet.router.openai.errors import OpenAIError, from_validation_error, install_error_handlers
@@ -26,10 +27,14 @@ from pagefleet.router.openai.http_guards import (
     parse_json_object,
     read_body,
 )
-from pagefleet.router.metrics import RouterMetrics
 from pagefleet.router.openai.node_metrics import NodeMetricsReader
 from pagefleet.router.openai.openapi_spec import install_schemas, route_docs
-from pagefleet.router.openai.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from pagefleet.router.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
 from pagefleet.router.openai.service import OpenAIService, PreparedRequest
 from pagefleet.router.openai.sse import sse_stream
 from pagefleet.worker import tracing

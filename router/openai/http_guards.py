@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import json
 import re
-from decimal import Decimal
 from dataclasses import dataclass
+from decimal import Decimal
 from typing import Any
 
 from starlette.requests import Request
@@ -25,7 +25,7 @@ from pagefleet.router.openai.errors import OpenAIError, bad_request
 _WIDEST_INT = 2**64
 MAX_JSON_DEPTH = 32  # the deepest request pagefleet reads is 4 levels (messages[i].content[j].text)
 DEFAULT_MAX_BODY_BYTES = 8 * 2**20
-# Bodies up to this size are parsed on the event loop (well under a millisecond); larger ones on a thread.
+# Bodies up to this size are parsed on the event loop (too short to stall it); larger ones on a thread.
 INLINE_PARSE_BYTES = 64 * 2**10
 
 _JSON_MEDIA_TYPE = re.compile(r"application/(?:[\w.+-]+\+)?json")

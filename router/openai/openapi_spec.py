@@ -25,7 +25,12 @@ from pydantic.json_schema import models_json_schema
 from pagefleet.router.openai import response_schema as out
 from pagefleet.router.openai.errors import ErrorResponse
 from pagefleet.router.openai.preprocess import REQUEST_ID_CHARS, ModelInfo
-from pagefleet.router.openai.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from pagefleet.router.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
 from pagefleet.worker.sampling_params import INT64_MAX, INT64_MIN, MAX_LOGPROBS, MAX_TOP_K
 
 _REF = "#/components/schemas/{model}"

@@ -19,7 +19,6 @@ from pagefleet.router.openai.protocol import ChatCompletionRequest, ChatMessage,
 from pagefleet.worker.request_check import CONTEXT_LENGTH_EXCEEDED, InvalidRequest, RequestLimits, check_request
 from pagefleet.worker.sampling_params import SamplingParams
 
-
 DEFAULT_MAX_PROMPTS = 256
 DEFAULT_MAX_REQUEST_ID_CHARS = 128
 # A client's request_id is echoed in headers, logs and every chunk: visible ASCII only.

@@ -19,9 +19,15 @@ from typing import Any, AsyncIterator, Callable, Mapping, Protocol, TypeVar
 
 from pagefleet.router.openai import preprocess as pre
 from pagefleet.router.openai.errors import OpenAIError, bad_request, internal_error, unavailable
-from pagefleet.router.openai.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from pagefleet.router.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
 from pagefleet.router.openai.responses import ChatResponseBuilder, CompletionResponseBuilder, ResponseBuilder
 from pagefleet.worker import tracing
+from pagefleet.worker.aio import cancel_and_wait
 from pagefleet.worker.core.block_hash import block_hashes, pack_hashes
 from pagefleet.worker.outputs import RequestOutputDelta
 from pagefleet.worker.request_check import InvalidRequest
@@ -29,9 +35,9 @@ from pagefleet.worker.sampling_params import SamplingParams
 
 T = TypeVar("T")
 
-# Text up to this many characters is tokenized (or templated) on the event loop: it takes under
-# about a millisecond, less than handing it to a thread and back costs in latency under load.
-# Longer text goes to the tokenizer threads so it never stalls other requests' streams.
+# Text up to this many characters is tokenized (or templated) on the event loop: short text
+# takes less time than handing it to a thread and back adds in latency under load. Longer text
+# goes to the tokenizer threads so it never stalls other requests' streams.
 INLINE_TEXT_CHARS = 2048
 TOKENIZER_THREADS = 2
 
@@ -214,9 +220,7 @@ class OpenAIService:
                 else:
                     yield item
         finally:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await cancel_and_wait(*tasks)
 
     # ---- /tokenize, /detokenize --------------------------------------------------------
 

@@ -2,10 +2,10 @@
 
 Each engine request is routed with this ingress's own copy of the global
 scheduler's view (``kv_mirror.SchedulerMirror``, kept current by a
-``ViewFollower``): the decision is a local computation of well under a
-millisecond, with no call to the scheduler actor on the request's path. The
-copy's predictions are this ingress's own routing (the others' show up one
-feed round trip later, in the workers' load).
+``ViewFollower``): the decision is a local computation, with no call to the
+scheduler actor on the request's path. The copy's predictions are this
+ingress's own routing (the others' show up one feed round trip later, in the
+workers' load).
 
 When the copy is older than ``max_staleness_s`` (the actor is dead, restarting
 or too busy to answer its feed; a poll still within its wait keeps the copy
@@ -32,11 +32,11 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
-from pagefleet.router.routing.admission import AdmissionQueue, AdmissionRejected
-from pagefleet.router.openai.errors import too_many_requests
 from pagefleet.router.global_scheduler.core import RouteDecision, RouteRequest
 from pagefleet.router.global_scheduler.kv_mirror import SchedulerMirror
 from pagefleet.router.metrics import RouterMetrics
+from pagefleet.router.openai.errors import too_many_requests
+from pagefleet.router.routing.admission import AdmissionQueue, AdmissionRejected
 
 
 @dataclass(slots=True, frozen=True)

@@ -37,9 +37,15 @@ from typing import Any, List, Optional, TypeVar
 from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from pagefleet.router.metrics import RouterMetrics
+from pagefleet.router.routing.policies import (
+    ReplicaLoad,
+    pick_two,
+    rank_replicas,
+    replica_load,
+    round_robin,
+    routing_reason,
+)
 from pagefleet.router.routing.prefix_table import PrefixTable
-from pagefleet.router.routing.policies import (ReplicaLoad, pick_two, rank_replicas, replica_load, round_robin,
-                                             routing_reason)
 from pagefleet.worker.core.block_hash import PackedHashes
 from pagefleet.worker.metrics.stats import ReplicaStats
 from pagefleet.worker.replica.wire import ChannelOpen, WorkerRequest

@@ -13,8 +13,7 @@ import asyncio
 import math
 import time
 
-from ray import exceptions as ray_exceptions
-from ray import serve
+from ray import exceptions as ray_exceptions, serve
 from ray.serve import exceptions as serve_exceptions
 
 from pagefleet.router.openai.errors import OpenAIError, bad_request, internal_error, too_many_requests, unavailable

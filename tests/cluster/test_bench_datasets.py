@@ -7,8 +7,7 @@ import json
 import pytest
 from transformers import AutoTokenizer
 
-from pagefleet.cluster.bench.datasets import (file_requests, length_range, random_requests,
-                                              shared_prefix_requests)
+from pagefleet.cluster.bench.datasets import file_requests, length_range, random_requests, shared_prefix_requests
 
 
 @pytest.fixture(scope="module")

@@ -4,8 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from pagefleet.cluster.bench.metrics import (RequestResult, compute_metrics, parse_goodput, peak_concurrency,
-                                             percentile, summarize, tokens_per_second)
+from pagefleet.cluster.bench.metrics import (
+    RequestResult,
+    compute_metrics,
+    parse_goodput,
+    peak_concurrency,
+    percentile,
+    summarize,
+    tokens_per_second,
+)
 from pagefleet.cluster.bench.report import RunConfig, format_report, result_dict
 
 

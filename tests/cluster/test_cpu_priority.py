@@ -8,8 +8,12 @@ import time
 
 import pytest
 
-from pagefleet.cluster.cpu_priority import (control_plane_processes, idle_control_plane, is_control_plane,
-                                            set_idle_priority)
+from pagefleet.cluster.cpu_priority import (
+    control_plane_processes,
+    idle_control_plane,
+    is_control_plane,
+    set_idle_priority,
+)
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="Linux scheduling policies")
 

@@ -15,8 +15,8 @@ from pagefleet.cluster.plan.capacity import weight_elements_per_rank
 from pagefleet.cluster.plan.presets import find_model
 from pagefleet.kernels.ops import select_kernels
 from pagefleet.worker import LLM
-from pagefleet.worker.model_executor.model_config import ModelConfig
 from pagefleet.worker.model_executor.model import LlamaForCausalLM
+from pagefleet.worker.model_executor.model_config import ModelConfig
 from pagefleet.worker.parallel.tp_group import TPGroup
 
 

@@ -7,11 +7,18 @@ import socket
 import stat
 
 import pytest
+
 from pagefleet.cluster import serve_env
 from pagefleet.cluster.config import ServeOptions
 from pagefleet.cluster.launch import HAPROXY_FRONT, PYTHON_PROXY_FRONT, banner
-from pagefleet.cluster.serve_env import (FAST_PATH_ENV, LOCAL_MIN_DRAINING_PERIOD_S, LOCAL_QUIET_ENV, SIDE_PORTS,
-                                         fast_path_env, raylet_env)
+from pagefleet.cluster.serve_env import (
+    FAST_PATH_ENV,
+    LOCAL_MIN_DRAINING_PERIOD_S,
+    LOCAL_QUIET_ENV,
+    SIDE_PORTS,
+    fast_path_env,
+    raylet_env,
+)
 
 
 def _executable(path):

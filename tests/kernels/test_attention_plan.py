@@ -13,9 +13,7 @@ import pytest
 import torch
 
 from pagefleet.kernels import ops, reference
-from pagefleet.kernels.cpu import build as cpu_build
-from pagefleet.kernels.cpu import decode_attention as cpu
-from pagefleet.kernels.cpu import fused_ops as fused
+from pagefleet.kernels.cpu import build as cpu_build, decode_attention as cpu, fused_ops as fused
 from pagefleet.kernels.cpu.backend import compiled_cpu_kernels
 from pagefleet.kernels.testing import make_paged_batch
 

@@ -14,9 +14,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagefleet.kernels.cpu import build as cpu_build
-from pagefleet.kernels.cpu import decode_attention as cpu
 from pagefleet.kernels import reference
+from pagefleet.kernels.cpu import build as cpu_build, decode_attention as cpu
 from pagefleet.kernels.testing import forget_loaded_cpu_kernels, make_paged_batch
 
 BLOCK_SIZE = 16

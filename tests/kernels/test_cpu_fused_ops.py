@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagefleet.kernels.cpu import fused_ops as fused
 from pagefleet.kernels import reference
+from pagefleet.kernels.cpu import fused_ops as fused
 from pagefleet.kernels.ops import select_kernels
 
 

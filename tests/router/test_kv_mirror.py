@@ -14,13 +14,13 @@ import random
 
 import pytest
 
+from pagefleet.router.global_scheduler.actor import worker_kv_view
 from pagefleet.router.global_scheduler.core import GlobalScheduler
 from pagefleet.router.global_scheduler.kv_index import pack_keys, routing_keys, unpack_keys
 from pagefleet.router.global_scheduler.kv_mirror import SchedulerMirror, ViewFollower
-from pagefleet.router.global_scheduler.actor import worker_kv_view
 from pagefleet.router.global_scheduler.view_feed import ViewFeed, WorkerDropped
-from pagefleet.worker.core.kv_events import KVEventBatch, KVSnapshot
 from pagefleet.worker.core.block_hash import pack_hashes
+from pagefleet.worker.core.kv_events import KVEventBatch, KVSnapshot
 
 WORKERS = ("w0", "w1", "w2")
 

@@ -6,8 +6,8 @@ import asyncio
 from types import SimpleNamespace
 
 from pagefleet.router.metrics import RouterMetrics
-from pagefleet.worker.outputs import CompletionOutput, RequestOutputDelta
 from pagefleet.worker.metrics.stats import EngineStats
+from pagefleet.worker.outputs import CompletionOutput, RequestOutputDelta
 
 
 class ResendMetrics(RouterMetrics):

@@ -17,10 +17,10 @@ from pathlib import Path
 import httpx
 import yaml
 
-import cluster_helpers
-
 from pagefleet.router.global_scheduler.kv_index import routing_keys
 from pagefleet.worker.metrics.stats import ReplicaStats
+
+import cluster_helpers
 
 SERVE_YAML = Path(__file__).resolve().parents[2] / "deploy" / "serve.yaml"
 APP = "pagefleet"

@@ -1,11 +1,12 @@
 import pytest
 from fastapi.testclient import TestClient
 
-from serving_fakes import MAX_MODEL_LEN, MODEL, FakeWorkerClient, make_tokenizer
 from pagefleet.router.openai.app import build_openai_app
 from pagefleet.router.openai.preprocess import ModelInfo
 from pagefleet.router.openai.service import OpenAIService
 from pagefleet.worker.request_check import RequestLimits
+
+from serving_fakes import MAX_MODEL_LEN, MODEL, FakeWorkerClient, make_tokenizer
 
 
 @pytest.fixture(scope="session")

@@ -7,13 +7,13 @@ import asyncio
 
 import pytest
 
-from pagefleet.router.routing.admission import WAITED_OUT, AdmissionQueue, AdmissionRejected
-from pagefleet.router.openai.errors import OpenAIError
 from pagefleet.router.global_scheduler.core import GlobalScheduler
 from pagefleet.router.global_scheduler.kv_mirror import SchedulerMirror
-from pagefleet.router.routing.kv_routing import KVRoutingClient, KVRoutingOptions, request_blocks, route_by_inflight
-from pagefleet.router.metrics import RouterMetrics
 from pagefleet.router.global_scheduler.view_feed import ViewFeed
+from pagefleet.router.metrics import RouterMetrics
+from pagefleet.router.openai.errors import OpenAIError
+from pagefleet.router.routing.admission import WAITED_OUT, AdmissionQueue, AdmissionRejected
+from pagefleet.router.routing.kv_routing import KVRoutingClient, KVRoutingOptions, request_blocks, route_by_inflight
 from pagefleet.worker.core.kv_events import KVEventBatch
 
 

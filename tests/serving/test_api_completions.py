@@ -92,6 +92,7 @@ def test_completion_logprobs_legacy_format(client, tokenizer):
 
 def test_cached_tokens_are_reported(service, tokenizer, info):
     from fastapi.testclient import TestClient
+
     from pagefleet.router.openai.app import build_openai_app
     service.client.num_cached_tokens = 16
     with TestClient(build_openai_app(service)) as c:

@@ -8,8 +8,8 @@ import pytest
 from fastapi.testclient import TestClient
 from starlette.routing import Route
 
-from pagefleet.router.openai.auth import OPEN_PATHS
 from pagefleet.router.openai.app import build_openai_app
+from pagefleet.router.openai.auth import OPEN_PATHS
 
 KEY = "s3cret-key-42"
 GOOD = {"Authorization": f"Bearer {KEY}"}

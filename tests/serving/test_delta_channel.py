@@ -10,15 +10,26 @@ from types import SimpleNamespace
 
 import pytest
 
-from channel_fakes import Call, SteppedEngine, delta, settle, until
-from pagefleet.router.worker_client.delta_mux import ChannelMux, LostOutputError, _FrameReader, read_deltas
 from pagefleet.router.routing.request_router import KVRouter, RoundRobinRouter
-from pagefleet.worker.replica.delta_channel import TOKEN_BYTES, DeltaChannel
-from pagefleet.worker.replica.wire import FRAME_HEADER, MAX_FRAME_BYTES, decode_batch, encode_batch, encode_frame
-from pagefleet.worker.replica.deployment import WorkerReplica
+from pagefleet.router.worker_client.delta_mux import ChannelMux, LostOutputError, _FrameReader, read_deltas
 from pagefleet.worker.engine.engine_args import EngineArgs
+from pagefleet.worker.replica.delta_channel import TOKEN_BYTES, DeltaChannel
+from pagefleet.worker.replica.deployment import WorkerReplica
+from pagefleet.worker.replica.wire import (
+    FRAME_HEADER,
+    MAX_FRAME_BYTES,
+    ChannelOpen,
+    Ended,
+    Placed,
+    SocketOffer,
+    WorkerRequest,
+    decode_batch,
+    encode_batch,
+    encode_frame,
+)
 from pagefleet.worker.sampling_params import SamplingParams
-from pagefleet.worker.replica.wire import ChannelOpen, Ended, Placed, SocketOffer, WorkerRequest
+
+from channel_fakes import Call, SteppedEngine, delta, settle, until
 
 
 def _request(request_id: str, max_tokens: int, channel: str | None = "c1") -> WorkerRequest:

@@ -9,8 +9,8 @@ import threading
 import pytest
 from fastapi.testclient import TestClient
 
-from pagefleet.router.openai.http_guards import MAX_JSON_DEPTH, BodyLimits
 from pagefleet.router.openai.app import build_openai_app
+from pagefleet.router.openai.http_guards import MAX_JSON_DEPTH, BodyLimits
 from pagefleet.router.openai.preprocess import ModelInfo, ServingLimits
 from pagefleet.router.openai.service import INLINE_TEXT_CHARS
 

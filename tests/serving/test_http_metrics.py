@@ -4,9 +4,10 @@ from collections import Counter
 
 from fastapi.testclient import TestClient
 
-from serving_fakes import MODEL
 from pagefleet.router.metrics import ROUTER_METRICS, RouterMetrics
 from pagefleet.router.openai.app import build_openai_app
+
+from serving_fakes import MODEL
 
 
 class RecordingMetrics(RouterMetrics):

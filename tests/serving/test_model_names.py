@@ -9,12 +9,13 @@ import openai
 import pytest
 from fastapi.testclient import TestClient
 
-from serving_fakes import MAX_MODEL_LEN
 from pagefleet.router.ingress import load_model_info
 from pagefleet.router.openai.app import build_openai_app
 from pagefleet.router.openai.service import OpenAIService
-from pagefleet.worker.model_executor.model_config import load_model_config
 from pagefleet.worker.engine.engine_args import EngineArgs
+from pagefleet.worker.model_executor.model_config import load_model_config
+
+from serving_fakes import MAX_MODEL_LEN
 
 
 def test_a_local_checkpoint_is_named_by_its_directory_and_answers_to_its_path(tiny_checkpoint, monkeypatch):

@@ -24,11 +24,12 @@ from pathlib import Path
 import pytest
 import uvicorn
 
-from serving_fakes import MAX_MODEL_LEN, MODEL, FakeWorkerClient
 from pagefleet.router.openai.app import build_openai_app
 from pagefleet.router.openai.preprocess import ModelInfo, ServingLimits, longest_token_chars
 from pagefleet.router.openai.service import OpenAIService
 from pagefleet.worker.request_check import RequestLimits
+
+from serving_fakes import MAX_MODEL_LEN, MODEL, FakeWorkerClient
 
 API_KEY = "schemathesis-test-key"
 MAX_EXAMPLES = 30  # per operation and phase; the whole run takes about 15 s on 2 busy cores

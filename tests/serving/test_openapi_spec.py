@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 from fastapi.testclient import TestClient
 
-from serving_fakes import MAX_MODEL_LEN
-from pagefleet.router.openai.http_guards import parse_json_object
 from pagefleet.router.openai.app import build_openai_app
+from pagefleet.router.openai.http_guards import parse_json_object
+
+from serving_fakes import MAX_MODEL_LEN
 
 LONG_IDS = [5] * (MAX_MODEL_LEN - 1)
 

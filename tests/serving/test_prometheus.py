@@ -21,9 +21,10 @@ import httpx
 import pytest
 import yaml
 
+from pagefleet.worker.metrics.stats import ReplicaStats
+
 from cluster_helpers import wait_until_running
 from conftest import free_port
-from pagefleet.worker.metrics.stats import ReplicaStats
 
 ROOT = Path(__file__).resolve().parents[2]
 APP = "pagefleet"

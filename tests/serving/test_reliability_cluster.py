@@ -24,8 +24,15 @@ import pytest
 
 from pagefleet.cluster.bench.metrics import percentile
 
-from cluster_helpers import (cpu_watch, listeners, record_figure, session_threads, wait_until_running, worker_actors,
-                             worker_stats)
+from cluster_helpers import (
+    cpu_watch,
+    listeners,
+    record_figure,
+    session_threads,
+    wait_until_running,
+    worker_actors,
+    worker_stats,
+)
 from conftest import free_port
 
 APP = "pagefleet-rel"

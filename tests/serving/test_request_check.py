@@ -10,12 +10,13 @@ import sys
 import pytest
 from fastapi.testclient import TestClient
 
-from serving_fakes import FakeWorkerClient
 from pagefleet.router.ingress import load_model_info
 from pagefleet.router.openai.app import build_openai_app
 from pagefleet.router.openai.service import OpenAIService
 from pagefleet.worker.engine.engine_args import EngineArgs
 from pagefleet.worker.sampling_params import SamplingParams
+
+from serving_fakes import FakeWorkerClient
 
 MAX_MODEL_LEN = 64
 MAX_NUM_SEQS = 4

@@ -21,8 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from cluster_app import (MAX_MODEL_LEN, assert_views_equal_pools, ingress, start_app, traffic, wait_idle,
-                         worker_stats)
+from cluster_app import MAX_MODEL_LEN, assert_views_equal_pools, ingress, start_app, traffic, wait_idle, worker_stats
 
 PAGEFLEET = str(Path(sys.executable).parent / "pagefleet")
 PROMPTS = ["Hello, my name is", "The capital of France is", "pagefleet serves models"]
@@ -34,8 +33,9 @@ def server(ray_cluster, serve_http_port, tiny_checkpoint, tmp_path_factory):
     """(base URL, checkpoint path); the global scheduler starts fresh with the app."""
     from ray import serve
 
-    from cluster_app import APP
     from pagefleet.router.global_scheduler.actor import stop_scheduler
+
+    from cluster_app import APP
 
     stop_scheduler()
     ckpt = tiny_checkpoint("llama")

@@ -8,14 +8,14 @@ import yaml
 
 from pagefleet.cluster.app import build_app
 from pagefleet.cluster.config import ServeOptions
-from pagefleet.worker.replica.deployment import WorkerReplica, worker_deployment_options
+from pagefleet.worker.core.block_hash import block_hashes, pack_hashes
 from pagefleet.worker.engine.engine_args import EngineArgs
-from pagefleet.worker.outputs import CompletionOutput, RequestOutputDelta
-from pagefleet.worker.sampling_params import SamplingParams
 from pagefleet.worker.engine.options import parse_bytes
 from pagefleet.worker.metrics.stats import EngineStats, ReplicaStats
-from pagefleet.worker.core.block_hash import block_hashes, pack_hashes
+from pagefleet.worker.outputs import CompletionOutput, RequestOutputDelta
+from pagefleet.worker.replica.deployment import WorkerReplica, worker_deployment_options
 from pagefleet.worker.replica.wire import WorkerRequest
+from pagefleet.worker.sampling_params import SamplingParams
 
 SERVE_YAML = Path(__file__).resolve().parents[2] / "deploy" / "serve.yaml"
 

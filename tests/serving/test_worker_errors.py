@@ -13,12 +13,12 @@ from ray.serve.exceptions import BackPressureError
 from pagefleet.router.ingress import HandleWorkerClient
 from pagefleet.router.openai.service import Job
 from pagefleet.router.worker_client.worker_errors import worker_failure
-from pagefleet.worker.replica.delta_channel import DeltaChannel
 from pagefleet.worker.errors import EngineDeadError
 from pagefleet.worker.outputs import CompletionOutput, RequestOutputDelta
+from pagefleet.worker.replica.delta_channel import DeltaChannel
+from pagefleet.worker.replica.wire import Ended, Placed
 from pagefleet.worker.request_check import InvalidRequest
 from pagefleet.worker.sampling_params import SamplingParams
-from pagefleet.worker.replica.wire import Ended, Placed
 
 from channel_fakes import ResendMetrics
 

@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from pagefleet.worker import AsyncLLMEngine, EngineArgs, LLM, SamplingParams
+from pagefleet.worker import LLM, AsyncLLMEngine, EngineArgs, SamplingParams
 
 
 @pytest.fixture(scope="module")

@@ -5,15 +5,15 @@ from __future__ import annotations
 from collections import Counter
 
 from hypothesis import settings, strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, precondition
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from pagefleet.worker.core.block_hash import unpack_hashes
 from pagefleet.worker.core.block_pool import BlockPool
 from pagefleet.worker.core.kv_cache_manager import KVCacheManager
 from pagefleet.worker.core.kv_events import KVEventLog, KVEventSource, KVLoad
-from pagefleet.worker.core.block_hash import unpack_hashes
-from pagefleet.worker.sampling_params import SamplingParams
 from pagefleet.worker.core.scheduler import Scheduler
 from pagefleet.worker.core.sequence import Sequence, SequenceStatus
+from pagefleet.worker.sampling_params import SamplingParams
 
 BLOCK = 4
 

@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import pytest
 
-from hf_reference import hf_greedy
 from pagefleet.worker import LLM, SamplingParams
 from pagefleet.worker.model_executor.model_config import load_model_config
+
+from hf_reference import hf_greedy
 
 ARCHS = ["llama", "qwen2", "qwen3", "mistral"]
 MAX_NEW = 12

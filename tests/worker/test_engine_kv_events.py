@@ -8,8 +8,8 @@ import pytest
 
 from pagefleet.worker import AsyncLLMEngine, EngineArgs, SamplingParams
 from pagefleet.worker.core.block_hash import ROOT_HASH, block_hashes, hash_block, pack_hashes, unpack_hashes
-from pagefleet.worker.engine.llm_engine import LLMEngine
 from pagefleet.worker.core.kv_events import KVLoad
+from pagefleet.worker.engine.llm_engine import LLMEngine
 
 PROMPT = list(range(10, 50))  # 40 tokens: 2 full blocks of 16
 

@@ -8,8 +8,8 @@ import time
 from collections import Counter
 
 from pagefleet.worker import AsyncLLMEngine, EngineArgs, SamplingParams
-from pagefleet.worker.metrics.engine_metrics import EngineMetrics
 from pagefleet.worker.metrics.collector import EngineMetricsBatch
+from pagefleet.worker.metrics.engine_metrics import EngineMetrics
 from pagefleet.worker.metrics.stats import EngineStats
 from pagefleet.worker.metrics.stats_log import StatsLogger, stats_line
 

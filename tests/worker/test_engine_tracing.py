@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from pagefleet.worker import AsyncLLMEngine, EngineArgs, SamplingParams
-from pagefleet.worker import tracing
+from pagefleet.worker import AsyncLLMEngine, EngineArgs, SamplingParams, tracing
 
 
 def test_the_engine_thread_marks_a_traced_requests_span_in_order(tiny_checkpoint, recorded):

@@ -7,10 +7,18 @@ import pytest
 from pagefleet.worker.core.block_hash import ROOT_HASH, block_hashes, hash_block
 from pagefleet.worker.core.block_pool import BlockPool
 from pagefleet.worker.core.kv_cache_manager import KVCacheManager
-from pagefleet.worker.core.kv_events import (KVEventBatch, KVEventLog, KVEventSource, KVLoad, merge_batches,
-                                        pack_hashes, unpack_hashes, unpack_token_ids)
-from pagefleet.worker.sampling_params import SamplingParams
+from pagefleet.worker.core.kv_events import (
+    KVEventBatch,
+    KVEventLog,
+    KVEventSource,
+    KVLoad,
+    merge_batches,
+    pack_hashes,
+    unpack_hashes,
+    unpack_token_ids,
+)
 from pagefleet.worker.core.sequence import Sequence
+from pagefleet.worker.sampling_params import SamplingParams
 
 BLOCK = 4
 

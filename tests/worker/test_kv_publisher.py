@@ -6,13 +6,13 @@ import asyncio
 
 from pagefleet.router.global_scheduler.core import GlobalScheduler
 from pagefleet.router.global_scheduler.kv_index import routing_keys
+from pagefleet.worker.core.block_hash import pack_hashes
 from pagefleet.worker.core.block_pool import BlockPool
 from pagefleet.worker.core.kv_cache_manager import KVCacheManager
 from pagefleet.worker.core.kv_events import KVEventLog, KVEventSource, KVLoad
-from pagefleet.worker.core.block_hash import pack_hashes
+from pagefleet.worker.core.sequence import Sequence
 from pagefleet.worker.replica.kv_publisher import KVEventPublisher
 from pagefleet.worker.sampling_params import SamplingParams
-from pagefleet.worker.core.sequence import Sequence
 
 BLOCK = 4
 

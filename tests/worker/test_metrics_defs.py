@@ -8,10 +8,10 @@ import pytest
 from pagefleet.router.metrics import ROUTER_METRICS
 from pagefleet.router.openai.node_metrics import pagefleet_families
 from pagefleet.router.routing.policies import ReplicaLoad, replica_load, routing_reason
-from pagefleet.worker.metrics.definitions import ENGINE_METRICS, MetricSpec, histogram_buckets, token_count_buckets
 from pagefleet.worker.metrics.collector import EngineMetricsBatch, EngineMetricsCollector
-from pagefleet.worker.outputs import CompletionOutput, RequestOutputDelta
+from pagefleet.worker.metrics.definitions import ENGINE_METRICS, MetricSpec, histogram_buckets, token_count_buckets
 from pagefleet.worker.metrics.stats import EngineStats
+from pagefleet.worker.outputs import CompletionOutput, RequestOutputDelta
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "metrics.md"
 

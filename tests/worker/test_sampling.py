@@ -132,8 +132,8 @@ def test_min_tokens_max_tokens_stop_token_ids(llm):
 
 
 def test_repetition_penalty_changes_only_seen_tokens():
-    from pagefleet.worker.model_executor.sampler import apply_penalties
     from pagefleet.worker.core.sequence import Sequence
+    from pagefleet.worker.model_executor.sampler import apply_penalties
 
     seq = Sequence(0, "r", 0, [1, 2], SamplingParams(repetition_penalty=2.0, presence_penalty=0.5,
                                                      frequency_penalty=0.25))

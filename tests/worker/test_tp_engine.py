@@ -13,10 +13,11 @@ import time
 
 import pytest
 
-from hf_reference import assert_greedy_close
 from pagefleet.worker import LLM, SamplingParams
 from pagefleet.worker.model_executor.model_runner import StepInput
 from pagefleet.worker.parallel.tp_executor import STEP_TIMEOUT_ENV, TPExecutor, TPWorkerError
+
+from hf_reference import assert_greedy_close
 
 MAX_NEW = 16
 KV_BYTES = 16 << 20

@@ -63,9 +63,14 @@ def _index_repr(index) -> tuple:
 
 
 def _rank_main(rank: int, port: int, weights: str, out: str) -> None:
+    from pagefleet.worker.model_executor.layers import (
+        ColumnParallelLinear,
+        ParallelLMHead,
+        QKVParallelLinear,
+        RowParallelLinear,
+        VocabParallelEmbedding,
+    )
     from pagefleet.worker.parallel.distributed import destroy_process_groups, init_process_groups
-    from pagefleet.worker.model_executor.layers import (ColumnParallelLinear, ParallelLMHead, QKVParallelLinear,
-                                         RowParallelLinear, VocabParallelEmbedding)
 
     groups = init_process_groups(rank=rank, world_size=TP, device=torch.device("cpu"), host="127.0.0.1",
                                  port=port, step_timeout_s=60)

@@ -51,7 +51,11 @@ def _rank(rank: int, port: int, results) -> None:
     import torch
     import torch.distributed as dist
 
-    from pagefleet.worker.parallel.distributed import create_rendezvous_store, destroy_process_groups, init_process_groups
+    from pagefleet.worker.parallel.distributed import (
+        create_rendezvous_store,
+        destroy_process_groups,
+        init_process_groups,
+    )
 
     store = create_rendezvous_store(LOOPBACK, 2, 60) if rank == 0 else None
     if rank == 0:

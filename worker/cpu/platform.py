@@ -26,7 +26,7 @@ from pagefleet.worker.cpu.threads import available_cores, cpu_compute_threads, p
 if TYPE_CHECKING:
     from pagefleet.worker.engine.engine_args import EngineArgs
 
-# The model runner's logger: these start-up lines read as they did when the runner logged them.
+# The model runner's logger: these start-up lines are part of building the model runner.
 logger = logging.getLogger("pagefleet.worker.model_executor.model_runner")
 
 

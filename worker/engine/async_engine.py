@@ -13,17 +13,17 @@ import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
-from pagefleet.worker.model_executor.model_config import ModelConfig
 from pagefleet.worker import tracing
-from pagefleet.worker.engine.llm_engine import LLMEngine, resolve_device
-from pagefleet.worker.engine.engine_args import EngineArgs
-from pagefleet.worker.metrics.engine_metrics import EngineMetrics, MetricsRecorder
-from pagefleet.worker.model_executor.platform import platform_for
-from pagefleet.worker.errors import EngineDeadError
 from pagefleet.worker.core.kv_events import KVEventBatch, KVSnapshot
+from pagefleet.worker.engine.engine_args import EngineArgs
+from pagefleet.worker.engine.llm_engine import LLMEngine, resolve_device
+from pagefleet.worker.errors import EngineDeadError
+from pagefleet.worker.metrics.engine_metrics import EngineMetrics, MetricsRecorder
+from pagefleet.worker.metrics.stats import EngineStats
+from pagefleet.worker.model_executor.model_config import ModelConfig
+from pagefleet.worker.model_executor.platform import platform_for
 from pagefleet.worker.outputs import RequestOutputDelta, merge_deltas
 from pagefleet.worker.sampling_params import SamplingParams
-from pagefleet.worker.metrics.stats import EngineStats
 
 logger = logging.getLogger(__name__)
 

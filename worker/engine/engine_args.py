@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pagefleet.worker.model_executor.model_config import parse_dtype
 from pagefleet.worker.engine.options import check_choices, option, parse_bytes
+from pagefleet.worker.model_executor.model_config import parse_dtype
 from pagefleet.worker.request_check import (
     DEFAULT_MAX_STOP_STRING_CHARS,
     DEFAULT_MAX_STOP_STRINGS,

@@ -10,21 +10,21 @@ from transformers import AutoTokenizer
 
 from pagefleet.worker.core.block_hash import HASH_SIZE, unpack_hashes
 from pagefleet.worker.core.block_pool import BlockPool
-from pagefleet.worker.model_executor.model_config import model_config_of
-from pagefleet.worker.engine.detokenizer import IncrementalDetokenizer
-from pagefleet.worker.engine.engine_args import EngineArgs
-from pagefleet.worker.parallel.executor import make_executor
 from pagefleet.worker.core.kv_cache_manager import KVCacheManager
 from pagefleet.worker.core.kv_cache_sizing import size_kv_pool
 from pagefleet.worker.core.kv_events import KVEventBatch, KVEventLog, KVEventSource, KVLoad, KVSnapshot
-from pagefleet.worker.model_executor.model_runner import build_step_input
-from pagefleet.worker.outputs import CompletionOutput, RequestOutputDelta
-from pagefleet.worker.request_check import InvalidRequest, RequestLimits, check_request
-from pagefleet.worker.model_executor.sampler import Sampler
-from pagefleet.worker.sampling_params import SamplingParams
 from pagefleet.worker.core.scheduler import Scheduler
 from pagefleet.worker.core.sequence import Sequence, finish_reason
+from pagefleet.worker.engine.detokenizer import IncrementalDetokenizer
+from pagefleet.worker.engine.engine_args import EngineArgs
 from pagefleet.worker.metrics.stats import EngineStats
+from pagefleet.worker.model_executor.model_config import model_config_of
+from pagefleet.worker.model_executor.model_runner import build_step_input
+from pagefleet.worker.model_executor.sampler import Sampler
+from pagefleet.worker.outputs import CompletionOutput, RequestOutputDelta
+from pagefleet.worker.parallel.executor import make_executor
+from pagefleet.worker.request_check import InvalidRequest, RequestLimits, check_request
+from pagefleet.worker.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterable
 
-from pagefleet.worker.outputs import RequestOutputDelta
 from pagefleet.worker.metrics.stats import EngineStats
+from pagefleet.worker.outputs import RequestOutputDelta
 
 
 @dataclass(slots=True)

@@ -13,9 +13,9 @@ import logging
 from typing import Protocol
 
 from pagefleet.worker.metrics.collector import EngineMetricsBatch, EngineMetricsCollector
-from pagefleet.worker.outputs import RequestOutputDelta
 from pagefleet.worker.metrics.stats import EngineStats
 from pagefleet.worker.metrics.stats_log import StatsLogger
+from pagefleet.worker.outputs import RequestOutputDelta
 
 logger = logging.getLogger("pagefleet.engine")
 

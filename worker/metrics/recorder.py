@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from pagefleet.worker.metrics.definitions import ENGINE_METRICS, MetricSpec, histogram_buckets
 from pagefleet.worker.metrics.collector import EngineMetricsBatch
+from pagefleet.worker.metrics.definitions import ENGINE_METRICS, MetricSpec, histogram_buckets
 
 
 def make_ray_metric(spec: MetricSpec, default_tags: Mapping[str, str], max_model_len: int = 0) -> Any:

@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagefleet.worker.cpu.linear import PackedWeight, linear
 from pagefleet.worker.core.kv_cache_sizing import kv_heads_per_rank
+from pagefleet.worker.cpu.linear import PackedWeight, linear
 from pagefleet.worker.parallel.tp_group import TPGroup
 
 

@@ -12,8 +12,8 @@ from safetensors import safe_open
 from tqdm.auto import tqdm
 
 from pagefleet.kernels.ops import Kernels
-from pagefleet.worker.model_executor.model_config import ModelConfig
 from pagefleet.worker.model_executor.model import LlamaForCausalLM
+from pagefleet.worker.model_executor.model_config import ModelConfig
 from pagefleet.worker.parallel.tp_group import TPGroup
 
 logger = logging.getLogger(__name__)

@@ -12,7 +12,6 @@ from torch import nn
 
 from pagefleet.kernels.ops import Kernels
 from pagefleet.kernels.reference import build_cos_sin_cache
-from pagefleet.worker.model_executor.model_config import ModelConfig
 from pagefleet.worker.model_executor.layers import (
     ColumnParallelLinear,
     ParallelLMHead,
@@ -21,6 +20,7 @@ from pagefleet.worker.model_executor.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
+from pagefleet.worker.model_executor.model_config import ModelConfig
 from pagefleet.worker.parallel.tp_group import TPGroup
 
 

@@ -9,11 +9,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from pagefleet.kernels.ops import AttentionPlanner, AttentionSpec, no_plan
-from pagefleet.worker.model_executor.model_config import ModelConfig
-from pagefleet.worker.engine.engine_args import DEFAULT_GPU_MEMORY_UTILIZATION
 from pagefleet.worker.core.kv_cache_sizing import DEFAULT_CPU_KV_CACHE_BYTES, gpu_kv_budget, kv_bytes_per_block
+from pagefleet.worker.engine.engine_args import DEFAULT_GPU_MEMORY_UTILIZATION
 from pagefleet.worker.model_executor.loader import load_model
 from pagefleet.worker.model_executor.model import AttentionMetadata
+from pagefleet.worker.model_executor.model_config import ModelConfig
 from pagefleet.worker.model_executor.platform import platform_for
 from pagefleet.worker.parallel.tp_group import TPGroup
 

@@ -6,8 +6,8 @@ from typing import NamedTuple
 
 import torch
 
-from pagefleet.worker.outputs import TokenLogprob
 from pagefleet.worker.core.sequence import Sequence
+from pagefleet.worker.outputs import TokenLogprob
 
 
 class SamplerOutput(NamedTuple):
@@ -107,7 +107,7 @@ class Sampler:
             )
         # Inverse CDF: one uniform per row, found in the row's cumulative distribution. (An
         # exponential race, argmax(p / E) with E ~ Exp(1), draws the same distribution but
-        # needs a random number per vocabulary entry, many times slower on CPU.) The sums run
+        # needs a random number per vocabulary entry, slower on CPU.) The sums run
         # in float64 so that rounding moves no token's share measurably; u lies in (0, total],
         # so a token of probability 0 (outside top-k/top-p) is never found. Seeded rows draw
         # their uniform from their own generator, so batch-mates cannot shift their stream.

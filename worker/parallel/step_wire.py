@@ -1,9 +1,9 @@
 """A StepInput as int64 tensors, broadcast from rank 0 to the other tensor-parallel ranks.
 
 Why a packed tensor over gloo rather than a Ray call per step: the ranks 1..N-1 sit in
-a receive loop, so a step costs two small gloo broadcasts on the local host (tens of
-microseconds) instead of a Ray task round trip, and what travels is plain integers —
-no pickle of arbitrary classes from a socket.
+a receive loop, so a step costs two small gloo broadcasts on the local host instead of a
+Ray task round trip, and what travels is plain integers — no pickle of arbitrary classes
+from a socket.
 
 Each message is a fixed-size header (command, payload length) and then, for a step, the
 payload: ``[T, B, S, input_ids(T), positions(T), slot_mapping(T), query_start_loc(B+1),

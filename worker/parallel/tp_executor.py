@@ -24,7 +24,9 @@ import ray
 import torch
 import torch.distributed as dist
 
+from pagefleet.worker.engine.engine_args import EngineArgs
 from pagefleet.worker.model_executor.model_config import ModelConfig
+from pagefleet.worker.model_executor.model_runner import ModelRunner, StepInput
 from pagefleet.worker.parallel.distributed import (
     ProcessGroups,
     create_rendezvous_store,
@@ -32,8 +34,6 @@ from pagefleet.worker.parallel.distributed import (
     init_process_groups,
     rendezvous_host,
 )
-from pagefleet.worker.engine.engine_args import EngineArgs
-from pagefleet.worker.model_executor.model_runner import ModelRunner, StepInput
 from pagefleet.worker.parallel.step_wire import broadcast_step, broadcast_stop
 from pagefleet.worker.parallel.tp_placement import Placement, acquire_placement, ensure_ray
 from pagefleet.worker.parallel.tp_worker import LoadReport, TPWorker, build_runner

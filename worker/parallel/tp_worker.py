@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import torch
 
 from pagefleet.worker.model_executor.model_config import ModelConfig
-from pagefleet.worker.parallel.distributed import ProcessGroups, destroy_process_groups, init_process_groups
 from pagefleet.worker.model_executor.model_runner import ModelRunner
+from pagefleet.worker.parallel.distributed import ProcessGroups, destroy_process_groups, init_process_groups
 from pagefleet.worker.parallel.step_wire import receive_step
 
 logger = logging.getLogger(__name__)

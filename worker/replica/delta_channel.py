@@ -3,13 +3,14 @@
 Each caller (an ingress replica) holds one long-lived channel per replica, and every delta of
 its requests goes on it: what the engine produced since the reader last took is one item (an
 encoded list of deltas, oldest first: ``wire.encode_batch``), whatever the number of requests.
-A Serve stream costs about as much CPU per item as the engine spends on a token, so one item
-per request per step would spend much of a small machine on delivery.
+Each Serve stream item costs CPU in several processes, so one item per request per step would
+spend much of a small machine on delivery.
 
 The channel's reader is a plain TCP connection from the caller where it can reach the replica
-(``ChannelServer``), which costs the receiver a fraction of a Serve stream item; where the
+(``ChannelServer``), which costs the receiver far less per item than a Serve stream; where the
 caller cannot connect, the ``channel`` call's own Serve stream is the reader. Either way the
-items are the same bytes. docs/architecture.md draws the path.
+items are the same bytes. docs/architecture.md draws the path; docs/benchmarks.md has the
+figures.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import socket
 import time
 from typing import AsyncIterator, Callable
 
+from pagefleet.worker.aio import cancel_and_wait
 from pagefleet.worker.outputs import RequestOutputDelta
 from pagefleet.worker.replica.wire import FRAME_HEADER, SocketOffer, encode_batch
 
@@ -142,9 +144,7 @@ class ChannelServer:
             try:  # until the channel ends here (idle, or another reader took over) or the peer leaves
                 await asyncio.wait((sending, peer_done), return_when=asyncio.FIRST_COMPLETED)
             finally:
-                for task in (sending, peer_done):
-                    task.cancel()
-                await asyncio.gather(sending, peer_done, return_exceptions=True)
+                await cancel_and_wait(sending, peer_done)
         except (asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError) as e:
             logger.debug("delta channel connection ended: %s", type(e).__name__)
         finally:

@@ -19,12 +19,12 @@ from ray import serve
 from ray.serve import Application
 
 from pagefleet.worker import tracing
-from pagefleet.worker.replica.delta_channel import ChannelServer, DeltaChannel
-from pagefleet.worker.engine.engine_args import EngineArgs
 from pagefleet.worker.core.kv_events import KVEventBatch, KVSnapshot
-from pagefleet.worker.replica.kv_publisher import KVEventPublisher
-from pagefleet.worker.outputs import RequestOutputDelta
+from pagefleet.worker.engine.engine_args import EngineArgs
 from pagefleet.worker.metrics.stats import ReplicaStats
+from pagefleet.worker.outputs import RequestOutputDelta
+from pagefleet.worker.replica.delta_channel import ChannelServer, DeltaChannel
+from pagefleet.worker.replica.kv_publisher import KVEventPublisher
 from pagefleet.worker.replica.wire import ChannelOpen, Ended, Placed, SocketOffer, WorkerRequest
 
 logger = logging.getLogger(__name__)

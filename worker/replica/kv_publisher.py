@@ -26,14 +26,14 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Awaitable, Callable, Protocol
 
+from pagefleet.worker.aio import cancel_and_wait
 from pagefleet.worker.core.kv_events import KVEventBatch, KVSnapshot, merge_batches
 
-# At most one call every this long. Each call costs the scheduler actor about a millisecond of
-# CPU, and wakes each ingress's follower: at 50 ms, 4 busy workers and their ingress kept the
-# actor at 120-160 ms of CPU a second on a 2-core machine (routing benchmark, 2026-12-01), CPU
-# taken from the engines and the ingress. The view stays exact (batches merge, nothing is
-# dropped); an ingress's own routing does not wait for it (its predictions count what it
-# routed until a batch confirms it), only other ingresses see this worker's load later.
+# At most one call every this long. Each call costs the scheduler actor CPU and wakes each
+# ingress's follower, CPU taken from the engines and the ingress (figures in docs/scaling.md).
+# The view stays exact (batches merge, nothing is dropped); an ingress's own routing does not
+# wait for it (its predictions count what it routed until a batch confirms it), only other
+# ingresses see this worker's load later.
 PUBLISH_INTERVAL_S = 0.2
 # How long a batch that changes nothing the scheduler reads may wait for one that does (an idle
 # engine puts one every second). It is the worker's heartbeat: the scheduler drops a worker silent
@@ -112,10 +112,8 @@ class KVEventPublisher:
                 pass
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
 
     async def _run(self) -> None:
         assert self._wake is not None and self._loop is not None
