@@ -8,7 +8,7 @@ import os
 import sys
 
 from pagefleet.cluster.bench import benchmark as bench
-from pagefleet.cluster.config import ServeArgs, ServeOptions
+from pagefleet.cluster.config import API_KEY_ENV, ServeArgs, ServeOptions
 from pagefleet.cluster.demo.model import ARCHITECTURES, DEMO_SIZES, write_demo_checkpoint
 from pagefleet.cluster.plan import cli as plan_cli
 from pagefleet.cluster.serve_env import THREAD_WAIT_ENV
@@ -25,6 +25,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault(name, value)
     parser = _parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     if args.command is None:
         parser.print_help()
         return 2
@@ -85,10 +86,15 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
 def _serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        if args.api_key is not None and args.api_key_file is not None:
+            raise ValueError("give --api-key or --api-key-file, not both")
         opts = options_from_args(args)
     except ValueError as exc:
         print(f"pagefleet serve: error: {exc}", file=sys.stderr)
         return 2
+    if any(a == "--api-key" or a.startswith("--api-key=") for a in args.argv):
+        print(f"pagefleet serve: warning: --api-key on the command line is visible to every user of this machine "
+              f"(ps, /proc); set ${API_KEY_ENV} or use --api-key-file instead", file=sys.stderr)
     from pagefleet.cluster.launch import run_server
 
     return run_server(opts, address=args.address, metrics_export_port=args.metrics_export_port,

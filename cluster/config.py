@@ -16,7 +16,11 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from pagefleet.router.openai.http_guards import DEFAULT_MAX_BODY_BYTES
-from pagefleet.router.openai.preprocess import DEFAULT_MAX_PROMPTS, DEFAULT_MAX_REQUEST_ID_CHARS
+from pagefleet.router.openai.preprocess import (
+    DEFAULT_MAX_CHAT_MESSAGES,
+    DEFAULT_MAX_PROMPTS,
+    DEFAULT_MAX_REQUEST_ID_CHARS,
+)
 from pagefleet.router.routing.kv_routing import KVRoutingOptions
 from pagefleet.router.routing.policies import POLICIES
 from pagefleet.worker.cpu.threads import cpu_compute_threads
@@ -26,6 +30,18 @@ from pagefleet.worker.engine.options import check_choices, from_namespace, optio
 API_KEY_ENV = "PAGEFLEET_API_KEY"
 
 
+def read_api_key_file(path: str) -> str:
+    """The first line of ``path``, stripped; ValueError for a file that holds no key."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            key = f.readline().strip()
+    except OSError as exc:
+        raise ValueError(f"cannot read the API key file {path!r}: {exc.strerror}") from None
+    if not key:
+        raise ValueError(f"the API key file {path!r} holds no key on its first line")
+    return key
+
+
 @dataclass(slots=True)
 class ServeArgs:
     host: str = option("127.0.0.1", help="HTTP bind address (default: loopback only)")
@@ -33,7 +49,10 @@ class ServeArgs:
     workers: int = option(1, help="engine replicas, each one TP group")
     api_key: str | None = option(default_factory=lambda: os.environ.get(API_KEY_ENV) or None, secret=True,
                                  help="require 'Authorization: Bearer KEY' on every route but /health, /metrics "
-                                      f"and /version (default: ${API_KEY_ENV})")
+                                      f"and /version (default: ${API_KEY_ENV}; on the command line every local "
+                                      "user sees it in ps: prefer the variable or --api-key-file)")
+    api_key_file: str | None = option(None, metavar="PATH", help="read the API key from this file (its first "
+                                                                 "line), in place of --api-key")
     # Ray resources. worker_num_gpus None: one GPU per TP rank when the cluster has GPUs, else none.
     worker_num_cpus: float = option(1.0, aliases=("--worker-cpus",), help="Ray CPUs reserved per TP rank")
     worker_num_gpus: float | None = option(None, help="Ray GPUs per TP rank (default: 1 on a cluster with "
@@ -59,7 +78,9 @@ class ServeArgs:
     # are engine options).
     max_request_body_bytes: int = option(DEFAULT_MAX_BODY_BYTES, parse=parse_bytes, metavar="BYTES",
                                          help="largest request body; larger ones get 413")
-    max_prompts_per_request: int = option(DEFAULT_MAX_PROMPTS, help="prompts in one /v1/completions request")
+    max_prompts_per_request: int = option(DEFAULT_MAX_PROMPTS, help="prompts in one /v1/completions request, "
+                                                                    "and sequences in one request (prompts x n)")
+    max_chat_messages: int = option(DEFAULT_MAX_CHAT_MESSAGES, help="messages in one chat request")
     max_prompt_chars: int | None = option(None, help="characters of prompt text read before tokenizing "
                                                      "(default: max_model_len x the tokenizer's longest "
                                                      "token, so no prompt that fits is refused)")
@@ -69,6 +90,8 @@ class ServeArgs:
 
     def __post_init__(self) -> None:
         check_choices(self)
+        if self.api_key_file is not None:
+            self.api_key = read_api_key_file(self.api_key_file)
         if self.routing_cost_weight < 0:
             raise ValueError(f"routing_cost_weight must be >= 0, got {self.routing_cost_weight}")
         if self.admission_queue_size < 0 or isinstance(self.admission_queue_size, bool):
@@ -76,7 +99,8 @@ class ServeArgs:
         if self.admission_max_wait_s <= 0 or self.routing_max_staleness_s <= 0:
             raise ValueError("admission_max_wait_s and routing_max_staleness_s must be > 0")
         self.max_request_body_bytes = parse_bytes(self.max_request_body_bytes)
-        for name in ("workers", "ingress_replicas", "max_prompts_per_request", "max_request_id_chars"):
+        for name in ("workers", "ingress_replicas", "max_prompts_per_request", "max_request_id_chars",
+                     "max_chat_messages"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")

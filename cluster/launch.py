@@ -11,14 +11,17 @@ from __future__ import annotations
 
 import math
 import os
+import secrets
 import signal
 import sys
 import time
+from pathlib import Path
 
 from pagefleet.cluster.config import API_KEY_ENV, ServeOptions
 from pagefleet.cluster.cpu_priority import idle_control_plane
 from pagefleet.cluster.ray_join import join_error, running_serve_http, serve_conflict
 from pagefleet.cluster.serve_env import LOCAL_QUIET_ENV, WORKER_PRIORITY_ENV, fast_path_env, raylet_env
+from pagefleet.worker.replica.wire import CHANNEL_HOST_ENV
 
 
 def prepare_model(opts: ServeOptions) -> str:
@@ -116,11 +119,29 @@ def start_local_ray(num_cpus: int, metrics_export_port: int | None = None, log_t
     ``cpu_priority.idle_control_plane`` once the app is up."""
     import ray
 
+    if os.environ.get("RAY_AUTH_MODE") == "token":
+        private_ray_token()
     fast_env = fast_path_env()
-    with raylet_env({**fast_env, **LOCAL_QUIET_ENV, **WORKER_PRIORITY_ENV}):
+    # One node: the replicas' delta channels listen on loopback, where every caller is.
+    with raylet_env({**fast_env, **LOCAL_QUIET_ENV, **WORKER_PRIORITY_ENV, CHANNEL_HOST_ENV: "127.0.0.1"}):
         ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=log_to_driver,
                  **({} if metrics_export_port is None else {"_metrics_export_port": metrics_export_port}))
     return bool(fast_env)
+
+
+def private_ray_token(path: Path | None = None) -> Path:
+    """The token file Ray's token authentication reads (``~/.ray/auth_token``), made before Ray
+    would write it world-readable: mode 0600 in a 0700 folder. An existing token is kept and
+    its file and folder made private."""
+    path = path or Path.home() / ".ray" / "auth_token"
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    path.parent.chmod(0o700)
+    if not path.exists():
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(32))
+    path.chmod(0o600)
+    return path
 
 
 def metrics_targets() -> list[str]:

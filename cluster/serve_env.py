@@ -35,6 +35,7 @@ import os
 import random
 import shutil
 import socket
+import tempfile
 from typing import Iterator
 
 # What the deploy/ files set on every node too.
@@ -94,7 +95,20 @@ def fast_path_env(local: bool = True) -> dict[str, str]:
         env["RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"] = str(LOCAL_MIN_DRAINING_PERIOD_S)
         for name, port in zip(SIDE_PORTS, free_ports(len(SIDE_PORTS))):
             env[name] = str(port)
+        env.update(haproxy_files_env(tempfile.mkdtemp(prefix="pagefleet-haproxy-")))
     return env
+
+
+def haproxy_files_env(private_dir: str) -> dict[str, str]:
+    """HAProxy's files (config, admin and metrics sockets, server state) in ``private_dir``, a
+    folder only this user can enter (``mkdtemp`` makes it 0700). Serve's default is a fixed folder
+    in the system temp directory, and its admin socket (mode 0666, level admin) would let any local
+    user repoint the backends and read every request."""
+    return {"RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": os.path.join(private_dir, "haproxy.cfg"),
+            "RAY_SERVE_HAPROXY_SOCKET_PATH": os.path.join(private_dir, "admin.sock"),
+            "RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH": os.path.join(private_dir, "metrics.sock"),
+            "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": private_dir,
+            "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": os.path.join(private_dir, "server-state")}
 
 
 # Ports below the kernel's ephemeral range and above Ray's default worker ports (10002-19999 for

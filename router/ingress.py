@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import weakref
 from typing import Any, AsyncIterator
@@ -176,8 +177,7 @@ def load_model_info(args: EngineArgs, serving: ServingLimits = ServingLimits()) 
     cfg = model_config_of(args)
     tokenizer = AutoTokenizer.from_pretrained(str(cfg.path), trust_remote_code=False)
     if serving.max_prompt_chars is None:
-        serving = ServingLimits(serving.max_prompts_per_request, cfg.max_model_len * longest_token_chars(tokenizer),
-                                serving.max_request_id_chars)
+        serving = dataclasses.replace(serving, max_prompt_chars=cfg.max_model_len * longest_token_chars(tokenizer))
     return tokenizer, ModelInfo(served_model_name=cfg.served_model_name, limits=RequestLimits.of(cfg, args),
                                 serving=serving, block_size=args.block_size,
                                 more_names=cfg.served_model_names[1:], path_names=cfg.model_path_names)

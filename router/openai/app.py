@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator, TypeVar
 
 from fastapi import FastAPI, Request
@@ -42,6 +43,7 @@ from pagefleet.worker import tracing
 logger = logging.getLogger(__name__)
 
 VERSION = "0.1.0"
+PARSE_THREADS = 2
 HEALTH_TIMEOUT_S = 5.0
 
 Body = TypeVar("Body", bound=BaseModel)
@@ -91,6 +93,8 @@ def build_openai_app(service: OpenAIService, *, api_key: str | None = None, body
     """``metrics`` counts every response by route and status code; ``node_metrics`` adds this
     node's pagefleet series (from Ray's metrics agent) to ``GET /metrics``."""
     app = FastAPI(title="pagefleet", version=VERSION)
+    # Threads of their own: big bodies queue behind each other, never behind /health or /metrics.
+    parsers = ThreadPoolExecutor(PARSE_THREADS, thread_name_prefix="pagefleet-parse")
     install_error_handlers(app)
     keyed = bool(api_key)
     install_schemas(app, service.info, api_key=keyed)
@@ -106,8 +110,8 @@ def build_openai_app(service: OpenAIService, *, api_key: str | None = None, body
     async def _parse(request: Request, model: type[Body]) -> Body:
         check_content_type(request)
         raw = await read_body(request, body_limits.max_body_bytes)
-        if len(raw) > INLINE_PARSE_BYTES:  # a big body parses on a thread, off the event loop
-            return await asyncio.to_thread(_decode, raw, model)
+        if len(raw) > INLINE_PARSE_BYTES:  # a big body parses off the event loop, on the parsing threads
+            return await asyncio.get_running_loop().run_in_executor(parsers, _decode, raw, model)
         return _decode(raw, model)
 
     @app.get("/v1/models", **route_docs(ok=out.ModelList, api_key=keyed))
@@ -146,7 +150,7 @@ def build_openai_app(service: OpenAIService, *, api_key: str | None = None, body
     @app.post("/detokenize", **route_docs(request=DetokenizeRequest, ok=out.DetokenizeResponse, errors=reading,
                                           api_key=keyed))
     async def detokenize(request: Request) -> dict:
-        return service.detokenize(await _parse(request, DetokenizeRequest))
+        return await service.detokenize(await _parse(request, DetokenizeRequest))
 
     @app.get("/health", **route_docs(ok_media=None, errors=(503,)))
     async def health() -> Response:

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 from pagefleet.worker.metrics.definitions import EXPORT_PREFIX, PREFIX
 
@@ -21,6 +23,10 @@ logger = logging.getLogger(__name__)
 
 FAMILY_PREFIX = EXPORT_PREFIX + PREFIX  # "ray_pagefleet_"
 SCRAPE_TIMEOUT_S = 5.0
+# Scrapes within this long of the last one share its page: /metrics is open to anyone who can reach
+# the port, and however many ask, the agent is read at most once in this long, on one thread of
+# its own (no route's thread pool waits behind it).
+CACHE_S = 1.0
 
 
 def pagefleet_families(exposition: str) -> str:
@@ -37,10 +43,17 @@ def pagefleet_families(exposition: str) -> str:
 
 
 class NodeMetricsReader:
-    """Finds this node's metrics export port once (from Ray's node table), then scrapes it on demand."""
+    """Finds this node's metrics export port once (from Ray's node table), then scrapes it on demand:
+    one scrape at a time, shared by every request that asks while it runs or within ``CACHE_S``."""
 
-    def __init__(self) -> None:
+    def __init__(self, cache_s: float = CACHE_S) -> None:
         self._port: int | None = None
+        self._cache_s = cache_s
+        self._page = ""
+        self._read_at = -float("inf")
+        self._inflight: asyncio.Future | None = None
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="pagefleet-metrics")
+        self.scrapes = 0  # agent reads made, for tests
 
     def _find_port(self) -> int | None:
         import ray
@@ -63,9 +76,21 @@ class NodeMetricsReader:
 
     async def read(self) -> str:
         """This node's pagefleet families, or "" (logged) when the agent cannot be read."""
+        if time.monotonic() - self._read_at < self._cache_s:
+            return self._page
+        if self._inflight is None:
+            self._inflight = asyncio.ensure_future(self._read_now())
+        return await asyncio.shield(self._inflight)  # one caller leaving does not cancel the others' read
+
+    async def _read_now(self) -> str:
         try:
-            return await asyncio.to_thread(self._scrape)
+            self.scrapes += 1
+            self._page = await asyncio.get_running_loop().run_in_executor(self._executor, self._scrape)
         except Exception as exc:  # the ingress's own series are still served
             logger.warning("could not read this node's Ray metrics agent: %s", exc)
             self._port = None
-            return ""
+            self._page = ""
+        finally:
+            self._read_at = time.monotonic()
+            self._inflight = None
+        return self._page

@@ -24,7 +24,7 @@ from pydantic.json_schema import models_json_schema
 
 from pagefleet.router.openai import response_schema as out
 from pagefleet.router.openai.errors import ErrorResponse
-from pagefleet.router.openai.preprocess import REQUEST_ID_CHARS, ModelInfo
+from pagefleet.router.openai.preprocess import MAX_CACHE_SALT_CHARS, REQUEST_ID_CHARS, ModelInfo
 from pagefleet.router.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -76,7 +76,7 @@ def body_schemas(info: ModelInfo) -> dict[str, dict]:
     completion["best_of"] = _nullable({"type": "integer"}, "Must equal n (422 otherwise)")
 
     chat = schemas["ChatCompletionRequest"]
-    chat["properties"]["messages"]["minItems"] = 1
+    chat["properties"]["messages"].update(minItems=1, maxItems=info.serving.max_chat_messages)
     chat["properties"]["top_logprobs"] = _nullable({"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS},
                                                    "Needs logprobs: true")
     chat["properties"]["tools"] = _nullable({"type": "array", "maxItems": 0}, "tools are not supported (422)")
@@ -100,9 +100,10 @@ def body_schemas(info: ModelInfo) -> dict[str, dict]:
     tokenize = schemas["TokenizeRequest"]
     tokenize["properties"]["prompt"] = _nullable({"type": "string", **_max_length(info.serving.max_prompt_chars)})
     tokenize["properties"]["messages"] = _nullable({"type": "array", "items": {"$ref": _REF.format(
-        model="ChatMessage")}, "minItems": 1})
+        model="ChatMessage")}, "minItems": 1, "maxItems": info.serving.max_chat_messages})
     tokenize["oneOf"] = [_present("prompt", "messages"), _present("messages", "prompt")]
-    schemas["DetokenizeRequest"]["properties"]["tokens"] = {"type": "array", "items": token_id}
+    schemas["DetokenizeRequest"]["properties"]["tokens"] = {"type": "array", "items": token_id,
+                                                            "maxItems": limits.max_model_len}
     return schemas
 
 
@@ -131,7 +132,7 @@ def _sampling_fields(info: ModelInfo) -> dict[str, dict]:
         "request_id": _nullable({"type": "string", "pattern": f"^{REQUEST_ID_CHARS}+$", "minLength": 1,
                                  "maxLength": info.serving.max_request_id_chars},
                                 "Echoed as the response id; the server's own id runs the request"),
-        "cache_salt": _nullable({"type": "string", "minLength": 1}),
+        "cache_salt": _nullable({"type": "string", "minLength": 1, "maxLength": MAX_CACHE_SALT_CHARS}),
     }
 
 

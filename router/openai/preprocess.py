@@ -21,6 +21,9 @@ from pagefleet.worker.sampling_params import SamplingParams
 
 DEFAULT_MAX_PROMPTS = 256
 DEFAULT_MAX_REQUEST_ID_CHARS = 128
+DEFAULT_MAX_CHAT_MESSAGES = 4096
+# A tenant name or key id, not a payload: it goes into every block hash of its requests.
+MAX_CACHE_SALT_CHARS = 256
 # A client's request_id is echoed in headers, logs and every chunk: visible ASCII only.
 REQUEST_ID_CHARS = r"[\x21-\x7e]"
 _REQUEST_ID = re.compile(REQUEST_ID_CHARS + "+")
@@ -30,9 +33,10 @@ _REQUEST_ID = re.compile(REQUEST_ID_CHARS + "+")
 class ServingLimits:
     """What one HTTP request may hold beyond what the engine checks (``ServeArgs``' options)."""
 
-    max_prompts_per_request: int = DEFAULT_MAX_PROMPTS
+    max_prompts_per_request: int = DEFAULT_MAX_PROMPTS  # also sequences: prompts x n
     max_prompt_chars: int | None = None  # None: not checked (the ingress derives one from the tokenizer)
     max_request_id_chars: int = DEFAULT_MAX_REQUEST_ID_CHARS
+    max_chat_messages: int = DEFAULT_MAX_CHAT_MESSAGES
 
 
 @dataclass(slots=True, frozen=True)
@@ -127,14 +131,22 @@ def tokenize_prompts(items: list[str | list[int]], tokenizer: Any, add_special_t
 def chat_conversation(messages: list[ChatMessage], info: ModelInfo, *, add_generation_prompt: bool,
                       continue_final_message: bool = False) -> list[dict]:
     """The messages as the chat template takes them, checked but not yet rendered."""
-    if not messages:
-        raise bad_request("messages must not be empty", "messages")
+    check_message_count(messages, info)
     if continue_final_message and add_generation_prompt:
         raise bad_request("continue_final_message and add_generation_prompt cannot both be true",
                           "continue_final_message")
     conversation = [_plain_message(i, m) for i, m in enumerate(messages)]
     check_prompt_chars(sum(len(m["content"]) for m in conversation), info, "messages")
     return conversation
+
+
+def check_message_count(messages: list[ChatMessage] | None, info: ModelInfo) -> None:
+    """Before any work that grows with the conversation."""
+    if not messages:
+        raise bad_request("messages must not be empty", "messages")
+    if len(messages) > info.serving.max_chat_messages:
+        raise bad_request(f"messages holds {len(messages)} messages; at most {info.serving.max_chat_messages} "
+                          "are allowed (max_chat_messages)", "messages")
 
 
 def chat_prompt(conversation: list[dict], tokenizer: Any, *, add_generation_prompt: bool,

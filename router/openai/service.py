@@ -28,7 +28,7 @@ from pagefleet.router.openai.protocol import (
 from pagefleet.router.openai.responses import ChatResponseBuilder, CompletionResponseBuilder, ResponseBuilder
 from pagefleet.worker import tracing
 from pagefleet.worker.aio import cancel_and_wait
-from pagefleet.worker.core.block_hash import block_hashes, pack_hashes
+from pagefleet.worker.core.block_hash import block_hashes, extra_keys_digest, pack_hashes
 from pagefleet.worker.outputs import RequestOutputDelta
 from pagefleet.worker.request_check import InvalidRequest
 from pagefleet.worker.sampling_params import SamplingParams
@@ -89,12 +89,12 @@ class OpenAIService:
         self._check_open()
         pre.check_model_name(req.model, self.info)
         pre.check_request_id(req.request_id, self.info)
-        conversation = pre.chat_conversation(req.messages, self.info, add_generation_prompt=req.add_generation_prompt,
-                                             continue_final_message=req.continue_final_message)
         params = pre.chat_sampling_params(req)
-        text_chars = sum(len(m["content"]) for m in conversation)
-        prompt = await self._off_loop(text_chars, lambda: pre.chat_prompt(
-            conversation, self.tokenizer, add_generation_prompt=req.add_generation_prompt,
+        pre.check_message_count(req.messages, self.info)
+        prompt = await self._off_loop(_chat_work(req.messages), lambda: pre.chat_prompt(
+            pre.chat_conversation(req.messages, self.info, add_generation_prompt=req.add_generation_prompt,
+                                  continue_final_message=req.continue_final_message),
+            self.tokenizer, add_generation_prompt=req.add_generation_prompt,
             continue_final_message=req.continue_final_message, add_special_tokens=req.add_special_tokens))
         engine_id = f"chatcmpl-{uuid.uuid4().hex}"
         builder = ChatResponseBuilder(request_id=req.request_id or engine_id,
@@ -104,13 +104,18 @@ class OpenAIService:
 
     def _prepared(self, req: CompletionRequest | ChatCompletionRequest, builder: ResponseBuilder, engine_id: str,
                   prompts: list[list[int]], params: SamplingParams) -> PreparedRequest:
-        if req.cache_salt is not None and not req.cache_salt:
-            raise bad_request("cache_salt must be a non-empty string", "cache_salt")
+        if req.cache_salt is not None and not 0 < len(req.cache_salt) <= pre.MAX_CACHE_SALT_CHARS:
+            raise bad_request(f"cache_salt must be 1 to {pre.MAX_CACHE_SALT_CHARS} characters", "cache_salt")
+        limit = self.info.serving.max_prompts_per_request
+        if len(prompts) * params.n > limit:
+            raise bad_request(f"this request asks for {len(prompts)} prompts x n={params.n} sequences; at most "
+                              f"{limit} are allowed in one request (max_prompts_per_request)", "n")
         extra_keys = (req.cache_salt,) if req.cache_salt else ()
+        extra = extra_keys_digest(extra_keys)
         jobs = []
         for i, token_ids in enumerate(prompts):
             pre.check_job(token_ids, params, self.info, req)
-            hashes = pack_hashes(block_hashes(token_ids, self.info.block_size, extra_keys))
+            hashes = pack_hashes(block_hashes(token_ids, self.info.block_size, extra))
             # Engine request ids are the server's own, whatever id the client sent.
             jobs.append(Job(f"{engine_id}-{i}", token_ids, pre.with_max_tokens(params, len(token_ids), self.info),
                             hashes, extra_keys))
@@ -230,11 +235,10 @@ class OpenAIService:
             raise bad_request("give exactly one of prompt and messages", "prompt")
         if req.messages is not None:
             add_special = False if req.add_special_tokens is None else req.add_special_tokens
-            conversation = pre.chat_conversation(req.messages, self.info,
-                                                 add_generation_prompt=req.add_generation_prompt)
-            chars = sum(len(m["content"]) for m in conversation)
-            ids = (await self._off_loop(chars, lambda: pre.chat_prompt(
-                conversation, self.tokenizer, add_generation_prompt=req.add_generation_prompt,
+            pre.check_message_count(req.messages, self.info)
+            ids = (await self._off_loop(_chat_work(req.messages), lambda: pre.chat_prompt(
+                pre.chat_conversation(req.messages, self.info, add_generation_prompt=req.add_generation_prompt),
+                self.tokenizer, add_generation_prompt=req.add_generation_prompt,
                 add_special_tokens=add_special))).token_ids
         else:
             add_special = True if req.add_special_tokens is None else req.add_special_tokens
@@ -246,13 +250,16 @@ class OpenAIService:
             out["token_strs"] = self.tokenizer.convert_ids_to_tokens(ids)
         return out
 
-    def detokenize(self, req: DetokenizeRequest) -> dict:
+    async def detokenize(self, req: DetokenizeRequest) -> dict:
         pre.check_model_name(req.model, self.info)
+        limit = self.info.limits.max_model_len
+        if len(req.tokens) > limit:  # longer than any sequence the engine makes
+            raise bad_request(f"tokens holds {len(req.tokens)} ids; at most {limit} (max_model_len)", "tokens")
         vocab_size = self.info.limits.vocab_size
         bad = next((t for t in req.tokens if not 0 <= t < vocab_size), None)
         if bad is not None:
             raise bad_request(f"token id {bad} is outside the vocabulary [0, {vocab_size})", "tokens")
-        return {"prompt": self.tokenizer.decode(req.tokens)}
+        return {"prompt": await self._off_loop(len(req.tokens), self.tokenizer.decode, req.tokens)}
 
     def models(self) -> dict:
         # root names the model, never the checkpoint's path on the server
@@ -261,6 +268,12 @@ class OpenAIService:
             "id": name, "object": "model", "created": 0, "owned_by": "pagefleet",
             "root": root, "parent": None, "max_model_len": self.info.limits.max_model_len}
             for name in (root, *self.info.more_names)]}
+
+
+def _chat_work(messages: list) -> int:
+    """How much preparing a conversation costs, in characters of text: a message costs its text
+    and, whatever its length, about as much as a short line through the chat template."""
+    return sum(len(m.content) if isinstance(m.content, str) else 64 for m in messages) + 64 * len(messages)
 
 
 @dataclass(slots=True, weakref_slot=True)

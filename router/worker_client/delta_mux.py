@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
@@ -34,6 +35,9 @@ ATTACH_TIMEOUT_S = 10.0
 # How long a request whose replica reported it ended waits for deltas still on the way.
 LOST_OUTPUT_TIMEOUT_S = 30.0
 REOPEN_BACKOFF_S = 0.2
+# After a replica's socket could not be used, how long its Serve stream carries the channel before
+# the socket is tried again (a replica that restarted, a network that healed).
+SOCKET_RETRY_S = 60.0
 # How long connecting to a replica's channel socket may take before its Serve stream is used.
 CONNECT_TIMEOUT_S = 2.0
 
@@ -120,7 +124,7 @@ class ChannelMux:
         self._on_opened = on_opened
         self.attach_timeout_s = attach_timeout_s
         self._sockets = sockets
-        self._no_socket: set[str] = set()  # replicas whose socket could not be used
+        self._no_socket: dict[str, float] = {}  # replica -> until when its socket is not tried again
         self._queues: dict[str, asyncio.Queue] = {}
         self._replica_of: dict[str, str] = {}  # request id -> replica it was placed on
         self._on: dict[str, set[str]] = {}  # replica -> request ids placed there
@@ -157,7 +161,7 @@ class ChannelMux:
     async def _read(self, replica_id: str) -> None:
         try:
             while self._on.get(replica_id):
-                use_socket = self._sockets and replica_id not in self._no_socket
+                use_socket = self._sockets and self._no_socket.get(replica_id, 0.0) <= time.monotonic()
                 stream = self._open(ChannelOpen(self.channel_id, replica_id, socket=use_socket))
                 try:
                     # an empty batch once attached, or where to connect
@@ -171,9 +175,9 @@ class ChannelMux:
                     async for body in stream:
                         self._dispatch(replica_id, body)
                 except SocketUnusable as exc:
-                    self._no_socket.add(replica_id)
+                    self._no_socket[replica_id] = time.monotonic() + SOCKET_RETRY_S
                     logger.warning("delta channel socket of %s unusable (%s); its Serve stream carries the "
-                                   "channel from now on", replica_id, exc)
+                                   "channel for the next %.0f s", replica_id, exc, SOCKET_RETRY_S)
                 except Exception as exc:  # noqa: BLE001 — the replica's requests fail on their own streams
                     if self._on.get(replica_id):
                         logger.warning("delta channel to %s broke (%s); opening it again", replica_id,

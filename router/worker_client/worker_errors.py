@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from ray import exceptions as ray_exceptions, serve
 from ray.serve import exceptions as serve_exceptions
@@ -54,11 +55,14 @@ class WorkerHealth:
         self._checked_at = -math.inf
         self._running = 0
         self._lock = asyncio.Lock()
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="pagefleet-health")
 
     async def check(self) -> None:
         async with self._lock:
             if time.monotonic() - self._checked_at > HEALTH_CACHE_S:
-                self._running = await asyncio.to_thread(self._running_replicas)
+                # A thread of its own: a busy route's pool never holds up the health probe.
+                self._running = await asyncio.get_running_loop().run_in_executor(self._executor,
+                                                                                self._running_replicas)
                 self._checked_at = time.monotonic()
         if self._running < 1:
             raise RuntimeError(f"no RUNNING replica of {self.deployment_name}")

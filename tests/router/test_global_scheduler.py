@@ -7,7 +7,7 @@ from hypothesis import given, settings, strategies as st
 
 from pagefleet.router.global_scheduler.core import GlobalScheduler, RouteRequest
 from pagefleet.router.global_scheduler.kv_index import KVBlockIndex, routing_keys
-from pagefleet.worker.core.block_hash import block_hashes, pack_hashes
+from pagefleet.worker.core.block_hash import block_hashes, extra_keys_digest, pack_hashes
 from pagefleet.worker.core.kv_events import KVEventBatch, KVSnapshot
 
 BS = 4
@@ -15,7 +15,7 @@ PROMPT = list(range(100, 117))  # 4 full blocks + 1 token
 
 
 def hashes(tokens, salt=None):
-    return block_hashes(tokens, BS, () if salt is None else (salt,))
+    return block_hashes(tokens, BS, extra_keys_digest(() if salt is None else (salt,)))
 
 
 def batch(worker, seq, stored=(), removed=(), *, first_seq=None, cleared=False, free=100, total=100,

@@ -23,6 +23,8 @@ CROSS_FIELD_REFUSALS = (
     (400, None, "context_length_exceeded", ""),
     # min_tokens <= max_tokens (max_tokens defaults to 16 for completions).
     (400, "min_tokens", None, "min_tokens must be <= max_tokens"),
+    # The prompts of one request times n: no more sequences than max_prompts_per_request.
+    (400, "n", None, "this request asks for"),
     # best_of, an old OpenAI field, is accepted only equal to n.
     (422, "best_of", "unsupported", "best_of different from n"),
 )

@@ -2,7 +2,7 @@
 (over the real FastAPI app with a scripted worker)."""
 
 from pagefleet.router.openai.errors import too_many_requests
-from pagefleet.worker.core.block_hash import block_hashes, pack_hashes
+from pagefleet.worker.core.block_hash import block_hashes, extra_keys_digest, pack_hashes
 
 from serving_fakes import MODEL
 
@@ -17,7 +17,8 @@ def test_prompt_blocks_are_hashed_once_at_the_ingress_with_the_cache_salt(client
         assert client.post("/v1/completions", json=body).status_code == 200
     plain, one, two = fake.routed
     assert plain.block_hashes == pack_hashes(block_hashes(PROMPT, 16)) and plain.extra_keys == ()
-    assert one.block_hashes == pack_hashes(block_hashes(PROMPT, 16, ("tenant-1",))) and one.extra_keys == ("tenant-1",)
+    assert one.block_hashes == pack_hashes(block_hashes(PROMPT, 16, extra_keys_digest(("tenant-1",))))
+    assert one.extra_keys == ("tenant-1",)
     assert len({plain.block_hashes, one.block_hashes, two.block_hashes}) == 3  # no two tenants share a block
     assert len(plain.block_hashes) == 2 * 16  # full blocks only
     short = client.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT[:15], "max_tokens": 1})

@@ -8,7 +8,7 @@ import yaml
 
 from pagefleet.cluster.app import build_app
 from pagefleet.cluster.config import ServeOptions
-from pagefleet.worker.core.block_hash import block_hashes, pack_hashes
+from pagefleet.worker.core.block_hash import block_hashes, extra_keys_digest, pack_hashes
 from pagefleet.worker.engine.engine_args import EngineArgs
 from pagefleet.worker.engine.options import parse_bytes
 from pagefleet.worker.metrics.stats import EngineStats, ReplicaStats
@@ -60,7 +60,7 @@ class FakeEngine:
 def test_worker_replica_streams_and_publishes_its_load():
     replica = WorkerReplica(EngineArgs(), engine_factory=FakeEngine)
 
-    hashes = block_hashes(list(range(40)), 16, ("salt",))
+    hashes = block_hashes(list(range(40)), 16, extra_keys_digest(("salt",)))
 
     async def run():
         request = WorkerRequest("r1", [1, 2, 3], SamplingParams(max_tokens=3), pack_hashes(hashes), ("salt",))

@@ -8,11 +8,12 @@ import asyncio
 import pytest
 
 from pagefleet.worker import AsyncLLMEngine, EngineArgs, SamplingParams
-from pagefleet.worker.core.block_hash import HASH_SIZE, PackedHashes, block_hashes, pack_hashes, unpack_hashes
+from pagefleet.worker.core.block_hash import (HASH_SIZE, PackedHashes, block_hashes, extra_keys_digest, pack_hashes,
+                                              unpack_hashes)
 
 
 def test_packed_hashes_read_in_place_equal_the_unpacked_list():
-    hashes = block_hashes(list(range(50)), 16, ("tenant",))
+    hashes = block_hashes(list(range(50)), 16, extra_keys_digest(("tenant",)))
     packed = pack_hashes(hashes)
     assert len(packed) == 3 * HASH_SIZE and unpack_hashes(packed) == hashes
     view = PackedHashes(packed)
@@ -37,7 +38,7 @@ def test_the_engine_uses_the_callers_hashes_and_refuses_bad_ones_before_queueing
             with pytest.raises(ValueError, match="packed block hashes"):
                 asyncio.run(run("bad", bad))
         assert engine.engine.requests == {}  # nothing reached the engine thread
-        packed = pack_hashes(block_hashes(prompt, 16, ("salt",)))
+        packed = pack_hashes(block_hashes(prompt, 16, extra_keys_digest(("salt",))))
         assert asyncio.run(run("good", packed))[-1].finished
         # the second request finds the first's blocks under the same hashes: a prefix-cache hit
         again = asyncio.run(run("again", packed))

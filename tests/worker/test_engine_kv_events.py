@@ -7,7 +7,14 @@ import asyncio
 import pytest
 
 from pagefleet.worker import AsyncLLMEngine, EngineArgs, SamplingParams
-from pagefleet.worker.core.block_hash import ROOT_HASH, block_hashes, hash_block, pack_hashes, unpack_hashes
+from pagefleet.worker.core.block_hash import (
+    ROOT_HASH,
+    block_hashes,
+    extra_keys_digest,
+    hash_block,
+    pack_hashes,
+    unpack_hashes,
+)
 from pagefleet.worker.core.kv_events import KVLoad
 from pagefleet.worker.engine.llm_engine import LLMEngine
 
@@ -42,7 +49,7 @@ def test_the_engine_publishes_the_hashes_it_was_given_and_counts_its_load(args):
     # the block the output filled (tokens 32..47) the engine hashed itself, chained to the given ones
     tokens = PROMPT + out
     stored = [h for b in later for h in unpack_hashes(b.stored)]
-    assert stored == [hash_block(given[1], tokens[32:48], ("salt",))]
+    assert stored == [hash_block(given[1], tokens[32:48], extra_keys_digest(("salt",)))]
     with pytest.raises(RuntimeError, match="before the engine takes requests"):
         engine.enable_kv_events("again")
 
@@ -52,7 +59,7 @@ def test_without_given_hashes_the_engine_hashes_with_the_salt(args):
     engine.enable_kv_events("w0")
     engine.add_request("r", PROMPT, SamplingParams(max_tokens=1), ("tenant",))
     engine.step()
-    assert unpack_hashes(engine.drain_kv_events().stored) == block_hashes(PROMPT, 16, ("tenant",))
+    assert unpack_hashes(engine.drain_kv_events().stored) == block_hashes(PROMPT, 16, extra_keys_digest(("tenant",)))
     assert engine.drain_kv_events() is not None and LLMEngine(args).drain_kv_events() is None  # off by default
 
 

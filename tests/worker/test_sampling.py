@@ -145,6 +145,34 @@ def test_repetition_penalty_changes_only_seen_tokens():
     assert logits.tolist() == [[1.0, 1.0, -4.0, 1.0, 5.0]]
 
 
+def _penalized_from_scratch(logits: torch.Tensor, seq, rep: float, presence: float, freq: float) -> torch.Tensor:
+    """The penalties' definition, over the whole context at once."""
+    out = logits.clone()
+    for t in set(seq.token_ids):
+        out[t] = out[t] / rep if out[t] > 0 else out[t] * rep
+    outputs = seq.token_ids[seq.num_prompt_tokens:]
+    for t in set(outputs):
+        out[t] -= freq * outputs.count(t) + presence
+    return out
+
+
+def test_penalties_kept_step_by_step_equal_the_whole_context_and_count_each_token_once():
+    from pagefleet.worker.core.sequence import Sequence
+    from pagefleet.worker.model_executor.sampler import apply_penalties
+
+    gen = torch.Generator().manual_seed(0)
+    params = SamplingParams(repetition_penalty=1.7, presence_penalty=0.3, frequency_penalty=0.2)
+    seq = Sequence(0, "r", 0, [5, 9, 5, 2], params)
+    for step, token in enumerate([9, 11, 11, 0, 5, 11]):  # repeats of prompt and output tokens
+        logits = torch.randn(1, 16, generator=gen)
+        want = _penalized_from_scratch(logits[0], seq, 1.7, 0.3, 0.2)
+        apply_penalties(logits, [seq])
+        torch.testing.assert_close(logits[0], want)
+        assert seq.penalties.marked == len(seq.token_ids)  # what the next step will not count again
+        seq.append_token(token)
+    assert seq.penalties.counts[11].item() == 2.0  # the last 11 is not sampled from yet: counted next step
+
+
 def test_bad_sampling_params_are_clear_errors():
     with pytest.raises(ValueError, match="top_p"):
         SamplingParams(top_p=0.0)

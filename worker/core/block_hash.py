@@ -24,24 +24,36 @@ HASH_SIZE = 16  # bytes
 ROOT_HASH = BlockHash(b"\x00" * HASH_SIZE)
 
 
-def hash_block(parent: BlockHash | None, token_ids: Sequence[int], extra_keys: tuple = ()) -> BlockHash:
-    h = blake2b(digest_size=HASH_SIZE, person=b"pagefleet-kv")
-    h.update(parent if parent is not None else ROOT_HASH)
-    h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
+def extra_keys_digest(extra_keys: tuple = ()) -> bytes:
+    """What a request's extra keys add to each of its block hashes, hashed once per request, so
+    that a block costs the same whatever the keys' length; b"" for none."""
+    if not extra_keys:
+        return b""
+    h = blake2b(digest_size=HASH_SIZE, person=b"pagefleet-xkeys")
     for key in extra_keys:
         data = key if isinstance(key, bytes) else str(key).encode()
         h.update(struct.pack("<I", len(data)))
         h.update(data)
+    return h.digest()
+
+
+def hash_block(parent: BlockHash | None, token_ids: Sequence[int], extra: bytes = b"") -> BlockHash:
+    """``extra``: the request's ``extra_keys_digest``."""
+    h = blake2b(digest_size=HASH_SIZE, person=b"pagefleet-kv")
+    h.update(parent if parent is not None else ROOT_HASH)
+    h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
+    h.update(extra)
     return BlockHash(h.digest())
 
 
-def block_hashes(token_ids: Sequence[int], block_size: int, extra_keys: tuple = (),
+def block_hashes(token_ids: Sequence[int], block_size: int, extra: bytes = b"",
                  start: Iterable[BlockHash] = ()) -> list[BlockHash]:
-    """Hashes of every *full* block of ``token_ids``; ``start`` are already-known leading hashes."""
+    """Hashes of every *full* block of ``token_ids`` under ``extra`` (an ``extra_keys_digest``);
+    ``start`` are already-known leading hashes."""
     hashes = list(start)
     parent = hashes[-1] if hashes else None
     for i in range(len(hashes), len(token_ids) // block_size):
-        parent = hash_block(parent, token_ids[i * block_size:(i + 1) * block_size], extra_keys)
+        parent = hash_block(parent, token_ids[i * block_size:(i + 1) * block_size], extra)
         hashes.append(parent)
     return hashes
 

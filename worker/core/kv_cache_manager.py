@@ -30,7 +30,7 @@ class KVCacheManager:
     def _hashes(self, seq: Sequence) -> list:
         # Computed once per full block and kept on the sequence.
         if len(seq.block_hashes) < seq.num_tokens // self.block_size:
-            seq.block_hashes = block_hashes(seq.token_ids, self.block_size, seq.extra_keys, seq.block_hashes)
+            seq.block_hashes = block_hashes(seq.token_ids, self.block_size, seq.extra_digest, seq.block_hashes)
         return seq.block_hashes
 
     def find_prefix(self, seq: Sequence) -> PrefixHit:

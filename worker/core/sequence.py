@@ -23,12 +23,12 @@ class Sequence:
 
     __slots__ = ("seq_id", "request_id", "index", "params", "token_ids", "num_prompt_tokens",
                  "num_computed_tokens", "num_cached_tokens", "status", "finish_reason", "stop_reason",
-                 "logprobs", "generator", "parent", "extra_keys", "block_hashes",
-                 "output_counts")
+                 "logprobs", "generator", "parent", "extra_digest", "block_hashes",
+                 "penalties")
 
     def __init__(self, seq_id: int, request_id: str, index: int, prompt_token_ids: list[int],
                  params: SamplingParams, parent: "Sequence | None" = None,
-                 extra_keys: tuple = ()) -> None:
+                 extra_digest: bytes = b"") -> None:
         self.seq_id = seq_id
         self.request_id = request_id
         self.index = index
@@ -47,9 +47,9 @@ class Sequence:
             # samples the same tokens whatever else shares its batch.
             self.generator = torch.Generator().manual_seed(params.seed + 7919 * index)
         self.parent = parent  # the sequence whose prompt blocks this one shares (n > 1)
-        self.extra_keys = extra_keys
+        self.extra_digest = extra_digest  # what changes KV content besides tokens: block_hash.extra_keys_digest
         self.block_hashes: list = []  # chained hashes of this sequence's full blocks, filled lazily
-        self.output_counts: dict[int, int] = {}
+        self.penalties = None  # the sampler's PenaltyState, once a penalty asks for it
 
     @property
     def num_tokens(self) -> int:
@@ -65,7 +65,6 @@ class Sequence:
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
-        self.output_counts[token_id] = self.output_counts.get(token_id, 0) + 1
 
     def __repr__(self) -> str:
         return (f"Sequence({self.request_id}#{self.index}, computed={self.num_computed_tokens}/"

@@ -8,7 +8,7 @@ from itertools import count
 import torch
 from transformers import AutoTokenizer
 
-from pagefleet.worker.core.block_hash import HASH_SIZE, unpack_hashes
+from pagefleet.worker.core.block_hash import HASH_SIZE, extra_keys_digest, unpack_hashes
 from pagefleet.worker.core.block_pool import BlockPool
 from pagefleet.worker.core.kv_cache_manager import KVCacheManager
 from pagefleet.worker.core.kv_cache_sizing import size_kv_pool
@@ -110,10 +110,11 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already running")
         hashes = unpack_hashes(block_hashes)
+        extra = extra_keys_digest(extra_keys)
         seqs: list[Sequence] = []
         for i in range(params.n):
             seq = Sequence(next(self._seq_ids), request_id, i, prompt_token_ids, params,
-                           parent=seqs[0] if seqs else None, extra_keys=extra_keys)
+                           parent=seqs[0] if seqs else None, extra_digest=extra)
             if hashes:
                 seq.block_hashes = list(hashes)  # each sequence extends its own list
             self.detok[seq.seq_id] = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop,

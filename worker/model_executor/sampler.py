@@ -15,19 +15,49 @@ class SamplerOutput(NamedTuple):
     logprobs: list[TokenLogprob | None]
 
 
+class PenaltyState:
+    """What a sequence's penalties read, kept on the logits' device and brought up to date with the
+    tokens added since the last step: a step costs the new tokens and one pass over the vocabulary,
+    never the whole context."""
+
+    __slots__ = ("seen", "counts", "marked")
+
+    def __init__(self, vocab_size: int, device: torch.device) -> None:
+        self.seen = torch.zeros(vocab_size, dtype=torch.bool, device=device)  # [V] in prompt or output
+        self.counts = torch.zeros(vocab_size, dtype=torch.float32, device=device)  # [V] output occurrences
+        self.marked = 0  # leading token_ids already counted in
+
+    def catch_up(self, seq: Sequence) -> None:
+        new = seq.token_ids[self.marked:]
+        if not new:
+            return
+        ids = torch.tensor(new, dtype=torch.long, device=self.seen.device)
+        self.seen[ids] = True
+        outputs = max(0, len(seq.token_ids) - max(self.marked, seq.num_prompt_tokens))
+        if outputs:
+            self.counts.index_add_(0, ids[-outputs:], torch.ones(outputs, device=self.counts.device))
+        self.marked = len(seq.token_ids)
+
+
 def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> None:
     """Repetition penalty over prompt and output (as transformers applies it); presence and
-    frequency penalties over output tokens only (as OpenAI defines them). In place."""
+    frequency penalties over output tokens only (as OpenAI defines them). In place.
+
+    logits: [S, V], one row per sequence of ``seqs``."""
     for row, seq in enumerate(seqs):
         p = seq.params
+        if p.repetition_penalty == 1.0 and not (p.presence_penalty or p.frequency_penalty):
+            continue
+        if seq.penalties is None:
+            seq.penalties = PenaltyState(logits.shape[-1], logits.device)
+        state = seq.penalties
+        state.catch_up(seq)
         if p.repetition_penalty != 1.0:
-            ids = torch.tensor(sorted(set(seq.token_ids)), dtype=torch.long, device=logits.device)
-            vals = logits[row, ids]
-            logits[row, ids] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
-        if (p.presence_penalty or p.frequency_penalty) and seq.output_counts:
-            ids = torch.tensor(list(seq.output_counts), dtype=torch.long, device=logits.device)
-            counts = torch.tensor(list(seq.output_counts.values()), dtype=logits.dtype, device=logits.device)
-            logits[row, ids] -= p.frequency_penalty * counts + p.presence_penalty
+            vals = logits[row]
+            penalized = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+            logits[row] = torch.where(state.seen, penalized, vals)
+        if p.presence_penalty or p.frequency_penalty:
+            logits[row] -= p.frequency_penalty * state.counts + p.presence_penalty * (state.counts > 0)
 
 
 def mask_to_support(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,

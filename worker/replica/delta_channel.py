@@ -33,7 +33,10 @@ IDLE_CLOSE_S = 5.0
 TOKEN_BYTES = 16
 # An offer not claimed within this long is void; a connection that sends no token this long is closed.
 OFFER_TTL_S = 30.0
-HELLO_TIMEOUT_S = 5.0
+HELLO_TIMEOUT_S = 1.0
+# Connections that have not sent their token yet, at most: past it, a new one is closed at once.
+# A caller holds one connection per replica, so a peer of ours never comes near it.
+MAX_PENDING_HELLOS = 64
 
 
 def keep_alive(sock: socket.socket | None) -> None:
@@ -119,6 +122,7 @@ class ChannelServer:
         self._server: asyncio.AbstractServer | None = None
         self._starting = asyncio.Lock()  # two first offers at once start one server
         self.port = 0
+        self.pending_hellos = 0
 
     async def offer(self, channel_id: str) -> SocketOffer:
         if self._server is None:
@@ -134,7 +138,13 @@ class ChannelServer:
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            token = await asyncio.wait_for(reader.readexactly(TOKEN_BYTES), HELLO_TIMEOUT_S)
+            if self.pending_hellos >= MAX_PENDING_HELLOS:
+                return
+            self.pending_hellos += 1
+            try:
+                token = await asyncio.wait_for(reader.readexactly(TOKEN_BYTES), HELLO_TIMEOUT_S)
+            finally:
+                self.pending_hellos -= 1
             channel_id, valid_until = self._offers.pop(token, ("", 0.0))
             if time.monotonic() > valid_until:
                 return

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from typing import Any, AsyncIterator, Callable, Mapping
 
 import ray
@@ -25,7 +26,7 @@ from pagefleet.worker.metrics.stats import ReplicaStats
 from pagefleet.worker.outputs import RequestOutputDelta
 from pagefleet.worker.replica.delta_channel import ChannelServer, DeltaChannel
 from pagefleet.worker.replica.kv_publisher import KVEventPublisher
-from pagefleet.worker.replica.wire import ChannelOpen, Ended, Placed, SocketOffer, WorkerRequest
+from pagefleet.worker.replica.wire import CHANNEL_HOST_ENV, ChannelOpen, Ended, Placed, SocketOffer, WorkerRequest
 
 logger = logging.getLogger(__name__)
 
@@ -211,8 +212,12 @@ async def _put_on(channel: DeltaChannel, deltas: AsyncIterator[RequestOutputDelt
 
 
 def _node_ip() -> str:
-    """Where this replica's channel sockets listen: the node's address, as Ray's own workers do
-    (loopback outside a Ray worker: tests that build the class directly)."""
+    """Where this replica's channel sockets listen: ``$PAGEFLEET_CHANNEL_HOST``, else the node's
+    address, as Ray's own workers do (loopback outside a Ray worker: tests that build the class
+    directly)."""
+    configured = os.environ.get(CHANNEL_HOST_ENV)
+    if configured:
+        return configured
     return ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
 
 

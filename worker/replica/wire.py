@@ -81,6 +81,9 @@ class SocketOffer:
     token: bytes
 
 
+# Where a replica's channel sockets listen when set (else the node's address): the one-node
+# cluster ``pagefleet serve`` starts sets loopback, since every caller runs on that node.
+CHANNEL_HOST_ENV = "PAGEFLEET_CHANNEL_HOST"
 # A frame on a channel connection: this header (the body's length), then the body.
 FRAME_HEADER = struct.Struct("!I")
 # A frame longer than this is not from a peer of ours: the connection is dropped.
