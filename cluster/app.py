@@ -73,7 +73,7 @@ def build_app(args: Mapping[str, Any] | ServeOptions | None = None) -> Applicati
     )
     serving = ServingLimits(serve_args.max_prompts_per_request, serve_args.max_prompt_chars,
                             serve_args.max_request_id_chars, serve_args.max_chat_messages)
-    return ingress.bind(worker, engine_args, api_key=serve_args.api_key, kv_scheduler=kv_scheduler,
+    return ingress.bind(worker, engine_args, api_key=serve_args.key(), kv_scheduler=kv_scheduler,
                         kv_routing=opts.kv_routing(), serving=serving,
                         body_limits=BodyLimits(serve_args.max_request_body_bytes),
                         drain_timeout_s=serve_args.drain_timeout_s)

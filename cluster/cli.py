@@ -89,6 +89,7 @@ def _serve(args: argparse.Namespace) -> int:
         if args.api_key is not None and args.api_key_file is not None:
             raise ValueError("give --api-key or --api-key-file, not both")
         opts = options_from_args(args)
+        opts.serve.key()  # a key file that cannot be read stops the start here
     except ValueError as exc:
         print(f"pagefleet serve: error: {exc}", file=sys.stderr)
         return 2

@@ -88,10 +88,15 @@ class ServeArgs:
     drain_timeout_s: float = option(30.0, help="on shutdown, how long in-flight requests may finish while new "
                                                "ones get 503")
 
+    def key(self) -> str | None:
+        """The API key the server requires: ``api_key``, else the first line of ``api_key_file`` (read
+        where the app is built: the file may exist only on the node that builds it)."""
+        if self.api_key is not None and self.api_key_file is not None:
+            raise ValueError("give api_key or api_key_file, not both")
+        return read_api_key_file(self.api_key_file) if self.api_key_file is not None else self.api_key
+
     def __post_init__(self) -> None:
         check_choices(self)
-        if self.api_key_file is not None:
-            self.api_key = read_api_key_file(self.api_key_file)
         if self.routing_cost_weight < 0:
             raise ValueError(f"routing_cost_weight must be >= 0, got {self.routing_cost_weight}")
         if self.admission_queue_size < 0 or isinstance(self.admission_queue_size, bool):

@@ -163,7 +163,7 @@ def banner(opts: ServeOptions, model_name: str, elapsed_s: float, local: bool,
     host = "127.0.0.1" if opts.serve.host in ("0.0.0.0", "::") else opts.serve.host
     base = f"http://{host}:{opts.serve.port}"
     # The key itself is never printed: the line names where the user keeps it.
-    auth = f" \\\n  -H \"Authorization: Bearer ${API_KEY_ENV}\"" if opts.serve.api_key else ""
+    auth = f" \\\n  -H \"Authorization: Bearer ${API_KEY_ENV}\"" if opts.serve.api_key or opts.serve.api_key_file else ""
     where = "a local Ray cluster (token auth on)" if local else "the Ray cluster"
     if local:
         stops = "stops the server and the local Ray cluster"

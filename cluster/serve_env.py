@@ -95,7 +95,9 @@ def fast_path_env(local: bool = True) -> dict[str, str]:
         env["RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"] = str(LOCAL_MIN_DRAINING_PERIOD_S)
         for name, port in zip(SIDE_PORTS, free_ports(len(SIDE_PORTS))):
             env[name] = str(port)
-        env.update(haproxy_files_env(tempfile.mkdtemp(prefix="pagefleet-haproxy-")))
+        # A short path: HAProxy takes a socket path of at most 97 bytes, and Serve adds a 56-byte
+        # node id folder under it.
+        env.update(haproxy_files_env(tempfile.mkdtemp(prefix="pfh-", dir="/tmp" if os.path.isdir("/tmp") else None)))
     return env
 
 

@@ -38,7 +38,6 @@ from pagefleet.router.openai.protocol import (
 )
 from pagefleet.router.openai.service import OpenAIService, PreparedRequest
 from pagefleet.router.openai.sse import sse_stream
-from pagefleet.worker import tracing
 
 logger = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ from typing import Any, AsyncIterator, Callable
 import msgspec
 
 from pagefleet.worker.outputs import RequestOutputDelta, merge_deltas
-from pagefleet.worker.replica.delta_channel import TOKEN_BYTES, keep_alive
+from pagefleet.worker.replica.delta_channel import keep_alive
 from pagefleet.worker.replica.wire import FRAME_HEADER, MAX_FRAME_BYTES, ChannelOpen, Ended, SocketOffer, decode_batch
 
 logger = logging.getLogger(__name__)

@@ -110,3 +110,47 @@ def test_dashboard_names_only_series_pagefleet_exports():
     used = {name for expr in dashboard_exprs() + [v.get("definition", "") for v in variables.values()]
             for name in re.findall(r"\bray_pagefleet_\w+", expr)}
     assert used and used <= exported_series(), used - exported_series()
+
+
+# Who may reach which port: docs/reliability.md's threat model, as each deploy file applies it.
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def _serve_app_args(config: dict) -> dict:
+    (app,) = config["applications"]
+    return app["args"]
+
+
+def test_serve_yaml_binds_loopback_and_needs_a_key_to_bind_anything_else():
+    config = yaml.safe_load((DEPLOY / "serve.yaml").read_text())
+    assert config["http_options"]["host"] in LOOPBACK
+    assert "api_key" not in _serve_app_args(config)  # no key in a file that is committed
+
+
+def test_ray_up_cluster_keeps_the_dashboard_on_the_head_and_ray_behind_its_token():
+    config = yaml.safe_load((DEPLOY / "ray-cluster.yaml").read_text())
+    head = " ".join(config["head_start_ray_commands"])
+    assert "--dashboard-host=127.0.0.1" in head and "0.0.0.0" not in head
+    assert all("RAY_AUTH_MODE=token" in c for c in config["head_start_ray_commands"] + config["worker_start_ray_commands"]
+               if "ray start" in c)
+
+
+def test_rayservice_has_ray_token_auth_an_api_key_and_a_network_policy():
+    docs = list(yaml.safe_load_all((DEPLOY / "kuberay" / "rayservice.yaml").read_text()))
+    service = next(d for d in docs if d["kind"] == "RayService")
+    cluster = service["spec"]["rayClusterConfig"]
+    assert cluster["authOptions"] == {"mode": "token"}
+    serve_config = yaml.safe_load(service["spec"]["serveConfigV2"])
+    args = _serve_app_args(serve_config)
+    assert serve_config["http_options"]["host"] == "0.0.0.0"  # a Kubernetes Service fronts it...
+    key_file = args["api_key_file"]  # ...so the API wants a key, from a Secret mounted on the head
+    assert "api_key" not in args
+    (head,) = cluster["headGroupSpec"]["template"]["spec"]["containers"]
+    mount = next(m for m in head["volumeMounts"] if key_file.startswith(m["mountPath"] + "/"))
+    volume = next(v for v in cluster["headGroupSpec"]["template"]["spec"]["volumes"] if v["name"] == mount["name"])
+    assert "secretName" in volume["secret"]
+    policy = next(d for d in docs if d["kind"] == "NetworkPolicy")
+    labels = cluster["headGroupSpec"]["template"]["metadata"]["labels"]
+    assert policy["spec"]["podSelector"]["matchLabels"].items() <= labels.items()
+    open_ports = {p["port"] for rule in policy["spec"]["ingress"] if "from" not in rule for p in rule["ports"]}
+    assert open_ports == {8000, 8080}  # the API and the metrics agents; Ray's own ports only from its pods

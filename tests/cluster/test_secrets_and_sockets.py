@@ -38,12 +38,13 @@ def test_haproxys_files_and_admin_socket_live_in_a_private_folder(tmp_path):
 def test_the_api_key_comes_from_a_file(tmp_path):
     key_file = tmp_path / "key"
     key_file.write_text("s3cret-key\nignored\n")
-    assert ServeArgs(api_key_file=str(key_file)).api_key == "s3cret-key"
+    assert ServeArgs(api_key_file=str(key_file)).key() == "s3cret-key"
+    assert ServeArgs(api_key="direct").key() == "direct"
     (tmp_path / "empty").write_text("\n")
     with pytest.raises(ValueError, match="holds no key"):
-        ServeArgs(api_key_file=str(tmp_path / "empty"))
+        ServeArgs(api_key_file=str(tmp_path / "empty")).key()
     with pytest.raises(ValueError, match="cannot read the API key file"):
-        ServeArgs(api_key_file=str(tmp_path / "missing"))
+        ServeArgs(api_key_file=str(tmp_path / "missing")).key()
 
 
 def test_a_key_on_the_command_line_is_warned_about_and_a_key_file_is_not(tmp_path, capsys, monkeypatch):

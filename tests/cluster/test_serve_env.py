@@ -17,6 +17,7 @@ from pagefleet.cluster.serve_env import (
     LOCAL_QUIET_ENV,
     SIDE_PORTS,
     fast_path_env,
+    haproxy_files_env,
     raylet_env,
 )
 
@@ -31,9 +32,14 @@ def test_fast_path_needs_an_haproxy_binary(tmp_path, monkeypatch):
     monkeypatch.setenv("RAY_SERVE_HAPROXY_BINARY_PATH", str(_executable(tmp_path / "haproxy")))
     env = fast_path_env()
     assert set(SIDE_PORTS) <= set(env)  # free ports of their own (next test)
+    private = env["RAY_SERVE_HAPROXY_SERVER_STATE_BASE"]  # HAProxy's files in a folder of its own
+    assert stat.S_IMODE(os.stat(private).st_mode) == 0o700
+    # the longest socket path Serve makes there (a 56-byte node id folder) fits HAProxy's 97 bytes
+    assert len(os.path.join(private, "n" * 56, "metrics.sock")) <= 97
     assert {k: v for k, v in env.items() if k not in SIDE_PORTS} == {
         "RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
-        "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": str(LOCAL_MIN_DRAINING_PERIOD_S)}
+        "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": str(LOCAL_MIN_DRAINING_PERIOD_S),
+        **haproxy_files_env(private)}
     assert fast_path_env(local=False) == FAST_PATH_ENV  # a cluster's own nodes keep Ray's defaults
     (tmp_path / "plain").write_text("")
     monkeypatch.setenv("RAY_SERVE_HAPROXY_BINARY_PATH", str(tmp_path / "plain"))  # not executable

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import json
 import os
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -583,6 +584,79 @@ def test_key_is_never_logged(server):
     logs = Path(ray._private.worker._global_node.get_logs_dir_path())  # no public accessor for the log dir
     hits = [p.name for p in logs.rglob("*") if p.is_file() and KEY.encode() in p.read_bytes()]
     assert hits == []
+
+
+# ---- security round 2: nothing one client sends stalls the others -----------------------------------
+
+
+class _Watch:
+    """``GET path`` every 20 ms on a thread of its own while the block runs: every status and the
+    slowest answer, in seconds."""
+
+    def __init__(self, url: str) -> None:
+        self.url, self.times, self.statuses = url, [], []
+        self._stop = threading.Event()
+
+    def _run(self) -> None:
+        with httpx.Client(timeout=30) as client:
+            while not self._stop.is_set():
+                started = time.monotonic()
+                self.statuses.append(client.get(self.url).status_code)
+                self.times.append(time.monotonic() - started)
+                self._stop.wait(0.02)
+
+    def __enter__(self) -> "_Watch":
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        time.sleep(0.2)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(60)
+
+
+def _post(base: str, path: str, body: dict) -> httpx.Response:
+    raw = json.dumps(body, separators=(",", ":")).encode()
+    assert len(raw) < BODY_LIMIT  # every one of these fits the body limit: the checks below refuse it
+    return httpx.post(f"{base}{path}", content=raw, timeout=120,
+                      headers={**AUTH, "Content-Type": "application/json"})
+
+
+def test_bodies_whose_work_grows_with_them_are_refused_without_stalling_the_event_loop(server):
+    base, model = server
+    prompt = [5] * (MAX_MODEL_LEN - 16)  # every full block of it would be hashed with the salt
+    with _Watch(f"{base}/version") as version:
+        salted = _post(base, "/v1/completions", {"model": model, "prompt": prompt, "max_tokens": 1,
+                                                 "cache_salt": "s" * 2**19})
+        chat = _post(base, "/v1/chat/completions", {"model": model, "max_tokens": 1,
+                                                    "messages": [{"role": "user", "content": ""}] * 30_000})
+        detok = _post(base, "/detokenize", {"model": model, "tokens": [5] * 200_000})
+        many = _post(base, "/v1/completions", {"model": model, "prompt": ["hi"] * 256, "n": 8, "max_tokens": 1})
+    assert [(r.status_code, r.json()["error"]["param"]) for r in (salted, chat, detok, many)] == \
+        [(400, "cache_salt"), (400, "messages"), (400, "tokens"), (400, "n")]
+    assert set(version.statuses) == {200} and max(version.times) < 0.5, max(version.times)
+    _ok(base, model)
+
+
+def test_scrapers_of_metrics_never_starve_health(server):
+    base, _ = server
+
+    async def scrape_for(seconds: float) -> int:
+        deadline, done = time.monotonic() + seconds, 0
+        async with httpx.AsyncClient(timeout=60) as client:
+            async def loop() -> None:
+                nonlocal done
+                while time.monotonic() < deadline:
+                    assert (await client.get(f"{base}/metrics")).status_code == 200
+                    done += 1
+            await asyncio.gather(*(loop() for _ in range(60)))
+        return done
+
+    with _Watch(f"{base}/health") as health:
+        scrapes = asyncio.run(scrape_for(7.0))
+    assert scrapes >= 60
+    assert set(health.statuses) == {200} and max(health.times) < 2.0, (health.statuses, max(health.times))
 
 
 def test_drain_finishes_in_flight_requests_and_refuses_new_ones_with_503(server):

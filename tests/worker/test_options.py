@@ -4,8 +4,6 @@
 from __future__ import annotations
 
 import dataclasses
-import os
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -21,11 +19,6 @@ SERVE_YAML = Path(__file__).resolve().parents[2] / "deploy" / "serve.yaml"
 
 # A value other than the default for each option: (the flag's text, the value it means). A
 # boolean's text is None: its flag alone (--x) means True, --no-x False.
-# A key file for --api-key-file (read when the options are built).
-KEY_FILE = os.path.join(tempfile.mkdtemp(), "api-key")
-with open(KEY_FILE, "w") as _f:
-    _f.write("file-key\n")
-
 OTHER_VALUES = {
     "model": ("/ckpt", "/ckpt"),
     "served_model_name": ("m", ["m"]),
@@ -53,7 +46,7 @@ OTHER_VALUES = {
     "port": ("9000", 9000),
     "workers": ("3", 3),
     "api_key": ("k", "k"),
-    "api_key_file": (KEY_FILE, KEY_FILE),
+    "api_key_file": ("/etc/pagefleet/api-key", "/etc/pagefleet/api-key"),
     "worker_num_cpus": ("0.5", 0.5),
     "worker_num_gpus": ("1", 1.0),
     "ingress_num_cpus": ("0.25", 0.25),

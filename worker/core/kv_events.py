@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import Sequence
 
 from pagefleet.worker.core.block_hash import HASH_SIZE, ROOT_HASH, BlockHash, pack_hashes, unpack_hashes
 
