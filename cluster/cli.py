@@ -86,14 +86,15 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
 def _serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        if args.api_key is not None and args.api_key_file is not None:
+        key_on_command_line = any(a == "--api-key" or a.startswith("--api-key=") for a in args.argv)
+        if key_on_command_line and args.api_key_file is not None:
             raise ValueError("give --api-key or --api-key-file, not both")
         opts = options_from_args(args)
         opts.serve.key()  # a key file that cannot be read stops the start here
     except ValueError as exc:
         print(f"pagefleet serve: error: {exc}", file=sys.stderr)
         return 2
-    if any(a == "--api-key" or a.startswith("--api-key=") for a in args.argv):
+    if key_on_command_line:
         print(f"pagefleet serve: warning: --api-key on the command line is visible to every user of this machine "
               f"(ps, /proc); set ${API_KEY_ENV} or use --api-key-file instead", file=sys.stderr)
     from pagefleet.cluster.launch import run_server

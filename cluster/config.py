@@ -89,10 +89,8 @@ class ServeArgs:
                                                "ones get 503")
 
     def key(self) -> str | None:
-        """The API key the server requires: ``api_key``, else the first line of ``api_key_file`` (read
-        where the app is built: the file may exist only on the node that builds it)."""
-        if self.api_key is not None and self.api_key_file is not None:
-            raise ValueError("give api_key or api_key_file, not both")
+        """The API key the server requires: the first line of ``api_key_file`` when given (read where
+        the app is built: the file may exist only on the node that builds it), else ``api_key``."""
         return read_api_key_file(self.api_key_file) if self.api_key_file is not None else self.api_key
 
     def __post_init__(self) -> None:

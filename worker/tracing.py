@@ -70,10 +70,6 @@ def _exporter(endpoint: str):
     return OTLPSpanExporter(endpoint=endpoint)
 
 
-def enabled() -> bool:
-    return _endpoint is not None
-
-
 def start_span(name: str, headers: Mapping[str, str] | None = None, start_s: float | None = None,
                attributes: Mapping[str, object] | None = None) -> trace.Span | None:
     """A span started at ``start_s`` (time.time(); default now), None while tracing is off. Its

@@ -53,7 +53,6 @@ class NodeMetricsReader:
         self._read_at = -float("inf")
         self._inflight: asyncio.Future | None = None
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="pagefleet-metrics")
-        self.scrapes = 0  # agent reads made, for tests
 
     def _find_port(self) -> int | None:
         import ray
@@ -84,7 +83,6 @@ class NodeMetricsReader:
 
     async def _read_now(self) -> str:
         try:
-            self.scrapes += 1
             self._page = await asyncio.get_running_loop().run_in_executor(self._executor, self._scrape)
         except Exception as exc:  # the ingress's own series are still served
             logger.warning("could not read this node's Ray metrics agent: %s", exc)

@@ -113,7 +113,7 @@ class ChannelMux:
     """``open_channel(ChannelOpen)`` starts a replica's ``channel`` call (a Serve handle call the
     request routers pin to that replica). With ``sockets``, the call asks for a ``SocketOffer``
     and the channel is the TCP connection that claims it; a replica whose socket cannot be
-    reached gets Serve-stream channels from then on."""
+    reached gets Serve-stream channels for the next ``SOCKET_RETRY_S``."""
 
     def __init__(self, open_channel: Callable[[ChannelOpen], Any], channel_id: str | None = None,
                  attach_timeout_s: float = ATTACH_TIMEOUT_S, sockets: bool = True,
@@ -134,9 +134,6 @@ class ChannelMux:
     def register(self, request_id: str) -> asyncio.Queue:
         if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is already running")
-        return self._new_queue(request_id)
-
-    def _new_queue(self, request_id: str) -> asyncio.Queue:
         q: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = q
         return q

@@ -57,3 +57,15 @@ def test_a_key_on_the_command_line_is_warned_about_and_a_key_file_is_not(tmp_pat
     assert "visible" not in capsys.readouterr().err
     assert cli.main(["serve", "--api-key", "k", "--api-key-file", str(key_file)]) == 2
     assert "not both" in capsys.readouterr().err
+
+
+def test_a_key_file_wins_over_the_environments_key(tmp_path, monkeypatch):
+    """$PAGEFLEET_API_KEY is only the default of --api-key: a key file given beside it is no conflict."""
+    monkeypatch.setenv("PAGEFLEET_API_KEY", "from-env")
+    key_file = tmp_path / "key"
+    key_file.write_text("from-file\n")
+    built = []
+    monkeypatch.setattr("pagefleet.cluster.launch.run_server", lambda opts, **kw: built.append(opts.serve.key()) or 0)
+    assert cli.main(["serve", "--api-key-file", str(key_file)]) == 0
+    assert cli.main(["serve"]) == 0
+    assert built == ["from-file", "from-env"]

@@ -8,8 +8,14 @@ import asyncio
 import pytest
 
 from pagefleet.worker import AsyncLLMEngine, EngineArgs, SamplingParams
-from pagefleet.worker.core.block_hash import (HASH_SIZE, PackedHashes, block_hashes, extra_keys_digest, pack_hashes,
-                                              unpack_hashes)
+from pagefleet.worker.core.block_hash import (
+    HASH_SIZE,
+    PackedHashes,
+    block_hashes,
+    extra_keys_digest,
+    pack_hashes,
+    unpack_hashes,
+)
 
 
 def test_packed_hashes_read_in_place_equal_the_unpacked_list():

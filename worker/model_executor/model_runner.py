@@ -48,7 +48,6 @@ class ModelRunner:
         self.platform.prepare_process()
         # Decided once, here: a bad PAGEFLEET_KERNELS stops the start instead of failing every step.
         self.kernels = self.platform.select_kernels(device, enforce_eager)
-        self.compiled_kernels = bool(self.kernels.compiled)
         logger.info("kernels on %s: %s", device, self.kernels)
         self.model = load_model(cfg, tp, self.kernels, device, load_format, seed)
         self.platform.prepare_model(self.model, self.kernels)
@@ -57,6 +56,11 @@ class ModelRunner:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         # The kernels' step planner, made for the KV cache's shape once it is allocated.
         self.plan_attention: AttentionPlanner = no_plan
+
+    @property
+    def compiled_kernels(self) -> bool:
+        """Whether the platform compiled kernels of its own in place of the backend's."""
+        return bool(self.kernels.compiled)
 
     def kv_bytes_per_block(self, block_size: int) -> int:
         elem = torch.empty((), dtype=self.cfg.dtype).element_size()

@@ -20,6 +20,7 @@ from ray import serve
 from ray.serve import Application
 
 from pagefleet.worker import tracing
+from pagefleet.worker.aio import cancel_and_wait
 from pagefleet.worker.core.kv_events import KVEventBatch, KVSnapshot
 from pagefleet.worker.engine.engine_args import EngineArgs
 from pagefleet.worker.metrics.stats import ReplicaStats
@@ -94,7 +95,10 @@ class WorkerReplica:
                                   {"pagefleet.request_id": request.request_id, "pagefleet.replica": self.replica_id})
         deltas = pump = error = None
         try:
-            deltas = self._start(request, span)
+            self._start_publishing()
+            self.num_requests_total += 1
+            deltas = self.engine.generate(request.request_id, request.prompt_token_ids, request.params,
+                                          request.extra_keys, request.block_hashes, span=span)
             channel = None if request.channel is None else self._channels.get(request.channel)
             if channel is None or not channel.attached:  # no channel, or nobody reads it yet: this stream
                 if request.channel is not None:
@@ -109,11 +113,9 @@ class WorkerReplica:
                 yield Placed(self.replica_id)
                 yield Ended(await pump)
             finally:
-                if not pump.done():  # the caller cancelled: the engine aborts the request now
-                    pump.cancel()
                 channel.requests -= 1
                 self._drop_if_unused(request.channel)
-                await asyncio.gather(pump, return_exceptions=True)
+                await cancel_and_wait(pump)  # the caller cancelled, if it still runs: the engine aborts it now
         except BaseException as exc:
             error = exc
             raise
@@ -121,12 +123,6 @@ class WorkerReplica:
             if deltas is not None and pump is None:
                 await deltas.aclose()  # at once, not when collected: a cancelled request is aborted now
             tracing.end(span, error)
-
-    def _start(self, request: WorkerRequest, span) -> AsyncIterator[RequestOutputDelta]:
-        self._start_publishing()
-        self.num_requests_total += 1
-        return self.engine.generate(request.request_id, request.prompt_token_ids, request.params,
-                                    request.extra_keys, request.block_hashes, span=span)
 
     async def channel(self, request: ChannelOpen) -> AsyncIterator[bytes | SocketOffer]:
         """A caller's delta channel (``worker.replica.wire``): an encoded empty list once attached,
