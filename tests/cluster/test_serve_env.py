@@ -5,6 +5,7 @@ import os
 import platform
 import socket
 import stat
+import sys
 
 import pytest
 
@@ -29,18 +30,31 @@ def _executable(path):
 
 
 def test_fast_path_needs_an_haproxy_binary(tmp_path, monkeypatch):
-    monkeypatch.setenv("RAY_SERVE_HAPROXY_BINARY_PATH", str(_executable(tmp_path / "haproxy")))
+    binary = str(_executable(tmp_path / "haproxy"))
+    monkeypatch.setenv("RAY_SERVE_HAPROXY_BINARY_PATH", binary)
     env = fast_path_env()
     assert set(SIDE_PORTS) <= set(env)  # free ports of their own (next test)
     private = env["RAY_SERVE_HAPROXY_SERVER_STATE_BASE"]  # HAProxy's files in a folder of its own
     assert stat.S_IMODE(os.stat(private).st_mode) == 0o700
     # the longest socket path Serve makes there (a 56-byte node id folder) fits HAProxy's 97 bytes
     assert len(os.path.join(private, "n" * 56, "metrics.sock")) <= 97
+    # Serve runs pagefleet-haproxy (installed beside this interpreter), which runs the binary
+    front = os.path.join(os.path.dirname(sys.executable), "pagefleet-haproxy")
+    through_front = {"RAY_SERVE_HAPROXY_BINARY_PATH": front, "PAGEFLEET_HAPROXY_BINARY": binary}
     assert {k: v for k, v in env.items() if k not in SIDE_PORTS} == {
         "RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
         "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": str(LOCAL_MIN_DRAINING_PERIOD_S),
-        **haproxy_files_env(private)}
-    assert fast_path_env(local=False) == FAST_PATH_ENV  # a cluster's own nodes keep Ray's defaults
+        **through_front, **haproxy_files_env(private)}
+    # a cluster's own nodes keep Ray's defaults
+    assert fast_path_env(local=False) == {**FAST_PATH_ENV, **through_front}
+    monkeypatch.setenv("RAY_SERVE_HAPROXY_BINARY_PATH", front)  # ours, left by an outer run: not the binary
+    monkeypatch.setenv("PAGEFLEET_HAPROXY_BINARY", binary)
+    assert fast_path_env(local=False) == {**FAST_PATH_ENV, **through_front}
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setattr(serve_env.sys, "executable", str(tmp_path / "python"))  # no pagefleet-haproxy
+    assert fast_path_env() == {}
+    monkeypatch.undo()
+    monkeypatch.setenv("RAY_SERVE_HAPROXY_BINARY_PATH", binary)
     (tmp_path / "plain").write_text("")
     monkeypatch.setenv("RAY_SERVE_HAPROXY_BINARY_PATH", str(tmp_path / "plain"))  # not executable
     assert fast_path_env() == {}

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import json
 import os
+import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -23,6 +24,7 @@ from typing import NamedTuple
 import httpx
 import pytest
 
+from pagefleet.cluster import haproxy_front
 from pagefleet.cluster.bench.metrics import percentile
 
 from cluster_helpers import (
@@ -657,6 +659,59 @@ def test_scrapers_of_metrics_never_starve_health(server):
         scrapes = asyncio.run(scrape_for(7.0))
     assert scrapes >= 60
     assert set(health.statuses) == {200} and max(health.times) < 2.0, (health.statuses, max(health.times))
+
+
+def _half_requests(port: int, count: int, source: str) -> list[socket.socket]:
+    """``count`` connections from the loopback address ``source`` that each send a request line and
+    one header, then nothing more."""
+    held = []
+    for _ in range(count):
+        s = socket.socket()
+        s.bind((source, 0))
+        s.settimeout(0.5)
+        with contextlib.suppress(OSError):  # refused: counted below as not held
+            s.connect(("127.0.0.1", port))
+            s.sendall(f"GET {PREFIX}/version HTTP/1.1\r\nHost: pagefleet\r\n".encode())
+        held.append(s)
+    return held
+
+
+def _held_open(s: socket.socket) -> bool:
+    """Whether the server still holds the connection: nothing answered, not closed."""
+    s.setblocking(False)
+    try:
+        s.recv(1, socket.MSG_PEEK)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    return False
+
+
+def test_connections_that_never_finish_their_headers_cannot_take_the_http_front(server):
+    """Finding 4: 4,200 connections that sent half a request held all 4,096 of HAProxy's slots (Serve
+    sets no header timeout and an hour of client timeout), and every other client waited.
+    ``pagefleet-haproxy`` lets one client address hold a bounded share and answers each such
+    connection 408 once the header timeout passes."""
+    base, model = server
+    port = int(base.rsplit(":", 1)[1].split("/")[0])
+    header_timeout_s, per_client = haproxy_front.settings()
+    started = time.monotonic()
+    conns = _half_requests(port, 4200, "127.0.0.2")  # another client than the one watching
+    try:
+        with _Watch(f"{base}/version") as version:
+            time.sleep(1.0)
+            held = [s for s in conns if _held_open(s)]
+        assert len(held) == per_client
+        assert set(version.statuses) == {200} and max(version.times) < 0.5, max(version.times)
+        for s in held:
+            s.settimeout(max(0.1, started + header_timeout_s + 5 - time.monotonic()))
+            assert s.recv(64).startswith(b"HTTP/1.1 408 ")
+        assert time.monotonic() - started >= header_timeout_s
+    finally:
+        for s in conns:
+            s.close()
+    _ok(base, model)
 
 
 def test_drain_finishes_in_flight_requests_and_refuses_new_ones_with_503(server):
