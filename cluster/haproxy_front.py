@@ -24,6 +24,7 @@ does not recognise stops it with an error, not an HAProxy left unbounded.
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import sys
@@ -135,7 +136,7 @@ def real_binary() -> str | None:
 
 
 def _config_path(args: list[str]) -> str:
-    for flag, value in zip(args, args[1:]):
+    for flag, value in itertools.pairwise(args):
         if flag == "-f":
             return value
     raise UnknownConfig(f"no '-f CONFIG' among the arguments {args!r}")
