@@ -6,7 +6,8 @@ batches, snapshots and drops. Each ingress replica keeps a copy of the view
 request's path. The copy stays exact because it applies the same inputs in
 the same order through the same core: ``ViewFeed`` numbers them (a cursor per
 entry, an ``epoch`` per actor incarnation) and keeps the latest
-``max_entries``. A follower asks for what came after its cursor; one whose
+``max_entries``, and no more than ``max_bytes`` of hashes (a snapshot of a large worker's cache
+weighs as much as thousands of batches). A follower asks for what came after its cursor; one whose
 cursor is from another epoch (the actor restarted) or fell out of the log gets
 the whole view first (``WorkerState`` per worker), then the entries after it.
 
@@ -47,6 +48,15 @@ class ViewUpdate:
     states: list[WorkerState] | None = None
 
 
+def entry_bytes(entry: FeedEntry) -> int:
+    """The bytes an entry holds that grow with a worker's cache: its hashes (and request ids)."""
+    if isinstance(entry, KVEventBatch):
+        return len(entry.stored) + len(entry.removed) + sum(map(len, entry.added))
+    if isinstance(entry, KVSnapshot):
+        return len(entry.block_hashes) + len(entry.in_use_hashes) + sum(map(len, entry.added))
+    return len(entry.worker_id)
+
+
 def slim(batch: KVEventBatch) -> KVEventBatch:
     """The batch as the view needs it: without parent hashes and token ids."""
     if not batch.stored_parents and not batch.stored_token_ids:
@@ -55,20 +65,35 @@ def slim(batch: KVEventBatch) -> KVEventBatch:
 
 
 class ViewFeed:
-    def __init__(self, epoch: str, max_entries: int = 16384) -> None:
-        if max_entries < 1:
-            raise ValueError(f"max_entries must be >= 1, got {max_entries}")
+    def __init__(self, epoch: str, max_entries: int = 16384, max_bytes: int = 64 << 20) -> None:
+        if max_entries < 1 or max_bytes < 1:
+            raise ValueError(f"max_entries and max_bytes must be >= 1, got {max_entries}, {max_bytes}")
         self.epoch = epoch
-        self._entries: deque[FeedEntry] = deque(maxlen=max_entries)
+        self.max_entries, self.max_bytes = max_entries, max_bytes
+        self._entries: deque[FeedEntry] = deque()
+        self._sizes: deque[int] = deque()  # entry_bytes of each kept entry
+        self._bytes = 0
         self._last = -1  # number of the newest entry
 
     @property
     def cursor(self) -> int:
         return self._last
 
+    @property
+    def kept_bytes(self) -> int:
+        return self._bytes
+
     def append(self, entry: FeedEntry) -> None:
-        self._entries.append(slim(entry) if isinstance(entry, KVEventBatch) else entry)
+        entry = slim(entry) if isinstance(entry, KVEventBatch) else entry
+        size = entry_bytes(entry)
+        self._entries.append(entry)
+        self._sizes.append(size)
+        self._bytes += size
         self._last += 1
+        # The newest entry always stays: a follower one entry behind gets it, not the whole view.
+        while len(self._entries) > 1 and (len(self._entries) > self.max_entries or self._bytes > self.max_bytes):
+            self._entries.popleft()
+            self._bytes -= self._sizes.popleft()
 
     def has_news(self, epoch: str | None, cursor: int) -> bool:
         """Whether ``update_since`` would give this follower anything."""

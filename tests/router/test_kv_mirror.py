@@ -39,9 +39,9 @@ def batch(worker, first_seq, seq, stored=(), removed=(), *, cleared=False, free=
 class Actor:
     """The actor's bookkeeping without Ray: its core, and every input appended to its feed."""
 
-    def __init__(self, epoch="e1", max_entries=10_000):
+    def __init__(self, epoch="e1", max_entries=10_000, max_bytes=64 << 20):
         self.core = GlobalScheduler()
-        self.feed = ViewFeed(epoch, max_entries=max_entries)
+        self.feed = ViewFeed(epoch, max_entries=max_entries, max_bytes=max_bytes)
 
     def publish(self, b, now=0.0):
         self.core.apply_batch(b, now)
@@ -144,6 +144,27 @@ def test_a_follower_that_fell_out_of_the_log_or_meets_a_new_epoch_gets_the_whole
     mirror.apply(update, now=2.0)
     assert sorted(mirror.core.workers) == ["w1"] and mirror.epoch == "e2"
     assert_same_view(restarted.core, mirror.core)
+
+
+def test_the_feed_keeps_a_bounded_number_of_bytes_and_a_follower_behind_them_gets_the_whole_view():
+    actor = Actor(max_bytes=100)  # 16-byte hashes: six of them
+    mirror = SchedulerMirror(weight=4.0)
+    actor.publish(batch("w0", 0, 0, stored=[1]))
+    mirror.apply(actor.update_for(mirror), now=0.0)
+    actor.publish(batch("w0", 1, 1, stored=[2, 3]))
+    actor.publish(batch("w0", 2, 2, stored=[4, 5, 6]))
+    assert actor.feed.kept_bytes == 96  # all kept: a follower at entry 0 gets just the two after it
+    assert len(actor.update_for(mirror).entries) == 2
+    actor.publish(batch("w0", 3, 3, stored=[7, 8]))  # 128 bytes: the two oldest entries go
+    assert actor.feed.kept_bytes == 80
+    update = actor.update_for(mirror)
+    assert update.states is not None and update.entries == []
+    mirror.apply(update, now=1.0)
+    assert_same_view(actor.core, mirror.core)
+    actor.snapshot(KVSnapshot("w0", 4, pack_hashes(map(h, range(20))), 40, 64, 0, 0, 0))  # 320 bytes alone
+    assert actor.feed.kept_bytes == 320  # the newest entry always stays
+    (entry,) = actor.update_for(mirror).entries
+    assert entry.seq == 4
 
 
 def test_the_feed_slims_batches_and_answers_nothing_new_when_current():
