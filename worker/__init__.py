@@ -6,7 +6,7 @@ Runs without Ray at tensor_parallel_size 1; Ray appears only in the adapters
 
 from pagefleet.worker.engine.engine_args import EngineArgs
 from pagefleet.worker.outputs import CompletionOutput, RequestOutput, RequestOutputDelta
-from pagefleet.worker.sampling_params import SamplingParams
+from pagefleet.worker.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 def __getattr__(name: str):
@@ -23,5 +23,5 @@ def __getattr__(name: str):
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "LLMEngine", "AsyncLLMEngine", "EngineArgs", "SamplingParams", "RequestOutput",
-           "CompletionOutput", "RequestOutputDelta"]
+__all__ = ["LLM", "LLMEngine", "AsyncLLMEngine", "EngineArgs", "SamplingParams", "StructuredOutputsParams",
+           "RequestOutput", "CompletionOutput", "RequestOutputDelta"]

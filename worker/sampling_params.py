@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 
@@ -12,6 +13,63 @@ MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI allows
 _GREEDY_EPS = 1e-5
 MAX_TOP_K = 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+# A grammar is compiled from this text (worker/structured/): bounding it bounds the compile's input.
+MAX_STRUCTURED_SPEC_BYTES = 64 * 1024
+_STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(slots=True)
+class StructuredOutputsParams:
+    """vLLM's `structured_outputs`: exactly one of these is set."""
+
+    json: str | None = None        # a JSON schema, as JSON text
+    json_object: bool = False      # any JSON object
+    regex: str | None = None
+    choice: list[str] | None = None  # the output is exactly one of these strings
+    grammar: str | None = None     # an EBNF grammar (xgrammar's GBNF dialect)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.choice, tuple):
+            self.choice = list(self.choice)
+        self._validate()
+
+    @property
+    def kind(self) -> str:
+        """The name of the one field that is set."""
+        return next(k for k in _STRUCTURED_KINDS if getattr(self, k) not in (None, False))
+
+    def _validate(self) -> None:
+        def bad(why: str) -> InvalidRequest:
+            return InvalidRequest(f"structured_outputs{why}", "structured_outputs")
+
+        set_kinds = [k for k in _STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
+        if len(set_kinds) != 1:
+            raise bad(f" must set exactly one of {', '.join(_STRUCTURED_KINDS)}; got "
+                      f"{', '.join(set_kinds) if set_kinds else 'none'}")
+        kind = set_kinds[0]
+        if kind == "json_object":
+            if self.json_object is not True:
+                raise bad(f".json_object must be a boolean, got {self.json_object!r}")
+            return
+        if kind == "choice" and (not isinstance(self.choice, list) or not self.choice):
+            raise bad(".choice must be a list of at least one string")
+        texts = self.choice if kind == "choice" else [getattr(self, kind)]
+        if any(not isinstance(t, str) or not t for t in texts):
+            raise bad(".choice must hold non-empty strings" if kind == "choice" else f".{kind} must be a non-empty "
+                      "string")
+        # Characters first: a text of more characters than the limit is over it without being encoded.
+        if (sum(len(t) for t in texts) > MAX_STRUCTURED_SPEC_BYTES
+                or sum(len(t.encode()) for t in texts) > MAX_STRUCTURED_SPEC_BYTES):
+            raise bad(f".{kind} is longer than {MAX_STRUCTURED_SPEC_BYTES} bytes of UTF-8, the limit")
+        if kind == "json":
+            try:
+                schema = json.loads(self.json)
+            except RecursionError:
+                raise bad(".json nests too deeply to parse") from None
+            except ValueError as e:
+                raise bad(f".json is not valid JSON: {e}") from None
+            if not isinstance(schema, (dict, bool)):
+                raise bad(f".json must be a JSON schema (an object or a boolean), got a {type(schema).__name__}")
 
 
 @dataclass(slots=True)
@@ -40,6 +98,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -87,6 +146,9 @@ class SamplingParams:
             raise bad("seed", "must be an integer that fits in a signed 64-bit integer")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", "must be non-empty strings")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs,
+                                                                  StructuredOutputsParams):
+            raise bad("structured_outputs", "must be a StructuredOutputsParams")
 
     @property
     def greedy(self) -> bool:
