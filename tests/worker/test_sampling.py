@@ -49,7 +49,7 @@ def test_random_draws_follow_the_distribution_and_never_leave_the_support(temper
     logits = torch.tensor([0.0, 1.0, 2.0, float("-inf"), 0.5])
     rows = 40_000
     params = SamplingParams(temperature=temperature, top_k=top_k)
-    seqs = [SimpleNamespace(params=params, generator=None) for _ in range(rows)]
+    seqs = [SimpleNamespace(params=params, generator=None, grammar=None) for _ in range(rows)]
     torch.manual_seed(0)
     drawn = Sampler(eos_token_ids=(4,))(logits.repeat(rows, 1), seqs).token_ids
     expected = (logits / temperature).softmax(dim=0)

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import enum
+from typing import TYPE_CHECKING
 
 import torch
 
 from pagefleet.worker.outputs import TokenLogprob
 from pagefleet.worker.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pagefleet.worker.structured.matcher import SequenceGrammar
 
 
 class SequenceStatus(enum.Enum):
@@ -24,11 +28,11 @@ class Sequence:
     __slots__ = ("seq_id", "request_id", "index", "params", "token_ids", "num_prompt_tokens",
                  "num_computed_tokens", "num_cached_tokens", "status", "finish_reason", "stop_reason",
                  "logprobs", "generator", "parent", "extra_digest", "block_hashes",
-                 "penalties")
+                 "penalties", "grammar")
 
     def __init__(self, seq_id: int, request_id: str, index: int, prompt_token_ids: list[int],
                  params: SamplingParams, parent: "Sequence | None" = None,
-                 extra_digest: bytes = b"") -> None:
+                 extra_digest: bytes = b"", grammar: "SequenceGrammar | None" = None) -> None:
         self.seq_id = seq_id
         self.request_id = request_id
         self.index = index
@@ -50,6 +54,7 @@ class Sequence:
         self.extra_digest = extra_digest  # what changes KV content besides tokens: block_hash.extra_keys_digest
         self.block_hashes: list = []  # chained hashes of this sequence's full blocks, filled lazily
         self.penalties = None  # the sampler's PenaltyState, once a penalty asks for it
+        self.grammar = grammar  # structured_outputs' matcher: its bitmask constrains every sampled token
 
     @property
     def num_tokens(self) -> int:
@@ -64,7 +69,10 @@ class Sequence:
         return self.status is SequenceStatus.FINISHED
 
     def append_token(self, token_id: int) -> None:
+        """The one place a sampled token is added, so the grammar accepts each output token once."""
         self.token_ids.append(token_id)
+        if self.grammar is not None:
+            self.grammar.accept(token_id)
 
     def __repr__(self) -> str:
         return (f"Sequence({self.request_id}#{self.index}, computed={self.num_computed_tokens}/"
@@ -75,10 +83,13 @@ def finish_reason(seq: Sequence, stop_str: str | None, eos_token_ids: tuple[int,
                   max_model_len: int) -> tuple[str, str | int | None] | None:
     """Why ``seq`` ends after its newest token, as (finish_reason, stop_reason), or None.
 
-    Precedence: EOS, a stop token id, a stop string (found by the detokenizer), then length.
-    Nothing but length ends a sequence before ``min_tokens`` are out."""
+    Precedence: a complete grammar, EOS, a stop token id, a stop string (found by the detokenizer),
+    then length. Nothing but a complete grammar or length ends a sequence before ``min_tokens`` are
+    out; a complete grammar ends it even with ``ignore_eos`` (there is no token it could add)."""
     p = seq.params
     token = seq.token_ids[-1]
+    if seq.grammar is not None and seq.grammar.done:
+        return "stop", None
     if seq.num_output_tokens >= p.min_tokens:
         if not p.ignore_eos and token in eos_token_ids:
             return "stop", None

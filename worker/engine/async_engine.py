@@ -11,7 +11,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import AsyncIterator, Callable
+from typing import TYPE_CHECKING, AsyncIterator, Callable
 
 from pagefleet.worker import tracing
 from pagefleet.worker.core.kv_events import KVEventBatch, KVSnapshot
@@ -24,6 +24,9 @@ from pagefleet.worker.model_executor.model_config import ModelConfig
 from pagefleet.worker.model_executor.platform import platform_for
 from pagefleet.worker.outputs import RequestOutputDelta, merge_deltas
 from pagefleet.worker.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +43,7 @@ class AddRequest:
     params: SamplingParams
     extra_keys: tuple
     block_hashes: bytes = b""
+    grammar: "xgr.CompiledGrammar | None" = None  # params.structured_outputs', compiled
 
 
 @dataclass(slots=True)
@@ -131,6 +135,9 @@ class AsyncLLMEngine:
         when its first and last tokens come (``worker.tracing``)."""
         self._raise_if_dead()
         self.engine.check(prompt_token_ids, params, block_hashes)  # the engine thread does not check again
+        grammar = None
+        if params.structured_outputs is not None:  # on the engine's compile pool: not here, not the step thread
+            grammar = await self.engine.grammars.compile_async(params.structured_outputs)
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already running")
         q: asyncio.Queue = asyncio.Queue()
@@ -143,7 +150,7 @@ class AsyncLLMEngine:
             self._streams.pop(request_id, None)
             self._spans.pop(request_id, None)
             raise
-        self._send(AddRequest(request_id, list(prompt_token_ids), params, extra_keys, block_hashes))
+        self._send(AddRequest(request_id, list(prompt_token_ids), params, extra_keys, block_hashes, grammar))
         finished = False
         try:
             while not finished:
@@ -263,7 +270,7 @@ class AsyncLLMEngine:
             if isinstance(command, AddRequest):
                 try:
                     self.engine.add_checked_request(command.request_id, command.prompt_token_ids, command.params,
-                                                    command.extra_keys, command.block_hashes)
+                                                    command.extra_keys, command.block_hashes, command.grammar)
                 except Exception as e:  # a bad request fails alone, never the loop
                     self._deliver(command.request_id, e)
                 else:

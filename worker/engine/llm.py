@@ -38,6 +38,9 @@ class LLM:
         if len(sampling_params) != len(prompts):
             raise ValueError(f"{len(sampling_params)} sampling params for {len(prompts)} prompts")
         engine = self.engine
+        for params in sampling_params:  # distinct grammars compile side by side on the engine's pool
+            if params.structured_outputs is not None:
+                engine.grammars.submit(params.structured_outputs)
         order: list[str] = []
         results: dict[str, RequestOutput] = {}
         try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from itertools import count
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import AutoTokenizer
@@ -25,6 +26,11 @@ from pagefleet.worker.outputs import CompletionOutput, RequestOutputDelta
 from pagefleet.worker.parallel.executor import make_executor
 from pagefleet.worker.request_check import InvalidRequest, RequestLimits, check_request
 from pagefleet.worker.sampling_params import SamplingParams
+from pagefleet.worker.structured.grammar_cache import GrammarCache
+from pagefleet.worker.structured.matcher import SequenceGrammar
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +61,8 @@ class LLMEngine:
         self.kv = KVCacheManager(self.pool, args.block_size)
         self.scheduler = Scheduler(self.kv, args.max_num_seqs, args.max_num_batched_tokens)
         self.sampler = Sampler(cfg.eos_token_ids)
+        # Grammars are compiled for the logits' width; a complete grammar ends at the model's EOS.
+        self.grammars = GrammarCache(self.tokenizer, cfg.vocab_size, cfg.eos_token_ids)
         tokens = num_blocks * args.block_size
         logger.info("%s on %s: KV cache (per rank) of %d blocks = %d tokens (%.1f MiB); maximum concurrency at "
                     "max_model_len %d: %.2fx", cfg.architecture, self.device, num_blocks, tokens,
@@ -101,20 +109,27 @@ class LLMEngine:
         (``block_hash.pack_hashes``), when the caller (the ingress) has computed them already; the
         engine then does not hash them again."""
         self.check(prompt_token_ids, params, block_hashes)
-        self.add_checked_request(request_id, prompt_token_ids, params, extra_keys, block_hashes)
+        grammar = None if params.structured_outputs is None else self.grammars.compile(params.structured_outputs)
+        self.add_checked_request(request_id, prompt_token_ids, params, extra_keys, block_hashes, grammar)
 
     def add_checked_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                            extra_keys: tuple = (), block_hashes: bytes = b"") -> None:
-        """``add_request`` for a request that passed ``check`` already (``AsyncLLMEngine`` checks
-        on the caller's side, before it queues the request for the engine thread)."""
+                            extra_keys: tuple = (), block_hashes: bytes = b"",
+                            grammar: "xgr.CompiledGrammar | None" = None) -> None:
+        """``add_request`` for a request that passed ``check`` already, with its structured_outputs'
+        grammar compiled already (``AsyncLLMEngine`` does both on the caller's side, before it
+        queues the request for the engine thread: the step loop never waits on a compile)."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already running")
+        if (grammar is None) != (params.structured_outputs is None):
+            raise ValueError("a request with structured_outputs is added with its compiled grammar "
+                             "(self.grammars.compile), and only such a request")
         hashes = unpack_hashes(block_hashes)
         extra = extra_keys_digest(extra_keys)
         seqs: list[Sequence] = []
         for i in range(params.n):
             seq = Sequence(next(self._seq_ids), request_id, i, prompt_token_ids, params,
-                           parent=seqs[0] if seqs else None, extra_digest=extra)
+                           parent=seqs[0] if seqs else None, extra_digest=extra,
+                           grammar=None if grammar is None else SequenceGrammar(grammar))
             if hashes:
                 seq.block_hashes = list(hashes)  # each sequence extends its own list
             self.detok[seq.seq_id] = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop,
@@ -246,4 +261,5 @@ class LLMEngine:
         self.executor.check_health()
 
     def shutdown(self) -> None:
+        self.grammars.shutdown()
         self.executor.shutdown()

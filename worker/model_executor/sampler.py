@@ -8,6 +8,7 @@ import torch
 
 from pagefleet.worker.core.sequence import Sequence
 from pagefleet.worker.outputs import TokenLogprob
+from pagefleet.worker.structured.matcher import GrammarMasker
 
 
 class SamplerOutput(NamedTuple):
@@ -84,6 +85,7 @@ def mask_to_support(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tens
 class Sampler:
     def __init__(self, eos_token_ids: tuple[int, ...]) -> None:
         self.eos_token_ids = list(eos_token_ids)
+        self.mask_to_grammars = GrammarMasker()
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
@@ -94,6 +96,9 @@ class Sampler:
                for s in seqs):
             logits = logits.clone()
             apply_penalties(logits, seqs)
+        # Before temperature and the support masks, so greedy and random rows alike draw only
+        # tokens their grammar accepts; logprobs stay the model's own (raw_logprobs above).
+        self.mask_to_grammars(logits, [s.grammar for s in seqs])
         self._mask_early_stops(logits, seqs)
 
         tokens = logits.argmax(dim=-1)
@@ -115,13 +120,21 @@ class Sampler:
         return SamplerOutput(token_list, out_logprobs)
 
     def _mask_early_stops(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
-        """Before min_tokens are out, EOS and stop token ids cannot be sampled."""
+        """Before min_tokens are out, EOS and stop token ids cannot be sampled, unless a grammar
+        allows nothing else: a complete grammar ends the sequence whatever min_tokens says."""
         for row, seq in enumerate(seqs):
             p = seq.params
             if p.min_tokens and seq.num_output_tokens < p.min_tokens:
                 banned = list(p.stop_token_ids) + ([] if p.ignore_eos else self.eos_token_ids)
-                if banned:
+                if not banned:
+                    continue
+                if seq.grammar is None:
                     logits[row, banned] = float("-inf")
+                    continue
+                kept = logits[row].clone()
+                logits[row, banned] = float("-inf")
+                if not torch.isfinite(logits[row]).any():
+                    logits[row] = kept
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         # logits: [R, V] -> [R] token ids
