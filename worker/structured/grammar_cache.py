@@ -23,9 +23,12 @@ from pagefleet.worker.request_check import InvalidRequest
 from pagefleet.worker.sampling_params import StructuredOutputsParams
 
 COMPILE_TIMEOUT_S = 10.0
-GRAMMAR_CACHE_SIZE = 256  # compiled grammars kept, least recently used dropped first
+# Compiled grammars kept, least recently used dropped first once either bound is passed. A JSON
+# schema's grammar holds token masks over the vocabulary: megabytes for a large one.
+GRAMMAR_CACHE_SIZE = 256
+GRAMMAR_CACHE_BYTES = 256 << 20
 COMPILE_THREADS = 2
-# JSON may be laid out freely, but a whitespace run between two tokens of it is at most this long:
+# JSON may be laid out freely, but a run of whitespace in it is at most this many characters:
 # enough to indent 7 levels of 4 spaces, and a model cannot loop on newlines until max_tokens.
 JSON_MAX_WHITESPACE = 32
 # xgrammar's messages start with a timestamp and its C++ source file: not for a client.
@@ -56,7 +59,8 @@ def choice_grammar(choices: list[str]) -> str:
 class CacheInfo(NamedTuple):
     hits: int
     misses: int  # each one compile
-    size: int
+    size: int  # grammars kept, compiled or compiling
+    bytes: int  # of the compiled ones
 
 
 class GrammarCache:
@@ -68,9 +72,10 @@ class GrammarCache:
 
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: tuple[int, ...], *,
                  timeout_s: float = COMPILE_TIMEOUT_S, max_entries: int = GRAMMAR_CACHE_SIZE,
-                 threads: int = COMPILE_THREADS) -> None:
+                 max_bytes: int = GRAMMAR_CACHE_BYTES, threads: int = COMPILE_THREADS) -> None:
         self.timeout_s = timeout_s
         self.max_entries = max_entries
+        self.max_bytes = max_bytes
         self._tokenizer = tokenizer
         self._vocab_size = vocab_size
         self._stop_token_ids = list(stop_token_ids)
@@ -80,13 +85,15 @@ class GrammarCache:
         # A spec's future, not its result: a spec asked for again while compiling waits on the same
         # compile, and a compile that outlives its waiter's time limit still fills the cache.
         self._entries: OrderedDict[GrammarKey, Future] = OrderedDict()
+        self._sizes: dict[GrammarKey, int] = {}  # bytes of each compiled entry
+        self._bytes = 0
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="pagefleet-grammar")
         self.hits = 0
         self.misses = 0
 
     def cache_info(self) -> CacheInfo:
         with self._lock:
-            return CacheInfo(self.hits, self.misses, len(self._entries))
+            return CacheInfo(self.hits, self.misses, len(self._entries), self._bytes)
 
     def submit(self, params: StructuredOutputsParams) -> Future:
         """The compile of ``params``' grammar: cached, in flight, or started now on the pool."""
@@ -98,10 +105,9 @@ class GrammarCache:
                 self.hits += 1
                 return future
             self.misses += 1
-            future = self._pool.submit(self._compile, key)
+            future = self._pool.submit(self._compile_and_count, key)
             self._entries[key] = future
-            while len(self._entries) > self.max_entries:
-                self._entries.popitem(last=False)
+            self._evict()
             return future
 
     def compile(self, params: StructuredOutputsParams) -> xgr.CompiledGrammar:
@@ -127,6 +133,21 @@ class GrammarCache:
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _compile_and_count(self, key: GrammarKey) -> xgr.CompiledGrammar:
+        compiled = self._compile(key)
+        with self._lock:  # before the future resolves: a waiter sees the cache with its grammar in
+            if key in self._entries and key not in self._sizes:
+                self._sizes[key] = compiled.memory_size_bytes
+                self._bytes += self._sizes[key]
+                self._evict()
+        return compiled
+
+    def _evict(self) -> None:
+        # Under self._lock. The most recent grammar stays, however large.
+        while len(self._entries) > self.max_entries or (self._bytes > self.max_bytes and len(self._entries) > 1):
+            key, _ = self._entries.popitem(last=False)
+            self._bytes -= self._sizes.pop(key, 0)
 
     def _timed_out(self, params: StructuredOutputsParams) -> InvalidRequest:
         return InvalidRequest(f"structured_outputs.{params.kind} did not compile within {self.timeout_s:g} s",

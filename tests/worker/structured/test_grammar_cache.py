@@ -48,9 +48,9 @@ def test_a_spec_compiles_once_and_later_requests_hit_the_cache(cache, monkeypatc
     for _ in range(3):  # equal specs in new objects: the same compiled grammar
         assert cache.compile(StructuredOutputsParams(json=schema.json)) is first
     assert [k.kind for k in compiles] == ["json"]
-    assert cache.cache_info() == (3, 1, 1)  # hits, misses, size
+    assert cache.cache_info()[:3] == (3, 1, 1)  # hits, misses, size
     cache.compile(StructuredOutputsParams(regex="[0-9]+"))
-    assert cache.cache_info() == (3, 2, 2)
+    assert cache.cache_info()[:3] == (3, 2, 2)
 
 
 def test_the_least_recently_used_grammar_leaves_a_full_cache(tokenizer):
@@ -61,11 +61,33 @@ def test_the_least_recently_used_grammar_leaves_a_full_cache(tokenizer):
         cache.compile(b)
         cache.compile(a)  # a is now the most recent
         cache.compile(c)  # b goes
-        assert cache.cache_info() == (1, 3, 2)
+        assert cache.cache_info()[:3] == (1, 3, 2)
         cache.compile(a)
-        assert cache.cache_info() == (2, 3, 2)
+        assert cache.cache_info()[:3] == (2, 3, 2)
         cache.compile(b)  # compiled again
-        assert cache.cache_info() == (2, 4, 2)
+        assert cache.cache_info()[:3] == (2, 4, 2)
+    finally:
+        cache.shutdown()
+
+
+def test_compiled_grammars_are_dropped_past_the_byte_bound(tokenizer):
+    specs = [StructuredOutputsParams(regex=r) for r in ("a+@x", "b+@y", "c+@z")]
+    sizes = []
+    probe = GrammarCache(tokenizer, TOKENIZER_VOCAB, EOS)
+    try:
+        for spec in specs:
+            sizes.append(probe.compile(spec).memory_size_bytes)
+        assert probe.cache_info() == (0, 3, 3, sum(sizes))
+        assert len(set(sizes)) == 1  # alike grammars: any two fit the bound below, three do not
+    finally:
+        probe.shutdown()
+    cache = GrammarCache(tokenizer, TOKENIZER_VOCAB, EOS, max_bytes=sizes[0] + sizes[1])
+    try:
+        for spec in specs:
+            cache.compile(spec)
+        assert cache.cache_info() == (0, 3, 2, sizes[1] + sizes[2])  # the oldest went
+        cache.compile(specs[0])
+        assert cache.cache_info() == (0, 4, 2, sizes[2] + sizes[0])
     finally:
         cache.shutdown()
 
