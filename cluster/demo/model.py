@@ -33,7 +33,7 @@ logger = logging.getLogger(__name__)
 
 # Bumped whenever the files written here change, so a stale cached demo
 # checkpoint is never served.
-DEMO_FORMAT_VERSION = 1
+DEMO_FORMAT_VERSION = 2
 
 
 @dataclass(frozen=True, slots=True)

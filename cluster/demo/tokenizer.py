@@ -24,19 +24,48 @@ _SPLIT_REGEX = (
     r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
 )
 
-# ChatML, as Qwen and many fine-tunes use it. Content may be a string or an
-# OpenAI-style list of parts; only the text parts are rendered.
+# ChatML, as Qwen and many fine-tunes use it, with Qwen2.5's tool format (so the demo model's
+# tool parser is "hermes"): tools listed as JSON in a system block, an assistant's calls as
+# <tool_call> blocks, tool results as <tool_response> blocks in a user turn. Content may be a
+# string, an OpenAI-style list of parts (only text parts are rendered) or None. Unlike Qwen's,
+# no default system message: without tools a conversation renders as plain ChatML.
 CHAT_TEMPLATE = (
-    "{%- for message in messages -%}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' -}}"
-    "{%- if message['content'] is string -%}"
-    "{{- message['content'] -}}"
-    "{%- else -%}"
-    "{%- for part in message['content'] -%}"
+    "{%- macro render_content(content) -%}"
+    "{%- if content is string -%}{{- content -}}"
+    "{%- elif content -%}"
+    "{%- for part in content -%}"
     "{%- if part['type'] == 'text' -%}{{- part['text'] -}}{%- endif -%}"
     "{%- endfor -%}"
     "{%- endif -%}"
+    "{%- endmacro -%}"
+    "{%- set system_first = messages and messages[0]['role'] == 'system' -%}"
+    "{%- if tools -%}"
+    "{{- '<|im_start|>system\\n' -}}"
+    "{%- if system_first -%}{{- render_content(messages[0]['content']) + '\\n\\n' -}}{%- endif -%}"
+    "{{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' -}}"
+    "{%- for tool in tools -%}{{- '\\n' + tool | tojson -}}{%- endfor -%}"
+    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments "
+    "within <tool_call></tool_call> XML tags:\\n<tool_call>\\n"
+    "{\"name\": <function-name>, \"arguments\": <args-json-object>}\\n</tool_call><|im_end|>\\n' -}}"
+    "{%- endif -%}"
+    "{%- for message in messages -%}"
+    "{%- if tools and loop.first and system_first -%}"
+    "{%- elif message['role'] == 'tool' -%}"
+    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' -%}{{- '<|im_start|>user' -}}{%- endif -%}"
+    "{{- '\\n<tool_response>\\n' + render_content(message['content']) + '\\n</tool_response>' -}}"
+    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' -%}{{- '<|im_end|>\\n' -}}{%- endif -%}"
+    "{%- else -%}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + render_content(message['content']) -}}"
+    "{%- for call in message['tool_calls'] or [] -%}"
+    "{%- set call = call['function'] if call['function'] is defined else call -%}"
+    "{%- if message['content'] or not loop.first -%}{{- '\\n' -}}{%- endif -%}"
+    "{{- '<tool_call>\\n{\"name\": \"' + call['name'] + '\", \"arguments\": ' -}}"
+    "{{- call['arguments'] if call['arguments'] is string else call['arguments'] | tojson -}}"
+    "{{- '}\\n</tool_call>' -}}"
+    "{%- endfor -%}"
     "{{- '<|im_end|>\\n' -}}"
+    "{%- endif -%}"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
 )
