@@ -10,10 +10,12 @@ request gets the same message from the ingress as from ``LLM.generate``.
 from __future__ import annotations
 
 import copy
+import json
 import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagefleet.router.openai.chat_template import NoToolSupportError, render_chat
 from pagefleet.router.openai.errors import OpenAIError, bad_request, unsupported
 from pagefleet.router.openai.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 from pagefleet.worker.request_check import CONTEXT_LENGTH_EXCEEDED, InvalidRequest, RequestLimits, check_request
@@ -136,7 +138,7 @@ def chat_conversation(messages: list[ChatMessage], info: ModelInfo, *, add_gener
         raise bad_request("continue_final_message and add_generation_prompt cannot both be true",
                           "continue_final_message")
     conversation = [_plain_message(i, m) for i, m in enumerate(messages)]
-    check_prompt_chars(sum(len(m["content"]) for m in conversation), info, "messages")
+    check_prompt_chars(sum(_message_chars(m) for m in conversation), info, "messages")
     return conversation
 
 
@@ -150,15 +152,17 @@ def check_message_count(messages: list[ChatMessage] | None, info: ModelInfo) -> 
 
 
 def chat_prompt(conversation: list[dict], tokenizer: Any, *, add_generation_prompt: bool,
-                continue_final_message: bool = False, add_special_tokens: bool = False) -> PreparedPrompt:
-    """Applies the tokenizer's chat template; template text is tokenized without adding
-    special tokens again (the template writes its own BOS)."""
+                continue_final_message: bool = False, add_special_tokens: bool = False,
+                tools: list[dict] | None = None) -> PreparedPrompt:
+    """Applies the tokenizer's chat template (with the request's tools, OpenAI-shaped); template
+    text is tokenized without adding special tokens again (the template writes its own BOS)."""
     if getattr(tokenizer, "chat_template", None) is None:
         raise bad_request("this model's tokenizer has no chat template; use /v1/completions", "messages")
     try:
-        text = tokenizer.apply_chat_template(conversation, tokenize=False,
-                                             add_generation_prompt=add_generation_prompt,
-                                             continue_final_message=continue_final_message)
+        text = render_chat(tokenizer, conversation, tools=tools, add_generation_prompt=add_generation_prompt,
+                           continue_final_message=continue_final_message)
+    except NoToolSupportError as exc:
+        raise bad_request(str(exc), "tools") from exc
     except Exception as exc:  # jinja raises TemplateError (e.g. "roles must alternate") and ValueError
         raise bad_request(f"chat template failed: {exc}", "messages") from exc
     ids = tokenizer.encode(text, add_special_tokens=add_special_tokens)
@@ -177,10 +181,36 @@ def _plain_message(index: int, message: ChatMessage) -> dict:
                 raise bad_request("a text content part needs 'text'", f"messages.[{index}].content.[{j}].text")
             texts.append(part.text)
         content = "\n".join(texts)
-    out = {"role": message.role, "content": content if content is not None else ""}
+    out: dict[str, Any] = {"role": message.role, "content": content if content is not None else ""}
     if message.name is not None:
         out["name"] = message.name
+    # Templates test for the keys ("'tool_calls' in message"): present only when they say something.
+    if message.role == "assistant" and message.tool_calls:
+        out["tool_calls"] = [{"id": call.id, "type": call.type,
+                              "function": {"name": call.function.name, "arguments": _arguments(call.function.arguments)}}
+                             for call in message.tool_calls]
+    if message.role == "tool" and message.tool_call_id is not None:
+        out["tool_call_id"] = message.tool_call_id
     return out
+
+
+def _arguments(arguments: str | dict) -> str | dict:
+    """A call's arguments as templates take them: the object, not its JSON text (Qwen's and Llama's
+    templates apply ``tojson`` to it). Text that is not a JSON object stays text."""
+    if isinstance(arguments, dict):
+        return arguments
+    try:
+        parsed = json.loads(arguments)
+    except json.JSONDecodeError:
+        return arguments
+    return parsed if isinstance(parsed, dict) else arguments
+
+
+def _message_chars(message: dict) -> int:
+    """Characters a message brings to the prompt before templating: its text and its calls' arguments."""
+    calls = message.get("tool_calls", ())
+    return len(message["content"]) + sum(len(c["function"]["name"]) + len(str(c["function"]["arguments"]))
+                                         for c in calls)
 
 
 def completion_sampling_params(req: CompletionRequest) -> SamplingParams:

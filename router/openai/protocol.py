@@ -80,10 +80,25 @@ class ContentPart(_Body):
     text: str | None = None
 
 
+class FunctionCall(_Body):
+    name: str
+    arguments: str | dict[str, Any]  # OpenAI sends JSON text; some clients send the object
+
+
+class AssistantToolCall(_Body):
+    """A call an earlier assistant turn made, sent back in the conversation."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[ContentPart] | None = None
+    content: str | list[ContentPart] | None = None  # None: "" (an assistant turn that only calls tools)
     name: str | None = None
+    tool_calls: list[AssistantToolCall] | None = None  # read on assistant messages only
+    tool_call_id: str | None = None  # read on tool messages only: the call this result answers
 
 
 class ChatCompletionRequest(_SamplingFields):
