@@ -51,7 +51,7 @@ class _GenerationTag(jinja2.ext.Extension):
     """Parses transformers' ``{% generation %}...{% endgeneration %}`` (marks assistant text) so
     templates using it can be read; they are never rendered with this environment."""
 
-    tags = {"generation"}
+    tags = frozenset({"generation"})
 
     def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
         lineno = next(parser.stream).lineno

@@ -186,9 +186,10 @@ def _plain_message(index: int, message: ChatMessage) -> dict:
         out["name"] = message.name
     # Templates test for the keys ("'tool_calls' in message"): present only when they say something.
     if message.role == "assistant" and message.tool_calls:
-        out["tool_calls"] = [{"id": call.id, "type": call.type,
-                              "function": {"name": call.function.name, "arguments": _arguments(call.function.arguments)}}
-                             for call in message.tool_calls]
+        out["tool_calls"] = [
+            {"id": call.id, "type": call.type,
+             "function": {"name": call.function.name, "arguments": _arguments(call.function.arguments)}}
+            for call in message.tool_calls]
     if message.role == "tool" and message.tool_call_id is not None:
         out["tool_call_id"] = message.tool_call_id
     return out

@@ -60,7 +60,7 @@ def partial_tag_len(text: str, tag: str, start: int = 0) -> int:
 
 
 class _Call:
-    __slots__ = ("id", "name", "arguments", "complete", "announced", "pending")
+    __slots__ = ("announced", "arguments", "complete", "id", "name", "pending")
 
     def __init__(self, name: str) -> None:
         self.id = make_call_id()

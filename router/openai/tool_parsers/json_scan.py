@@ -39,7 +39,7 @@ class ValueScan:
     """Where one JSON value ends. ``text[start]`` is its first character; ``pos`` is how far it
     has been scanned and ``end`` is set (one past its last character) once it is complete."""
 
-    __slots__ = ("start", "pos", "end", "_depth", "_in_string", "_escape", "_scalar")
+    __slots__ = ("_depth", "_escape", "_in_string", "_scalar", "end", "pos", "start")
 
     def __init__(self, start: int, first_char: str) -> None:
         self.start = start
@@ -215,9 +215,10 @@ class CallObject:
         scan = self.scan
         scan.scan(text, limit)
         if not self.started:
-            name = self._name(text)
-            if name is False:
-                return self._malformed(scan.members["name"][0])
+            name_span = scan.members.get("name")
+            name = _nonempty_string(text[name_span[0]:name_span[1]]) if name_span else None
+            if name_span and name is None:
+                return self._malformed(name_span[0])
             arguments = self._arguments_begun()
             if name is not None and arguments is not None and text[arguments[1]] == "{":
                 self.started = True
@@ -252,36 +253,27 @@ class CallObject:
             return scan.key, scan.value.start
         return None
 
-    def _name(self, text: str) -> str | None | bool:
-        """The name once its member is complete; False if it is not a non-empty string."""
-        span = self.scan.members.get("name")
-        if span is None:
-            return None
-        try:
-            name = json.loads(text[span[0]:span[1]])
-        except json.JSONDecodeError:
-            return False
-        return name if isinstance(name, str) and name else False
-
     def _whole(self, text: str, name: str | None) -> CallStatus:
-        if name is None:
+        arguments = self._closed_arguments(text)
+        if name is None or arguments is None:
             return self._malformed(self.scan.end)
-        key = next((k for k in self.argument_keys if k in self.scan.members), None)
-        arguments = "{}"
-        if key is not None:
-            start, end = self.scan.members[key]
-            arguments = text[start:end]
-            if arguments.startswith('"'):
-                arguments = _object_in_string(arguments)
-            elif not arguments.startswith("{"):
-                arguments = None
-            if arguments is None:
-                return self._malformed(self.scan.end)
         self.started = True
         self.stream._start_call(name)
         self.stream._emit_arguments(arguments)
         self._finish_arguments()
         return CallStatus.DONE
+
+    def _closed_arguments(self, text: str) -> str | None:
+        """A closed object's arguments: its arguments object's text, the object text a JSON string
+        holds, or ``{}`` without an arguments member; None for anything else."""
+        key = next((k for k in self.argument_keys if k in self.scan.members), None)
+        if key is None:
+            return "{}"
+        start, end = self.scan.members[key]
+        raw = text[start:end]
+        if raw.startswith("{"):
+            return raw
+        return _object_in_string(raw) if raw.startswith('"') else None
 
     def _finish_arguments(self) -> None:
         self.arguments_done = True
@@ -290,6 +282,14 @@ class CallObject:
     def _malformed(self, at: int) -> CallStatus:
         self.malformed_at = at
         return CallStatus.MALFORMED
+
+
+def _nonempty_string(raw: str) -> str | None:
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError:
+        return None
+    return value if isinstance(value, str) and value else None
 
 
 def _object_in_string(raw: str) -> str | None:

@@ -58,7 +58,8 @@ class Llama3JsonToolCallStream(ToolCallStream):
             pos = skip_space(text, self._pos, len(text))
             if state is _State.START and text.startswith(PYTHON_TAG, pos):
                 pos = skip_space(text, pos + len(PYTHON_TAG), len(text))
-            if pos == len(text) or (state is _State.START and partial_tag_len(text, PYTHON_TAG, pos) == len(text) - pos):
+            maybe_tag = state is _State.START and partial_tag_len(text, PYTHON_TAG, pos) == len(text) - pos
+            if pos == len(text) or maybe_tag:
                 if not final:
                     return
                 self._content_from(self._call_start if state is _State.START else len(text))

@@ -24,7 +24,8 @@ TOOLS = [{"type": "function", "function": {
     "name": "get_current_temperature",
     "description": "Get current temperature at a location.",
     "parameters": {"type": "object", "properties": {"location": {
-        "type": "string", "description": 'The location to get the temperature for, in the format "City, State, Country".'}},
+        "type": "string",
+        "description": 'The location to get the temperature for, in the format "City, State, Country".'}},
         "required": ["location"]}}}]
 TOOL_JSON = json.dumps(TOOLS[0], ensure_ascii=False)  # what Transformers' tojson writes
 ARGUMENTS = '{"location": "San Francisco, CA, USA"}'

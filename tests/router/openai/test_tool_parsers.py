@@ -4,6 +4,7 @@ gives the same content and the same calls, argument text included."""
 
 from __future__ import annotations
 
+import itertools
 import random
 import re
 
@@ -23,7 +24,7 @@ def pieces_of(text: str, seed: int = 0):
     for _ in range(25):
         cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(1, 12)))) if len(text) > 1 else []
         bounds = [0, *cuts, len(text)]
-        yield [text[a:b] for a, b in zip(bounds, bounds[1:])]
+        yield [text[a:b] for a, b in itertools.pairwise(bounds)]
 
 
 def stream_pieces(parser, pieces: list[str]) -> tuple[str, list[ToolCall]]:
@@ -74,8 +75,8 @@ UNICODE_ARGUMENTS = '{"query": "café \\"Les Deux Magots\\" 東京 🙂", "path"
 
 
 HERMES_CASES = {
-    "single": ('<tool_call>\n{"name": "get_current_temperature", "arguments": {"location": "San Francisco, CA, USA"}}'
-               '\n</tool_call>',
+    "single": (('<tool_call>\n{"name": "get_current_temperature", "arguments": {"location": "San Francisco, CA, USA"}}'
+                '\n</tool_call>'),
                None, [("get_current_temperature", '{"location": "San Francisco, CA, USA"}')]),
     "parallel": (QWEN_PARALLEL, None, [
         ("get_current_temperature", '{"location": "San Francisco, CA, USA"}'),
@@ -89,7 +90,8 @@ HERMES_CASES = {
     "nested": (f'<tool_call>\n{{"name": "create_event", "arguments": {NESTED_ARGUMENTS}}}\n</tool_call>',
                None, [("create_event", NESTED_ARGUMENTS)]),
     # Hermes 2 Pro's system prompt asks for {"arguments": <args-dict>, "name": <function-name>}.
-    "arguments first": ('<tool_call>\n{"arguments": {"symbol": "TSLA"}, "name": "get_stock_fundamentals"}\n</tool_call>',
+    "arguments first": (('<tool_call>\n{"arguments": {"symbol": "TSLA"}, "name": "get_stock_fundamentals"}'
+                         '\n</tool_call>'),
                         None, [("get_stock_fundamentals", '{"symbol": "TSLA"}')]),
     "no arguments": ('<tool_call>\n{"name": "get_time"}\n</tool_call>', None, [("get_time", "{}")]),
     "arguments as a string": ('<tool_call>\n{"name": "f", "arguments": "{\\"a\\": 1}"}\n</tool_call>',
@@ -121,12 +123,13 @@ def test_hermes(case):
 
 # Meta's Llama 3.1 prompt format (JSON-based tool calling) and Llama 3.2's parallel form.
 LLAMA_CASES = {
-    "single": ('{"name": "get_current_conditions", "parameters": {"location": "San Francisco, CA", "unit": "Fahrenheit"}}',
+    "single": (('{"name": "get_current_conditions", "parameters": {"location": "San Francisco, CA", '
+                '"unit": "Fahrenheit"}}'),
                None, [("get_current_conditions", '{"location": "San Francisco, CA", "unit": "Fahrenheit"}')]),
     "python tag": ('<|python_tag|>{"name": "get_current_conditions", "parameters": {"location": "Menlo Park, CA"}}',
                    None, [("get_current_conditions", '{"location": "Menlo Park, CA"}')]),
-    "parallel": ('{"name": "get_weather", "parameters": {"city": "Paris"}}; '
-                 '{"name": "get_time", "parameters": {"zone": "CET"}}',
+    "parallel": (('{"name": "get_weather", "parameters": {"city": "Paris"}}; '
+                  '{"name": "get_time", "parameters": {"zone": "CET"}}'),
                  None, [("get_weather", '{"city": "Paris"}'), ("get_time", '{"zone": "CET"}')]),
     "type field": ('{"type": "function", "name": "get_weather", "parameters": {"city": "Oslo"}}',
                    None, [("get_weather", '{"city": "Oslo"}')]),
@@ -149,19 +152,24 @@ def test_llama3_json(case):
     check("llama3_json", *LLAMA_CASES[case])
 
 
-# mistral-common's tokenizers: V3 (Mistral-7B-Instruct-v0.3) writes the calls as one JSON list;
-# V11 and later write [TOOL_CALLS]name[ARGS]{...} per call, V11 with [CALL_ID]id before [ARGS].
+# mistral-common's tokenizers: V3 (Mistral-7B-Instruct-v0.3) writes the calls as one JSON list
+# (mistralai/cookbook, concept-deep-dive/tokenization/tool_calling.md, the "Assistant Tool Call" of
+# its V3 scenario); V11 and later write [TOOL_CALLS]name[ARGS]{...} per call, V11 with [CALL_ID]id
+# before [ARGS].
 MISTRAL_CASES = {
-    "list": ('[TOOL_CALLS] [{"name": "get_current_weather", "arguments": {"location": "Paris, France", '
-             '"format": "celsius"}}]',
+    "cookbook v3": (('[TOOL_CALLS] [{"name": "calculator", "arguments": {"operation": "2+2", "format": "celsius"}, '
+                     '"id": "VvvODy9mT"}]'),
+                    None, [("calculator", '{"operation": "2+2", "format": "celsius"}')]),
+    "list": (('[TOOL_CALLS] [{"name": "get_current_weather", "arguments": {"location": "Paris, France", '
+              '"format": "celsius"}}]'),
              None, [("get_current_weather", '{"location": "Paris, France", "format": "celsius"}')]),
-    "list, parallel, ids": ('[TOOL_CALLS] [{"name": "a", "arguments": {"x": 1}, "id": "abc123def"}, '
-                            '{"name": "b", "arguments": {"y": [2]}, "id": "bcd234efa"}]',
+    "list, parallel, ids": (('[TOOL_CALLS] [{"name": "a", "arguments": {"x": 1}, "id": "abc123def"}, '
+                             '{"name": "b", "arguments": {"y": [2]}, "id": "bcd234efa"}]'),
                             None, [("a", '{"x": 1}'), ("b", '{"y": [2]}')]),
     "named": ('[TOOL_CALLS]get_current_weather[ARGS]{"location": "Paris, France", "format": "celsius"}',
               None, [("get_current_weather", '{"location": "Paris, France", "format": "celsius"}')]),
-    "named, parallel, call id": ('[TOOL_CALLS]get_weather[CALL_ID]abc123def[ARGS]{"city": "Paris"}'
-                                 '[TOOL_CALLS]get_time[ARGS]{}',
+    "named, parallel, call id": (('[TOOL_CALLS]get_weather[CALL_ID]abc123def[ARGS]{"city": "Paris"}'
+                                  '[TOOL_CALLS]get_time[ARGS]{}'),
                                  None, [("get_weather", '{"city": "Paris"}'), ("get_time", "{}")]),
     "content before": ('Let me check.[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}', "Let me check.",
                        [("get_weather", '{"city": "Paris"}')]),
@@ -217,3 +225,48 @@ def test_registry_and_unknown_name():
     assert all(get_tool_parser(name).name == name for name in TOOL_PARSERS)
     with pytest.raises(ValueError, match="unknown tool parser 'qwen'; choose one of hermes, llama3_json, mistral"):
         get_tool_parser("qwen")
+
+
+# Pieces of the three formats, well and badly formed, to break the documented texts with.
+FRAGMENTS = ["<tool_call>", "</tool_call>", "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]", "<|python_tag|>", "<tool_c",
+             "[TOOL_", '{"name": "f", "arguments": ', '{"name": "g", "parameters": ', '{"a": [1, "}"]}', "{", "}",
+             "[", "]", '"', "\\", ":", ",", ";", " ", "\n", "get_w", "é", "x"]
+CASES = {"hermes": HERMES_CASES, "llama3_json": LLAMA_CASES, "mistral": MISTRAL_CASES}
+
+
+def mutated(text: str, rng: random.Random) -> str:
+    """The text with up to three random edits: a fragment put in, a few characters taken out, the end cut."""
+    for _ in range(rng.randint(0, 3)):
+        at = rng.randint(0, len(text))
+        edit = rng.randrange(3)
+        if edit == 0:
+            text = text[:at] + rng.choice(FRAGMENTS) + text[at:]
+        elif edit == 1:
+            text = text[:at] + text[at + rng.randint(1, 5):]
+        else:
+            text = text[:at]
+    return text
+
+
+@pytest.mark.parametrize("parser_name", sorted(CASES))
+def test_broken_texts_stream_as_they_extract(parser_name):
+    parser = get_tool_parser(parser_name)
+    rng = random.Random(parser_name)
+    documented = [case[0] for case in CASES[parser_name].values()]
+    found_calls = 0
+    for _ in range(120):
+        text = mutated(rng.choice(documented), rng)
+        extracted = parser.extract(text)
+        found_calls += len(extracted.tool_calls)
+        want = (extracted.content or "", names_and_arguments(extracted.tool_calls))
+        for pieces in [list(text), *([text[:cut], text[cut:]] for cut in range(0, len(text) + 1, 3))]:
+            streamed_content, streamed_calls = stream_pieces(parser, pieces)
+            assert (streamed_content, names_and_arguments(streamed_calls)) == want, pieces
+    assert found_calls > 30  # the edits leave many calls whole or cut off, not only broken text
+
+
+def test_feed_after_finish_is_refused():
+    stream = get_tool_parser("hermes").stream()
+    stream.finish()
+    with pytest.raises(RuntimeError, match="feed after finish"):
+        stream.feed("x")
