@@ -23,6 +23,7 @@ from pagefleet.router.global_scheduler.actor import start_scheduler
 from pagefleet.router.ingress import INGRESS_DEPLOYMENT_NAME, OpenAIIngress
 from pagefleet.router.openai.http_guards import BodyLimits
 from pagefleet.router.openai.preprocess import ServingLimits
+from pagefleet.router.openai.tool_choice import ToolCallOptions
 from pagefleet.router.routing.request_router import ROUTER_CLASSES
 from pagefleet.worker.cpu.threads import available_cores, compute_thread_env
 from pagefleet.worker.engine.engine_args import EngineArgs
@@ -76,7 +77,8 @@ def build_app(args: Mapping[str, Any] | ServeOptions | None = None) -> Applicati
     return ingress.bind(worker, engine_args, api_key=serve_args.key(), kv_scheduler=kv_scheduler,
                         kv_routing=opts.kv_routing(), serving=serving,
                         body_limits=BodyLimits(serve_args.max_request_body_bytes),
-                        drain_timeout_s=serve_args.drain_timeout_s)
+                        drain_timeout_s=serve_args.drain_timeout_s,
+                        tools=ToolCallOptions(serve_args.tool_call_parser, serve_args.enable_auto_tool_choice))
 
 
 def worker_runtime_env(engine_args: EngineArgs, workers: int, gpus_per_rank: float, cores: int,

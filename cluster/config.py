@@ -21,6 +21,7 @@ from pagefleet.router.openai.preprocess import (
     DEFAULT_MAX_PROMPTS,
     DEFAULT_MAX_REQUEST_ID_CHARS,
 )
+from pagefleet.router.openai.tool_parsers import TOOL_PARSERS
 from pagefleet.router.routing.kv_routing import KVRoutingOptions
 from pagefleet.router.routing.policies import POLICIES
 from pagefleet.worker.cpu.threads import cpu_compute_threads
@@ -85,6 +86,13 @@ class ServeArgs:
                                                      "(default: max_model_len x the tokenizer's longest "
                                                      "token, so no prompt that fits is refused)")
     max_request_id_chars: int = option(DEFAULT_MAX_REQUEST_ID_CHARS, help="length of a client's request_id")
+    tool_call_parser: str | None = option(None, choices=tuple(TOOL_PARSERS),
+                                          help="how the model writes tool calls, for tool_choice 'auto' (hermes: "
+                                               "Qwen2.5, Qwen3 and the demo model; llama3_json: Llama 3.1/3.2; "
+                                               "mistral)")
+    enable_auto_tool_choice: bool = option(False, help="let requests with tools use tool_choice 'auto' (the "
+                                                       "model decides; its output is parsed with "
+                                                       "--tool-call-parser)")
     drain_timeout_s: float = option(30.0, help="on shutdown, how long in-flight requests may finish while new "
                                                "ones get 503")
 
@@ -113,6 +121,8 @@ class ServeArgs:
             raise ValueError("CPU and GPU counts must be >= 0")
         if self.max_prompt_chars is not None and self.max_prompt_chars < 1:
             raise ValueError(f"max_prompt_chars must be >= 1, got {self.max_prompt_chars}")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("enable_auto_tool_choice needs tool_call_parser")
         if self.drain_timeout_s < 0:
             raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
 

@@ -35,6 +35,7 @@ from pagefleet.router.openai.http_guards import BodyLimits
 from pagefleet.router.openai.node_metrics import NodeMetricsReader
 from pagefleet.router.openai.preprocess import ModelInfo, ServingLimits, longest_token_chars
 from pagefleet.router.openai.service import Job, OpenAIService
+from pagefleet.router.openai.tool_choice import ToolCallOptions
 from pagefleet.router.routing.kv_routing import KVRoutingClient, KVRoutingOptions, RoutingCounters
 from pagefleet.router.worker_client.delta_mux import ChannelMux, read_deltas, watch
 from pagefleet.router.worker_client.worker_errors import WorkerHealth, worker_failure
@@ -188,7 +189,7 @@ class OpenAIIngress:
     def __init__(self, worker: DeploymentHandle, engine_args: EngineArgs, *, api_key: str | None = None,
                  kv_scheduler: Any = None, kv_routing: KVRoutingOptions | None = None,
                  serving: ServingLimits = ServingLimits(), body_limits: BodyLimits = BodyLimits(),
-                 drain_timeout_s: float = 30.0) -> None:
+                 drain_timeout_s: float = 30.0, tools: ToolCallOptions = ToolCallOptions()) -> None:
         """``kv_scheduler``: the global scheduler actor, for ``kv`` routing (None: other policies)."""
         tracing.init_tracing(engine_args.otlp_traces_endpoint, "pagefleet-ingress")
         tokenizer, info = load_model_info(engine_args, serving)
@@ -203,7 +204,7 @@ class OpenAIIngress:
                 asyncio.get_running_loop()
                 follower.start()
         self._client = HandleWorkerClient(worker, kv, metrics=self._metrics, follower=follower)
-        self._service = OpenAIService(tokenizer=tokenizer, info=info, client=self._client)
+        self._service = OpenAIService(tokenizer=tokenizer, info=info, client=self._client, tools=tools)
         self._api_key = api_key
         self._body_limits = body_limits
         self._drain_timeout_s = drain_timeout_s

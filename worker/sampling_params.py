@@ -99,6 +99,8 @@ class SamplingParams:
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputsParams | None = None
+    # False keeps special tokens in the text (a tool-call parser may read them: Mistral's [TOOL_CALLS]).
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

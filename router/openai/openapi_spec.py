@@ -24,6 +24,7 @@ from pydantic.json_schema import models_json_schema
 
 from pagefleet.router.openai import response_schema as out
 from pagefleet.router.openai.errors import ErrorResponse
+from pagefleet.router.openai.tool_choice import FUNCTION_NAME, MAX_TOOLS
 from pagefleet.router.openai.preprocess import MAX_CACHE_SALT_CHARS, REQUEST_ID_CHARS, ModelInfo
 from pagefleet.router.openai.protocol import (
     ChatCompletionRequest,
@@ -79,10 +80,10 @@ def body_schemas(info: ModelInfo) -> dict[str, dict]:
     chat["properties"]["messages"].update(minItems=1, maxItems=info.serving.max_chat_messages)
     chat["properties"]["top_logprobs"] = _nullable({"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS},
                                                    "Needs logprobs: true")
-    chat["properties"]["tools"] = _nullable({"type": "array", "maxItems": 0}, "tools are not supported (422)")
-    chat["properties"]["response_format"] = _nullable(
-        {"type": "object", "properties": {"type": {"const": "text"}}},
-        "Only {'type': 'text'} is supported (422 otherwise)")
+    chat["properties"]["tools"] = _nullable(
+        {"type": "array", "items": {"$ref": _REF.format(model="ToolDefinition")}, "maxItems": MAX_TOOLS},
+        "Function names must differ; the chat template must read tools (400 otherwise)")
+    schemas["FunctionDefinition"]["properties"]["name"] = {"type": "string", "pattern": FUNCTION_NAME.pattern.join("^$")}
     chat["allOf"] = [_requires_true("top_logprobs", "logprobs"),
                      _excludes("continue_final_message", "add_generation_prompt")]
     # null: as many as fit in the context; the completions default is 16, the chat default null.

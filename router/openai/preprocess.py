@@ -17,9 +17,11 @@ from typing import Any
 
 from pagefleet.router.openai.chat_template import NoToolSupportError, render_chat
 from pagefleet.router.openai.errors import OpenAIError, bad_request, unsupported
+from pagefleet.router.openai.structured import structured_outputs
+from pagefleet.router.openai.tool_choice import ToolPlan
 from pagefleet.router.openai.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 from pagefleet.worker.request_check import CONTEXT_LENGTH_EXCEEDED, InvalidRequest, RequestLimits, check_request
-from pagefleet.worker.sampling_params import SamplingParams
+from pagefleet.worker.sampling_params import SamplingParams, StructuredOutputsParams
 
 DEFAULT_MAX_PROMPTS = 256
 DEFAULT_MAX_REQUEST_ID_CHARS = 128
@@ -215,19 +217,25 @@ def _message_chars(message: dict) -> int:
 
 
 def completion_sampling_params(req: CompletionRequest) -> SamplingParams:
-    return _sampling_params(req, req.max_tokens, req.logprobs)
+    return _sampling_params(req, req.max_tokens, req.logprobs, structured_outputs(req))
 
 
-def chat_sampling_params(req: ChatCompletionRequest) -> SamplingParams:
-    if req.tools:
-        raise unsupported("tools are not supported", "tools")
-    if req.response_format is not None and req.response_format.get("type", "text") != "text":
-        raise unsupported("only response_format {'type': 'text'} is supported", "response_format")
+def chat_sampling_params(req: ChatCompletionRequest, plan: ToolPlan | None = None) -> SamplingParams:
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    return _sampling_params(req, max_tokens, logprobs)
+    constraint = structured_outputs(req)
+    if plan is not None and plan.structured_outputs is not None:
+        if constraint is not None:
+            raise bad_request("tool_choice forces a tool call, so response_format or structured_outputs cannot "
+                              "also constrain the output", "tool_choice")
+        constraint = plan.structured_outputs
+    params = _sampling_params(req, max_tokens, logprobs, constraint)
+    # A parser that reads special tokens (Mistral's [TOOL_CALLS]) must see them in the text.
+    if plan is not None and plan.parser is not None and plan.parser.reads_special_tokens:
+        params.skip_special_tokens = False
+    return params
 
 
 def client_field_names(req: CompletionRequest | ChatCompletionRequest) -> dict[str, str]:
@@ -260,7 +268,7 @@ def with_max_tokens(params: SamplingParams, prompt_len: int, info: ModelInfo) ->
 
 
 def _sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: int | None,
-                     logprobs: int | None) -> SamplingParams:
+                     logprobs: int | None, constraint: StructuredOutputsParams | None) -> SamplingParams:
     if req.logit_bias:
         raise unsupported("logit_bias is not supported", "logit_bias")
     if req.stream_options is not None and not req.stream:
@@ -284,6 +292,7 @@ def _sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens:
             ignore_eos=req.ignore_eos,
             logprobs=logprobs,
             include_stop_str_in_output=req.include_stop_str_in_output,
+            structured_outputs=constraint,
         )
     except InvalidRequest as exc:
         raise as_bad_request(exc, req) from exc

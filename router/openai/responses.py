@@ -34,6 +34,7 @@ class ChoiceState:
     output: CompletionOutput = field(default_factory=lambda: CompletionOutput(0, "", [], None, None))
     text_offset: int = 0
     sent_role: bool = False
+    tools: Any = None  # chat with tools: the choice's ToolCallStream, made on its first delta
 
 
 class ResponseBuilder(ABC):
@@ -176,6 +177,11 @@ class ChatResponseBuilder(ResponseBuilder):
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
 
+    def __init__(self, *, tool_plan: Any = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        # tool_choice.ToolPlan, or None: the output is plain content
+        self.tool_plan = tool_plan if tool_plan is not None and tool_plan.mode != "none" else None
+
     def role_chunks(self, indices: list[int]) -> list[dict]:
         """Chat streams open each choice with the assistant role, as OpenAI does."""
         out = []
@@ -188,13 +194,33 @@ class ChatResponseBuilder(ResponseBuilder):
         return out
 
     def _choice(self, index, text, logprobs, finish_reason, stop_reason) -> dict:
-        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                "finish_reason": finish_reason, "stop_reason": stop_reason}
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if self.tool_plan is not None:
+            extracted = self.tool_plan.extract(text)
+            message["content"] = extracted.content
+            message["tool_calls"] = [tool_call_dict(call) for call in extracted.tool_calls]
+            finish_reason = _with_tool_calls(finish_reason, extracted.tool_calls)
+        return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason,
+                "stop_reason": stop_reason}
 
     def _delta_choice(self, index, seq, logprobs) -> dict:
-        delta = {"content": seq.text} if seq.text or seq.finish_reason is None else {}
-        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": seq.finish_reason}
-        if seq.finish_reason is not None:
+        finish_reason = seq.finish_reason
+        if self.tool_plan is None:
+            delta = {"content": seq.text} if seq.text or finish_reason is None else {}
+        else:
+            state = self.choice(index)
+            if state.tools is None:
+                state.tools = self.tool_plan.stream()
+            content, calls = state.tools.feed(seq.text)
+            if finish_reason is not None:
+                more = state.tools.finish()
+                content, calls = content + more.content, calls + more.tool_calls
+                finish_reason = _with_tool_calls(finish_reason, state.tools.tool_calls)
+            delta = {"content": content} if content else {}
+            if calls:
+                delta["tool_calls"] = [tool_call_delta_dict(d) for d in calls]
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        if finish_reason is not None:
             choice["stop_reason"] = seq.stop_reason
         return choice
 
@@ -206,6 +232,25 @@ class ChatResponseBuilder(ResponseBuilder):
                    for t, lp in e.top]
             content.append({"token": s, "logprob": finite(e.logprob), "bytes": list(s.encode()), "top_logprobs": top})
         return {"content": content}
+
+
+def _with_tool_calls(finish_reason: str | None, calls: list) -> str | None:
+    """A choice that ended by itself (not cut off by max_tokens) with calls ends in "tool_calls"."""
+    return "tool_calls" if calls and finish_reason == "stop" else finish_reason
+
+
+def tool_call_dict(call: Any) -> dict:
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+
+
+def tool_call_delta_dict(delta: Any) -> dict:
+    """OpenAI's streamed tool call entry: id, type and name on a call's first entry only."""
+    out: dict[str, Any] = {"index": delta.index}
+    if delta.id is not None:
+        out["id"], out["type"] = delta.id, "function"
+    out["function"] = {"arguments": delta.arguments} if delta.name is None else \
+        {"name": delta.name, "arguments": delta.arguments}
+    return out
 
 
 def finite(logprob: float) -> float:

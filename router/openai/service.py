@@ -25,6 +25,8 @@ from pagefleet.router.openai.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from pagefleet.router.openai.tool_choice import ToolCallOptions, tool_plan
+from pagefleet.router.openai.tool_parsers import get_tool_parser
 from pagefleet.router.openai.responses import ChatResponseBuilder, CompletionResponseBuilder, ResponseBuilder
 from pagefleet.worker import tracing
 from pagefleet.worker.aio import cancel_and_wait
@@ -59,8 +61,11 @@ class WorkerClient(Protocol):
 
 
 class OpenAIService:
-    def __init__(self, *, tokenizer: Any, info: pre.ModelInfo, client: WorkerClient) -> None:
+    def __init__(self, *, tokenizer: Any, info: pre.ModelInfo, client: WorkerClient,
+                 tools: ToolCallOptions = ToolCallOptions()) -> None:
         self.tokenizer = tokenizer
+        self.tools = tools
+        self._tool_parser = get_tool_parser(tools.parser) if tools.parser is not None else None
         self.info = info
         self.client = client
         self.draining = False  # shutting down: in-flight requests finish, new ones get 503
@@ -89,17 +94,20 @@ class OpenAIService:
         self._check_open()
         pre.check_model_name(req.model, self.info)
         pre.check_request_id(req.request_id, self.info)
-        params = pre.chat_sampling_params(req)
         pre.check_message_count(req.messages, self.info)
+        plan = tool_plan(req, self._tool_parser, self.tools.enable_auto_tool_choice)
+        params = pre.chat_sampling_params(req, plan)
         prompt = await self._off_loop(_chat_work(req.messages), lambda: pre.chat_prompt(
             pre.chat_conversation(req.messages, self.info, add_generation_prompt=req.add_generation_prompt,
                                   continue_final_message=req.continue_final_message),
             self.tokenizer, add_generation_prompt=req.add_generation_prompt,
-            continue_final_message=req.continue_final_message, add_special_tokens=req.add_special_tokens))
+            continue_final_message=req.continue_final_message, add_special_tokens=req.add_special_tokens,
+            tools=plan.tools if plan is not None else None))
         engine_id = f"chatcmpl-{uuid.uuid4().hex}"
         builder = ChatResponseBuilder(request_id=req.request_id or engine_id,
                                       model=self.info.served_model_name, tokenizer=self.tokenizer,
-                                      want_logprobs=req.logprobs, include_usage=_include_usage(req))
+                                      want_logprobs=req.logprobs, include_usage=_include_usage(req),
+                                      tool_plan=plan)
         return self._prepared(req, builder, engine_id, [prompt.token_ids], params)
 
     def _prepared(self, req: CompletionRequest | ChatCompletionRequest, builder: ResponseBuilder, engine_id: str,
@@ -239,7 +247,8 @@ class OpenAIService:
             ids = (await self._off_loop(_chat_work(req.messages), lambda: pre.chat_prompt(
                 pre.chat_conversation(req.messages, self.info, add_generation_prompt=req.add_generation_prompt),
                 self.tokenizer, add_generation_prompt=req.add_generation_prompt,
-                add_special_tokens=add_special))).token_ids
+                add_special_tokens=add_special,
+                tools=[t.model_dump(exclude_none=True) for t in req.tools or []]))).token_ids
         else:
             add_special = True if req.add_special_tokens is None else req.add_special_tokens
             pre.check_prompt_chars(len(req.prompt), self.info, "prompt")

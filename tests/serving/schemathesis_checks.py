@@ -27,6 +27,17 @@ CROSS_FIELD_REFUSALS = (
     (400, "n", None, "this request asks for"),
     # best_of, an old OpenAI field, is accepted only equal to n.
     (422, "best_of", "unsupported", "best_of different from n"),
+    # Tools need a chat template that reads them (a property of the model) and distinct names.
+    (400, "tools", None, "this model's chat template has no tool support"),
+    (400, "tools", None, "two tools have the same function name"),
+    # tool_choice against tools (none given, a name not among them), against response_format
+    # (both constrain the output), and "auto" against the server's --enable-auto-tool-choice.
+    (400, "tool_choice", None, ""),
+    # Exactly one of structured_outputs' fields; what a grammar accepts is xgrammar's to say.
+    (400, "structured_outputs", None, "structured_outputs"),
+    (400, "structured_outputs", None, "give response_format or structured_outputs, not both"),
+    (400, "response_format.json_schema", None, "response_format of type json_schema needs json_schema"),
+    (400, "response_format.json_schema.schema", None, "response_format.json_schema.schema"),
 )
 
 

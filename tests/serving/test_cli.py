@@ -52,6 +52,7 @@ def test_bad_flags_exit_with_usage(argv, message, capsys):
     (["--workers", "0"], "workers must be an integer >= 1, got 0"),
     (["--dtype", "fp8"], "unsupported dtype 'fp8'"),
     (["/a", "--model", "/b"], "two models given"),
+    (["--enable-auto-tool-choice"], "enable_auto_tool_choice needs tool_call_parser"),
 ])
 def test_bad_combinations_exit_before_any_cluster_starts(argv, message, capsys):
     assert main(["serve", *argv]) == 2

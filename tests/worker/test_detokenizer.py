@@ -80,3 +80,17 @@ def test_streaming_holds_back_a_possible_stop_prefix(tokenizer):
         assert len(d.text) - len(emitted) >= min(len(d.text), len("the end!") - 1)
     emitted += d.take_new_text(True)
     assert emitted == "abc the end"
+
+
+def test_special_tokens_are_skipped_unless_the_request_keeps_them(tokenizer):
+    """A tool-call parser that reads a special token (Mistral's [TOOL_CALLS]) needs it kept."""
+    eos = tokenizer.eos_token_id
+    prompt = tokenizer.encode("prompt:", add_special_tokens=False)
+    output = [*tokenizer.encode("a", add_special_tokens=False), eos, *tokenizer.encode("b", add_special_tokens=False)]
+    for skip, want in ((True, "ab"), (False, f"a{tokenizer.eos_token}b")):
+        d = IncrementalDetokenizer(tokenizer, prompt, [], False, skip_special_tokens=skip)
+        ids = list(prompt)
+        for t in output:
+            ids.append(t)
+            d.update(ids)
+        assert d.take_new_text(True) == want

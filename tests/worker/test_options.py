@@ -61,8 +61,12 @@ OTHER_VALUES = {
     "max_prompt_chars": ("10000", 10000),
     "max_request_id_chars": ("64", 64),
     "max_chat_messages": ("100", 100),
+    "tool_call_parser": ("mistral", "mistral"),
+    "enable_auto_tool_choice": (None, True),  # --enable-auto-tool-choice, with a parser (NEEDS below)
     "drain_timeout_s": ("5", 5.0),
 }
+# What an option's other value needs beside it: (flag, text) and the config key's value.
+NEEDS = {"enable_auto_tool_choice": (["--tool-call-parser", "hermes"], {"tool_call_parser": "hermes"})}
 ENGINE_FIELDS = [f.name for f in option_fields(EngineArgs)]
 SERVE_FIELDS = [f.name for f in option_fields(ServeArgs)]
 
@@ -101,8 +105,9 @@ def test_option_means_the_same_as_flag_yaml_arg_and_keyword(name):
     flag = flag_name(next(f for f in dataclasses.fields(EngineArgs) + dataclasses.fields(ServeArgs)
                           if f.name == name))
     argv = ([flag] if value else [f"--no-{flag[2:]}"]) if text is None else [flag, text]
-    assert getattr(_part(_cli(*argv), name), name) == value
-    as_yaml = yaml.safe_load(yaml.safe_dump({name: value if text is None else yaml.safe_load(text)}))
+    more_argv, more_keys = NEEDS.get(name, ([], {}))
+    assert getattr(_part(_cli(*argv, *more_argv), name), name) == value
+    as_yaml = yaml.safe_load(yaml.safe_dump({name: value if text is None else yaml.safe_load(text), **more_keys}))
     assert getattr(_part(ServeOptions.from_dict(as_yaml), name), name) == value
 
 

@@ -13,9 +13,10 @@ _REPLACEMENT = "\ufffd"
 
 class IncrementalDetokenizer:
     __slots__ = ("tokenizer", "text", "prefix_offset", "read_offset", "emitted", "stop", "max_stop_len",
-                 "include_stop")
+                 "include_stop", "skip_special_tokens")
 
-    def __init__(self, tokenizer, prompt_token_ids: list[int], stop: list[str], include_stop: bool) -> None:
+    def __init__(self, tokenizer, prompt_token_ids: list[int], stop: list[str], include_stop: bool,
+                 skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
         self.text = ""
         # A few prompt tokens of context make the first output token decode as it would in place
@@ -26,9 +27,11 @@ class IncrementalDetokenizer:
         self.stop = stop
         self.max_stop_len = max((len(s) for s in stop), default=0)
         self.include_stop = include_stop
+        self.skip_special_tokens = skip_special_tokens
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens,
+                                     clean_up_tokenization_spaces=False)
 
     def update(self, token_ids: list[int], check_stop: bool = True) -> str | None:
         """Take the sequence's whole token list after a new token; returns the stop string

@@ -133,7 +133,8 @@ class LLMEngine:
             if hashes:
                 seq.block_hashes = list(hashes)  # each sequence extends its own list
             self.detok[seq.seq_id] = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop,
-                                                            params.include_stop_str_in_output)
+                                                            params.include_stop_str_in_output,
+                                                            params.skip_special_tokens)
             self.scheduler.add(seq)
             seqs.append(seq)
         self.requests[request_id] = seqs

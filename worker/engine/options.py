@@ -103,6 +103,8 @@ def check_choices(obj: Any) -> None:
     for f in option_fields(type(obj)):
         choices = f.metadata["choices"]
         value = getattr(obj, f.name)
+        if value is None and f.default is None:  # an optional option left unset
+            continue
         if choices is not None and value not in choices:
             raise ValueError(f"{f.name} must be one of {', '.join(map(str, choices))}, got {value!r}")
 

@@ -159,6 +159,8 @@ class ToolParser:
 
     name: ClassVar[str]
     stream_class: ClassVar[type[ToolCallStream]]
+    # Whether the format's markers are special tokens, which the engine's text must then keep.
+    reads_special_tokens: ClassVar[bool] = False
 
     def extract(self, text: str) -> ExtractedToolCalls:
         """The calls in a whole generated text: the stream's answer for the text in one piece."""

@@ -159,3 +159,4 @@ def _is_tag_start(text: str, pos: int) -> bool:
 class MistralToolParser(ToolParser):
     name = "mistral"
     stream_class = MistralToolCallStream
+    reads_special_tokens = True  # [TOOL_CALLS] is a control token of Mistral's tokenizers
