@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -9,6 +10,7 @@ import torch
 
 from pagefleet.worker import LLM, SamplingParams
 from pagefleet.worker.model_executor.sampler import Sampler, mask_to_support
+from pagefleet.worker.model_executor.seeding import draw_key, splitmix64
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +51,7 @@ def test_random_draws_follow_the_distribution_and_never_leave_the_support(temper
     logits = torch.tensor([0.0, 1.0, 2.0, float("-inf"), 0.5])
     rows = 40_000
     params = SamplingParams(temperature=temperature, top_k=top_k)
-    seqs = [SimpleNamespace(params=params, generator=None, grammar=None) for _ in range(rows)]
+    seqs = [SimpleNamespace(params=params, grammar=None) for _ in range(rows)]
     torch.manual_seed(0)
     drawn = Sampler(eos_token_ids=(4,))(logits.repeat(rows, 1), seqs).token_ids
     expected = (logits / temperature).softmax(dim=0)
@@ -79,6 +81,39 @@ def test_same_seed_same_tokens_in_any_batch_composition(llm):
                                                                  max_tokens=16, ignore_eos=True))
     assert different[0].outputs[0].token_ids != alone
     assert len(tok.decode(alone)) > 0
+
+
+def test_splitmix64_is_the_published_generator_and_draw_keys_take_seeds_as_64_bit_words():
+    # SplitMix64 from state 0: its first two outputs (Steele, Lea and Flood; Vigna's reference code).
+    assert splitmix64(0) == 0xE220A8397B1DCDAF
+    assert splitmix64(0x9E3779B97F4A7C15) == 0x6E789E6AA1B965F4
+    assert draw_key(5, 1, 3) == splitmix64(splitmix64(splitmix64(5) ^ 1) ^ 3)
+    assert draw_key(-1, 0, 0) == draw_key(2**64 - 1, 0, 0)
+    keys = {draw_key(s, i, p) for s in (0, 1) for i in (0, 1) for p in (0, 1)}
+    assert len(keys) == 8
+
+
+def test_a_seeded_draw_is_keyed_by_seed_index_and_output_position_alone():
+    """On flat logits over V tokens the drawn token is ceil(u * V) - 1, so each row's token shows
+    its uniform: the one from the generator seeded with draw_key(seed, index, position)."""
+    vocab = 1000
+
+    def row(seed, index, position):
+        return SimpleNamespace(params=SamplingParams(temperature=1.0, seed=seed), index=index,
+                               num_output_tokens=position, grammar=None)
+
+    def expected(seed, index, position):
+        u = 1.0 - torch.rand(1, dtype=torch.float64,
+                             generator=torch.Generator().manual_seed(draw_key(seed, index, position))).item()
+        return math.ceil(u * vocab) - 1
+
+    rows = [(7, 0, 0), (7, 0, 1), (7, 1, 0), (7, 0, 40), (8, 0, 0), (7, 0, 0)]
+    sampler = Sampler(eos_token_ids=())
+    together = sampler(torch.zeros(len(rows), vocab), [row(*r) for r in rows]).token_ids
+    assert together == [expected(*r) for r in rows]
+    assert together[0] == together[5]
+    for r, token in zip(rows, together):  # alone, in any order: the same token
+        assert sampler(torch.zeros(1, vocab), [row(*r)]).token_ids == [token]
 
 
 def test_logprobs_equal_log_softmax_of_model_logits(llm):

@@ -5,8 +5,6 @@ from __future__ import annotations
 import enum
 from typing import TYPE_CHECKING
 
-import torch
-
 from pagefleet.worker.outputs import TokenLogprob
 from pagefleet.worker.sampling_params import SamplingParams
 
@@ -27,7 +25,7 @@ class Sequence:
 
     __slots__ = ("seq_id", "request_id", "index", "params", "token_ids", "num_prompt_tokens",
                  "num_computed_tokens", "num_cached_tokens", "status", "finish_reason", "stop_reason",
-                 "logprobs", "generator", "parent", "extra_digest", "block_hashes",
+                 "logprobs", "parent", "extra_digest", "block_hashes",
                  "penalties", "grammar")
 
     def __init__(self, seq_id: int, request_id: str, index: int, prompt_token_ids: list[int],
@@ -45,11 +43,6 @@ class Sequence:
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
         self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
-        self.generator: torch.Generator | None = None
-        if params.seed is not None:
-            # Each of the n sequences draws from its own stream, so a seeded request
-            # samples the same tokens whatever else shares its batch.
-            self.generator = torch.Generator().manual_seed(params.seed + 7919 * index)
         self.parent = parent  # the sequence whose prompt blocks this one shares (n > 1)
         self.extra_digest = extra_digest  # what changes KV content besides tokens: block_hash.extra_keys_digest
         self.block_hashes: list = []  # chained hashes of this sequence's full blocks, filled lazily

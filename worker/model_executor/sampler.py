@@ -7,6 +7,7 @@ from typing import NamedTuple
 import torch
 
 from pagefleet.worker.core.sequence import Sequence
+from pagefleet.worker.model_executor.seeding import PositionKeyedDraws
 from pagefleet.worker.outputs import TokenLogprob
 from pagefleet.worker.structured.matcher import GrammarMasker
 
@@ -86,6 +87,7 @@ class Sampler:
     def __init__(self, eos_token_ids: tuple[int, ...]) -> None:
         self.eos_token_ids = list(eos_token_ids)
         self.mask_to_grammars = GrammarMasker()
+        self.seeded_draws = PositionKeyedDraws()
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
@@ -152,12 +154,13 @@ class Sampler:
         # exponential race, argmax(p / E) with E ~ Exp(1), draws the same distribution but
         # needs a random number per vocabulary entry, slower on CPU.) The sums run
         # in float64 so that rounding moves no token's share measurably; u lies in (0, total],
-        # so a token of probability 0 (outside top-k/top-p) is never found. Seeded rows draw
-        # their uniform from their own generator, so batch-mates cannot shift their stream.
+        # so a token of probability 0 (outside top-k/top-p) is never found. A seeded row's
+        # uniform is keyed by its seed, index and output position (``seeding``), so neither
+        # batch-mates nor a continuation on another replica can shift its stream.
         cdf = (logits - logits.amax(dim=-1, keepdim=True)).exp_().to(torch.float64).cumsum_(dim=-1)
         u = 1.0 - torch.rand(len(seqs), 1, dtype=torch.float64)
         for row, seq in enumerate(seqs):
-            if seq.generator is not None:
-                u[row] = 1.0 - torch.rand(1, dtype=torch.float64, generator=seq.generator)
+            if seq.params.seed is not None:
+                u[row] = self.seeded_draws.uniform(seq.params.seed, seq.index, seq.num_output_tokens)
         u = u.to(dev) * cdf[:, -1:]
         return torch.searchsorted(cdf, u).squeeze(1)  # u <= total: never past the last token
