@@ -38,7 +38,8 @@ class SteppedEngine:
         self.started: list[str] = []
         self.closed: list[str] = []
 
-    async def generate(self, request_id, prompt_token_ids, params, extra_keys=(), block_hashes=None, span=None):
+    async def generate(self, request_id, prompt_token_ids, params, extra_keys=(), block_hashes=None, span=None,
+                       resume=None):
         if request_id in self.started and request_id not in self.closed:  # as AsyncLLMEngine refuses it
             raise ValueError(f"request id {request_id!r} is already running")
         self.started.append(request_id)

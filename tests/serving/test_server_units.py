@@ -9,6 +9,7 @@ import yaml
 from pagefleet.cluster.app import build_app
 from pagefleet.cluster.config import ServeOptions
 from pagefleet.worker.core.block_hash import block_hashes, extra_keys_digest, pack_hashes
+from pagefleet.worker.core.resume import ResumeState
 from pagefleet.worker.engine.engine_args import EngineArgs
 from pagefleet.worker.engine.options import parse_bytes
 from pagefleet.worker.metrics.stats import EngineStats, ReplicaStats
@@ -33,8 +34,9 @@ class FakeEngine:
         self.closed = []
         self.received = []
 
-    async def generate(self, request_id, prompt_token_ids, params, extra_keys=(), block_hashes=None, span=None):
-        self.received.append((request_id, extra_keys, block_hashes))
+    async def generate(self, request_id, prompt_token_ids, params, extra_keys=(), block_hashes=None, span=None,
+                       resume=None):
+        self.received.append((request_id, extra_keys, block_hashes, resume))
         try:
             for step in range(params.max_tokens):
                 last = step == params.max_tokens - 1
@@ -70,10 +72,22 @@ def test_worker_replica_streams_and_publishes_its_load():
     assert [d.sequences[0].token_ids for d in deltas] == [[0], [1], [2]]
     assert deltas[-1].finished
     # the ingress's hashes as they came: packed, for the engine to unpack once
-    assert replica.engine.received == [("r1", ("salt",), pack_hashes(hashes))]
+    assert replica.engine.received == [("r1", ("salt",), pack_hashes(hashes), None)]
     published = asyncio.run(replica.record_routing_stats())
     assert ReplicaStats.from_routing_stats(published) == ReplicaStats(
         replica_id="local", healthy=True, num_requests_total=1, engine=EngineStats(100, 90, 1, 2, 0, 0, 0, 5, 10, 20))
+
+
+def test_worker_replica_hands_a_resumed_request_to_the_engine_with_its_state():
+    replica = WorkerReplica(EngineArgs(), engine_factory=FakeEngine)
+    resume = ResumeState(output_token_ids=[5, 6, 7], emitted_text_chars=4, seq_index=1)
+
+    async def run():
+        request = WorkerRequest("r3", [1, 2], SamplingParams(max_tokens=2), resume=resume)
+        return [d async for d in replica.generate(request)]
+
+    assert len(asyncio.run(run())) == 2
+    assert replica.engine.received == [("r3", (), b"", ResumeState([5, 6, 7], 4, 1))]
 
 
 def test_worker_replica_health_is_the_engines():

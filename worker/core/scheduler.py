@@ -74,7 +74,7 @@ class Scheduler:
             if not self.kv.allocate(seq, num_new, prefix):
                 break
             self.waiting.popleft()
-            if seq.num_computed_tokens == 0 and seq.num_output_tokens == 0:
+            if seq.num_computed_tokens == 0 and seq.num_new_output_tokens == 0:
                 seq.num_cached_tokens = prefix.num_tokens
             seq.num_computed_tokens = prefix.num_tokens
             seq.status = SequenceStatus.RUNNING

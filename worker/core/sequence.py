@@ -24,30 +24,36 @@ class Sequence:
     all the same operation."""
 
     __slots__ = ("seq_id", "request_id", "index", "params", "token_ids", "num_prompt_tokens",
-                 "num_computed_tokens", "num_cached_tokens", "status", "finish_reason", "stop_reason",
-                 "logprobs", "parent", "extra_digest", "block_hashes",
-                 "penalties", "grammar")
+                 "num_resumed_tokens", "num_computed_tokens", "num_cached_tokens", "status", "finish_reason",
+                 "stop_reason", "logprobs", "parent", "extra_digest", "block_hashes", "penalties", "grammar")
 
     def __init__(self, seq_id: int, request_id: str, index: int, prompt_token_ids: list[int],
                  params: SamplingParams, parent: "Sequence | None" = None,
-                 extra_digest: bytes = b"", grammar: "SequenceGrammar | None" = None) -> None:
+                 extra_digest: bytes = b"", grammar: "SequenceGrammar | None" = None,
+                 resumed_token_ids: list[int] = ()) -> None:
         self.seq_id = seq_id
         self.request_id = request_id
         self.index = index
         self.params = params
-        self.token_ids = list(prompt_token_ids)
+        self.token_ids = [*prompt_token_ids, *resumed_token_ids]
         self.num_prompt_tokens = len(prompt_token_ids)
+        # Output tokens another replica generated before this sequence was resumed here
+        # (core.resume): outputs for every rule, but never handed out again.
+        self.num_resumed_tokens = len(resumed_token_ids)
         self.num_computed_tokens = 0
-        self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at first admission
+        self.num_cached_tokens = 0  # tokens (prompt, resumed outputs) from the prefix cache at first admission
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
+        # One per output token generated here (the resumed ones' went out from their replica).
         self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
         self.parent = parent  # the sequence whose prompt blocks this one shares (n > 1)
         self.extra_digest = extra_digest  # what changes KV content besides tokens: block_hash.extra_keys_digest
         self.block_hashes: list = []  # chained hashes of this sequence's full blocks, filled lazily
         self.penalties = None  # the sampler's PenaltyState, once a penalty asks for it
-        self.grammar = grammar  # structured_outputs' matcher: its bitmask constrains every sampled token
+        # structured_outputs' matcher: its bitmask constrains every sampled token (a resumed
+        # sequence's has accepted the resumed outputs already)
+        self.grammar = grammar
 
     @property
     def num_tokens(self) -> int:
@@ -56,6 +62,11 @@ class Sequence:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_new_output_tokens(self) -> int:
+        """Output tokens generated on this engine (not resumed)."""
+        return self.num_output_tokens - self.num_resumed_tokens
 
     @property
     def is_finished(self) -> bool:

@@ -15,8 +15,10 @@ from typing import TYPE_CHECKING, AsyncIterator, Callable
 
 from pagefleet.worker import tracing
 from pagefleet.worker.core.kv_events import KVEventBatch, KVSnapshot
+from pagefleet.worker.core.resume import ResumeState
 from pagefleet.worker.engine.engine_args import EngineArgs
 from pagefleet.worker.engine.llm_engine import LLMEngine, resolve_device
+from pagefleet.worker.engine.resumed import ResumedStart, resumed_start
 from pagefleet.worker.errors import EngineDeadError
 from pagefleet.worker.metrics.engine_metrics import EngineMetrics, MetricsRecorder
 from pagefleet.worker.metrics.stats import EngineStats
@@ -44,6 +46,7 @@ class AddRequest:
     extra_keys: tuple
     block_hashes: bytes = b""
     grammar: "xgr.CompiledGrammar | None" = None  # params.structured_outputs', compiled
+    resumed: ResumedStart | None = None  # a resumed sequence's start, built
 
 
 @dataclass(slots=True)
@@ -128,16 +131,20 @@ class AsyncLLMEngine:
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        extra_keys: tuple = (), block_hashes: bytes = b"",
-                       span=None) -> AsyncIterator[RequestOutputDelta]:
+                       span=None, resume: ResumeState | None = None) -> AsyncIterator[RequestOutputDelta]:
         """Stream a request's deltas. Bad input raises ValueError before anything is queued;
         if the consumer stops early the request is aborted and its blocks freed. ``span``: the
         request's tracing span, which the engine thread marks when it takes the request in and
-        when its first and last tokens come (``worker.tracing``)."""
+        when its first and last tokens come (``worker.tracing``). ``resume``: continue the one
+        sequence another replica had generated this far (``LLMEngine.add_request``)."""
         self._raise_if_dead()
-        self.engine.check(prompt_token_ids, params, block_hashes)  # the engine thread does not check again
-        grammar = None
+        self.engine.check(prompt_token_ids, params, block_hashes, resume)  # the engine thread does not check again
+        grammar = resumed = None
         if params.structured_outputs is not None:  # on the engine's compile pool: not here, not the step thread
             grammar = await self.engine.grammars.compile_async(params.structured_outputs)
+        if resume is not None:  # the replay takes a few decodes a token: on a thread, not this loop
+            resumed = await asyncio.to_thread(resumed_start, self.engine.tokenizer, prompt_token_ids, params,
+                                              resume, grammar)
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already running")
         q: asyncio.Queue = asyncio.Queue()
@@ -150,7 +157,8 @@ class AsyncLLMEngine:
             self._streams.pop(request_id, None)
             self._spans.pop(request_id, None)
             raise
-        self._send(AddRequest(request_id, list(prompt_token_ids), params, extra_keys, block_hashes, grammar))
+        self._send(AddRequest(request_id, list(prompt_token_ids), params, extra_keys, block_hashes, grammar,
+                              resumed))
         finished = False
         try:
             while not finished:
@@ -270,7 +278,8 @@ class AsyncLLMEngine:
             if isinstance(command, AddRequest):
                 try:
                     self.engine.add_checked_request(command.request_id, command.prompt_token_ids, command.params,
-                                                    command.extra_keys, command.block_hashes, command.grammar)
+                                                    command.extra_keys, command.block_hashes, command.grammar,
+                                                    command.resumed)
                 except Exception as e:  # a bad request fails alone, never the loop
                     self._deliver(command.request_id, e)
                 else:

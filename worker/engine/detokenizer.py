@@ -59,6 +59,18 @@ class IncrementalDetokenizer:
         self.text = self.text[:at + len(s)] if self.include_stop else self.text[:at]
         return s
 
+    def replay(self, token_ids: list[int], num_prompt_tokens: int, min_tokens: int) -> str | None:
+        """Take a resumed sequence's outputs (``token_ids`` after its prompt) one at a time, as
+        ``update`` took them where they were generated, so that ``text`` and the decode window end
+        as the original's did. Returns the stop string they already hold, if one (text cut there)."""
+        ids = token_ids[:num_prompt_tokens]
+        for t in token_ids[num_prompt_tokens:]:
+            ids.append(t)
+            stop = self.update(ids, check_stop=len(ids) - num_prompt_tokens >= min_tokens)
+            if stop is not None:
+                return stop
+        return None
+
     def take_new_text(self, finished: bool) -> str:
         """Text not yet handed out; while running, keep back what could begin a stop string."""
         end = len(self.text) if finished or not self.stop else max(len(self.text) - self.max_stop_len + 1,

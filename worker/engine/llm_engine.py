@@ -14,10 +14,12 @@ from pagefleet.worker.core.block_pool import BlockPool
 from pagefleet.worker.core.kv_cache_manager import KVCacheManager
 from pagefleet.worker.core.kv_cache_sizing import size_kv_pool
 from pagefleet.worker.core.kv_events import KVEventBatch, KVEventLog, KVEventSource, KVLoad, KVSnapshot
+from pagefleet.worker.core.resume import ResumeState, check_resume
 from pagefleet.worker.core.scheduler import Scheduler
 from pagefleet.worker.core.sequence import Sequence, finish_reason
 from pagefleet.worker.engine.detokenizer import IncrementalDetokenizer
 from pagefleet.worker.engine.engine_args import EngineArgs
+from pagefleet.worker.engine.resumed import ResumedStart, new_detokenizer, resumed_start
 from pagefleet.worker.metrics.stats import EngineStats
 from pagefleet.worker.model_executor.model_config import model_config_of
 from pagefleet.worker.model_executor.model_runner import build_step_input
@@ -69,8 +71,10 @@ class LLMEngine:
                     num_blocks * per_block / 2**20, cfg.max_model_len, tokens / cfg.max_model_len)
         self.requests: dict[str, list[Sequence]] = {}
         self.detok: dict[int, IncrementalDetokenizer] = {}
-        # Output tokens of each sequence already handed out; None once its finish was reported.
+        # Output tokens each sequence generated here and handed out; None once its finish was reported.
         self._sent: dict[int, int | None] = {}
+        # Resumed requests that were finished when they arrived: the next step reports them.
+        self._finished_on_arrival: set[str] = set()
         self._seq_ids = count()
         self.kv_events: KVEventSource | None = None  # set by enable_kv_events
         self.num_steps = 0
@@ -88,11 +92,14 @@ class LLMEngine:
 
     # ---- requests -------------------------------------------------------------------------
 
-    def check(self, prompt_token_ids: list[int], params: SamplingParams, block_hashes: bytes = b"") -> None:
+    def check(self, prompt_token_ids: list[int], params: SamplingParams, block_hashes: bytes = b"",
+              resume: ResumeState | None = None) -> None:
         """Raise InvalidRequest (or ValueError, for ``block_hashes``) for a request that can never be
         served: the shared request check, plus what only the engine knows (its pool must hold the
         longest sequence)."""
         check_request(prompt_token_ids, params, self.limits)
+        if resume is not None:
+            check_resume(prompt_token_ids, params, resume, self.limits)
         full_blocks = len(prompt_token_ids) // self.args.block_size
         if len(block_hashes) % HASH_SIZE or len(block_hashes) // HASH_SIZE > full_blocks:
             raise ValueError(f"{len(block_hashes)} bytes of packed block hashes for a prompt of "
@@ -104,20 +111,24 @@ class LLMEngine:
                                  f"({self.pool.num_blocks} blocks of {self.args.block_size})", "max_tokens")
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    extra_keys: tuple = (), block_hashes: bytes = b"") -> None:
+                    extra_keys: tuple = (), block_hashes: bytes = b"", resume: ResumeState | None = None) -> None:
         """``block_hashes``: the prompt's full-block hashes under ``extra_keys``, packed
         (``block_hash.pack_hashes``), when the caller (the ingress) has computed them already; the
-        engine then does not hash them again."""
-        self.check(prompt_token_ids, params, block_hashes)
+        engine then does not hash them again. ``resume``: continue the one sequence (n = 1) another
+        replica had generated this far (``core.resume``); its deltas carry only what comes after."""
+        self.check(prompt_token_ids, params, block_hashes, resume)
         grammar = None if params.structured_outputs is None else self.grammars.compile(params.structured_outputs)
-        self.add_checked_request(request_id, prompt_token_ids, params, extra_keys, block_hashes, grammar)
+        resumed = None if resume is None else resumed_start(self.tokenizer, prompt_token_ids, params, resume, grammar)
+        self.add_checked_request(request_id, prompt_token_ids, params, extra_keys, block_hashes, grammar, resumed)
 
     def add_checked_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                             extra_keys: tuple = (), block_hashes: bytes = b"",
-                            grammar: "xgr.CompiledGrammar | None" = None) -> None:
+                            grammar: "xgr.CompiledGrammar | None" = None,
+                            resumed: ResumedStart | None = None) -> None:
         """``add_request`` for a request that passed ``check`` already, with its structured_outputs'
-        grammar compiled already (``AsyncLLMEngine`` does both on the caller's side, before it
-        queues the request for the engine thread: the step loop never waits on a compile)."""
+        grammar compiled already and a resumed sequence's start built (``AsyncLLMEngine`` does all
+        three on the caller's side, before it queues the request for the engine thread: the step
+        loop never waits on a compile or a replay)."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already running")
         if (grammar is None) != (params.structured_outputs is None):
@@ -127,20 +138,33 @@ class LLMEngine:
         extra = extra_keys_digest(extra_keys)
         seqs: list[Sequence] = []
         for i in range(params.n):
-            seq = Sequence(next(self._seq_ids), request_id, i, prompt_token_ids, params,
-                           parent=seqs[0] if seqs else None, extra_digest=extra,
-                           grammar=None if grammar is None else SequenceGrammar(grammar))
+            if resumed is None:
+                seq = Sequence(next(self._seq_ids), request_id, i, prompt_token_ids, params,
+                               parent=seqs[0] if seqs else None, extra_digest=extra,
+                               grammar=None if grammar is None else SequenceGrammar(grammar))
+                detok = new_detokenizer(self.tokenizer, prompt_token_ids, params)
+            else:  # n == 1 (check_resume)
+                seq = Sequence(next(self._seq_ids), request_id, resumed.seq_index, prompt_token_ids, params,
+                               extra_digest=extra, grammar=resumed.grammar,
+                               resumed_token_ids=resumed.output_token_ids)
+                detok = resumed.detokenizer
             if hashes:
                 seq.block_hashes = list(hashes)  # each sequence extends its own list
-            self.detok[seq.seq_id] = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop,
-                                                            params.include_stop_str_in_output,
-                                                            params.skip_special_tokens)
+            self.detok[seq.seq_id] = detok
             self.scheduler.add(seq)
             seqs.append(seq)
         self.requests[request_id] = seqs
-        self.prompt_tokens_total += len(prompt_token_ids)
+        # The replay of resumed outputs is prefill work: counted as prompt tokens.
+        self.prompt_tokens_total += seqs[0].num_tokens
         if self.kv_events is not None:
             self.kv_events.request_added(request_id)
+        if resumed is not None and seqs[0].num_resumed_tokens:
+            seq = seqs[0]
+            reason = finish_reason(seq, resumed.stop_str, self.model_config.eos_token_ids,
+                                   self.model_config.max_model_len)
+            if reason is not None:  # done by its own rules before this engine computed anything
+                self.scheduler.finish(seq, *reason)
+                self._finished_on_arrival.add(request_id)
 
     def abort_request(self, request_id: str) -> RequestOutputDelta | None:
         """Finish every sequence of the request with reason "abort" and free its blocks."""
@@ -149,6 +173,7 @@ class LLMEngine:
             return None
         for seq in seqs:
             self.scheduler.finish(seq, "abort")
+        self._finished_on_arrival.discard(request_id)
         return self._collect({request_id})[0]
 
     def has_unfinished(self) -> bool:
@@ -158,9 +183,10 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutputDelta]:
         """Schedule, execute, update, collect: one forward pass over the scheduled sequences."""
+        arrived_done, self._finished_on_arrival = self._finished_on_arrival, set()
         out = self.scheduler.schedule()
         if not out.scheduled:
-            return []
+            return self._collect(arrived_done)
         step = build_step_input(out, self.args.block_size, self.kv.block_ids)
         try:
             logits = self.executor.execute(step)
@@ -173,7 +199,7 @@ class LLMEngine:
         for seq in self.scheduler.update_from_output(out, sampled):
             self._postprocess(seq)
         self.num_steps += 1
-        return self._collect({item.seq.request_id for item in out.scheduled})
+        return self._collect({item.seq.request_id for item in out.scheduled} | arrived_done)
 
     def _postprocess(self, seq: Sequence) -> None:
         """Detokenize a sequence's new token and end it if that token stops it."""
@@ -205,7 +231,7 @@ class LLMEngine:
         if sent is None:
             return None  # finished and already reported
         text = self.detok[seq.seq_id].take_new_text(seq.is_finished)
-        new_ids = seq.token_ids[seq.num_prompt_tokens + sent:]
+        new_ids = seq.token_ids[seq.num_prompt_tokens + seq.num_resumed_tokens + sent:]
         if not new_ids and not text and not seq.is_finished:
             return None
         self._sent[seq.seq_id] = None if seq.is_finished else sent + len(new_ids)

@@ -98,7 +98,8 @@ class WorkerReplica:
             self._start_publishing()
             self.num_requests_total += 1
             deltas = self.engine.generate(request.request_id, request.prompt_token_ids, request.params,
-                                          request.extra_keys, request.block_hashes, span=span)
+                                          request.extra_keys, request.block_hashes, span=span,
+                                          resume=request.resume)
             channel = None if request.channel is None else self._channels.get(request.channel)
             if channel is None or not channel.attached:  # no channel, or nobody reads it yet: this stream
                 if request.channel is not None:

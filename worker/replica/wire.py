@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import msgspec
 
+from pagefleet.worker.core.resume import ResumeState
 from pagefleet.worker.outputs import RequestOutputDelta
 from pagefleet.worker.sampling_params import SamplingParams
 
@@ -38,6 +39,9 @@ class WorkerRequest:
     channel: str | None = None
     # The W3C trace context of the ingress's span of this request (None: not traced).
     trace_headers: dict[str, str] | None = None
+    # A sequence continued here after its replica was lost: the engine starts it from this state
+    # (``worker.core.resume``; params.n is 1). None: a new request.
+    resume: ResumeState | None = None
 
 
 @dataclass(slots=True)

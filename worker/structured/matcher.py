@@ -30,6 +30,14 @@ class SequenceGrammar:
             logger.error("the grammar refused token %d, which its bitmask should have masked; the sequence "
                          "ends here", token_id)
 
+    def accept_resumed(self, token_ids: list[int]) -> int | None:
+        """Accept a resumed sequence's outputs, generated under this grammar elsewhere; the index of
+        the first one it refuses (None: all accepted)."""
+        for i, t in enumerate(token_ids):
+            if not self.matcher.accept_token(t):
+                return i
+        return None
+
     @property
     def done(self) -> bool:
         """The grammar is complete (it accepted a stop token), or refused a token."""
