@@ -38,8 +38,10 @@ from pagefleet.router.openai.service import Job, OpenAIService
 from pagefleet.router.openai.tool_choice import ToolCallOptions
 from pagefleet.router.routing.kv_routing import KVRoutingClient, KVRoutingOptions, RoutingCounters
 from pagefleet.router.worker_client.delta_mux import ChannelMux, read_deltas, watch
+from pagefleet.router.worker_client.failover import StreamProgress
 from pagefleet.router.worker_client.worker_errors import WorkerHealth, worker_failure
 from pagefleet.worker import tracing
+from pagefleet.worker.aio import merge_streams
 from pagefleet.worker.engine.engine_args import EngineArgs
 from pagefleet.worker.model_executor.model_config import model_config_of
 from pagefleet.worker.outputs import RequestOutputDelta
@@ -52,6 +54,8 @@ INGRESS_DEPLOYMENT_NAME = "OpenAIIngress"
 # A request that has produced nothing yet is tried again on another replica when its worker dies
 # (or is unreachable) before answering: nothing was sent, so nothing is repeated.
 MAX_ATTEMPTS = 3
+# Times one request's sequences may move to another replica after output started.
+MAX_FAILOVERS = 2
 
 
 class ActorFeedLink:
@@ -110,6 +114,14 @@ class HandleWorkerClient:
     async def _attempts(self, job: Job) -> AsyncIterator[RequestOutputDelta]:
         request = WorkerRequest(job.request_id, job.token_ids, job.params, job.block_hashes, job.extra_keys,
                                 job.ranking, channel=self.mux.channel_id, trace_headers=tracing.headers_of(job.span))
+        async for delta in self._follow(job, request, StreamProgress(job.params.n), failovers=0):
+            yield delta
+
+    async def _follow(self, job: Job, request: WorkerRequest, progress: "StreamProgress",
+                      failovers: int) -> AsyncIterator[RequestOutputDelta]:
+        """One worker request's deltas. Sent again while none came; when its replica fails after
+        some came, each unfinished sequence goes on on another replica from what it had generated
+        (``ResumeState``), so the client's stream continues without a seam."""
         q = self.mux.register(request.request_id)  # before sending: its deltas may arrive before its Placed
         attempt = 1
         try:
@@ -120,17 +132,19 @@ class HandleWorkerClient:
                     tracing.event(job.span, "sent")
                     response = self._stream.remote(request)  # may refuse at once: Serve's queue is full
                     async for delta in await self._placed(request.request_id, response, q):
-                        if not started:
-                            if self.kv is not None:
-                                self.kv.record_realised(delta.num_cached_tokens)
+                        if not started and self.kv is not None and failovers == 0:
+                            self.kv.record_realised(delta.num_cached_tokens)
                         started = True
                         finished = delta.finished
+                        progress.add(delta)
                         yield delta
                     return
                 except Exception as exc:  # noqa: BLE001 — each becomes an OpenAI error (or a retry) below
                     error, retry = worker_failure(exc)
                     if error.status_code == 429:
                         self.metrics.inc("admission_rejections", reason="worker_queue_full")
+                    if retry and started and failovers < MAX_FAILOVERS:
+                        break  # failed over below, once this send's queue is released
                     if not retry or started or attempt == MAX_ATTEMPTS:
                         raise error from None
                     attempt += 1
@@ -151,6 +165,16 @@ class HandleWorkerClient:
                             response.cancel()
         finally:
             self.mux.release(request.request_id)
+        logger.warning("request %s: its worker replica failed mid-stream; %d sequence(s) go on elsewhere",
+                       job.request_id, len(progress.unfinished()))
+        self.metrics.inc("failovers", reason="worker_failed")
+        resumed = [dataclasses.replace(request, request_id=f"{job.request_id}~{failovers + 1}.{index}",
+                                       params=dataclasses.replace(job.params, n=1),
+                                       ranking=None, resume=state)
+                   for index, state in progress.unfinished()]
+        follows = [self._follow(job, r, progress, failovers + 1) for r in resumed]
+        async for delta in merge_streams(follows):
+            yield delta
 
     async def _placed(self, request_id: str, response: Any, q: asyncio.Queue) -> AsyncIterator[RequestOutputDelta]:
         """Where a sent request's deltas come from, once its ``Placed`` says: its queue, fed by the

@@ -44,6 +44,11 @@ ROUTER_METRICS: dict[str, MetricSpec] = {
         "the replica; serve_stream: the replica's socket could not be used, a Serve stream carries the "
         "channel). A channel closes after a few seconds without requests there.",
         tag_keys=("transport",)),
+    "failovers": MetricSpec(
+        "pagefleet_router_failovers", "counter",
+        "Requests whose worker replica failed after their output started, continued on another replica "
+        "from the tokens they had generated, by reason (worker_failed).",
+        tag_keys=("reason",)),
     "worker_resends": MetricSpec(
         "pagefleet_router_worker_resends", "counter",
         "Requests the ingress sent to a worker again before any of their output reached the client, by "

@@ -28,8 +28,10 @@ from pagefleet.router.openai.protocol import (
 from pagefleet.router.openai.tool_choice import ToolCallOptions, tool_plan
 from pagefleet.router.openai.tool_parsers import get_tool_parser
 from pagefleet.router.openai.responses import ChatResponseBuilder, CompletionResponseBuilder, ResponseBuilder
+from pagefleet.router.openai.tool_choice import ToolCallOptions, tool_plan
+from pagefleet.router.openai.tool_parsers import get_tool_parser
 from pagefleet.worker import tracing
-from pagefleet.worker.aio import cancel_and_wait
+from pagefleet.worker.aio import merge_streams
 from pagefleet.worker.core.block_hash import block_hashes, extra_keys_digest, pack_hashes
 from pagefleet.worker.outputs import RequestOutputDelta
 from pagefleet.worker.request_check import InvalidRequest
@@ -213,27 +215,8 @@ class OpenAIService:
         """Deltas of every job as they come; leaving early closes every worker stream."""
         builder, jobs = prepared.builder, prepared.jobs
         streams = [_counting(builder, i, job, self.client.generate(job)) for i, job in enumerate(jobs)]
-        if len(streams) == 1:  # the common case needs no tasks
-            try:
-                async for item in streams[0]:
-                    yield item
-            finally:
-                await streams[0].aclose()
-            return
-        queue: asyncio.Queue = asyncio.Queue()
-        tasks = [asyncio.create_task(_pump(s, queue)) for s in streams]
-        try:
-            remaining = len(tasks)
-            while remaining:
-                item = await queue.get()
-                if item is _FINISHED:
-                    remaining -= 1
-                elif isinstance(item, BaseException):
-                    raise item
-                else:
-                    yield item
-        finally:
-            await cancel_and_wait(*tasks)
+        async for item in merge_streams(streams):
+            yield item
 
     # ---- /tokenize, /detokenize --------------------------------------------------------
 
@@ -311,9 +294,6 @@ def _include_usage(req: CompletionRequest | ChatCompletionRequest) -> bool:
     return bool(req.stream_options and req.stream_options.include_usage)
 
 
-_FINISHED = object()
-
-
 async def _counting(builder: ResponseBuilder, index: int, job: Job,
                     stream: AsyncIterator[RequestOutputDelta]) -> AsyncIterator[tuple[int, RequestOutputDelta]]:
     """Tags deltas with their job and counts each request's prompt once; worker errors
@@ -348,14 +328,3 @@ def _end_span(job: Job, error: BaseException | None) -> None:
     job.span = None
 
 
-async def _pump(stream: AsyncIterator, queue: asyncio.Queue) -> None:
-    try:
-        async for item in stream:
-            await queue.put(item)
-        await queue.put(_FINISHED)
-    except asyncio.CancelledError:
-        raise
-    except Exception as exc:  # handed to the consumer, which raises it
-        await queue.put(exc)
-    finally:
-        await stream.aclose()

@@ -54,7 +54,7 @@ def test_router_metrics_refuse_keys_outside_the_table():
     metrics = RecordingMetrics()
     assert set(ROUTER_METRICS) == {"http_requests", "routing_decisions", "routing_seconds",
                                    "prefix_hit_blocks_predicted", "prefix_hit_blocks_realised",
-                                   "delta_channels_opened", "worker_resends", "admission_queue_length",
+                                   "delta_channels_opened", "worker_resends", "failovers", "admission_queue_length",
                                    "admission_wait_seconds", "admission_rejections"}
     with pytest.raises(KeyError):
         metrics.set("http_requests", 1.0)  # a counter, not a gauge

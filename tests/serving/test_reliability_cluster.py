@@ -45,6 +45,7 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 MAX_MODEL_LEN = 256
 MAX_NUM_SEQS = 8
 WORKERS = 2
+STREAM_TOKENS = 200  # each stream of the replica-kill test (the context is 256)
 MAX_QUEUED = 32  # admission queue: room for the retried and new requests when one replica of two dies
 BODY_LIMIT = 2**20
 CAPACITY = WORKERS * 2 * MAX_NUM_SEQS  # requests the workers take at once (max_ongoing_requests each)
@@ -423,30 +424,53 @@ def _ingress_rss_bytes() -> int:
 
 # ---- a worker replica killed under load ----------------------------------------------------------------
 
-def _stream_outcome(base, model, i, max_tokens):
-    """'done' (finish_reason then [DONE]), 'error' (an error event then [DONE]) or what went wrong,
-    and when (monotonic) the stream ended."""
-    body = {"model": model, "prompt": f"stream {i}", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+class Outcome(NamedTuple):
+    kind: str  # done (finish_reason length, then usage, then [DONE]), error (an error event), short, cut, hung
+    ended: float  # monotonic
+    text: str = ""
+    completion_tokens: int = 0
+
+
+def _stream_outcome(base, model, i, max_tokens, temperature=1.0) -> Outcome:
+    """How one streamed completion ended, with its text and the usage it reported."""
+    body = {"model": model, "prompt": f"stream {i}", "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
+            "temperature": temperature, "stream_options": {"include_usage": True}}
     events = []
     try:
         with httpx.Client(timeout=httpx.Timeout(30, read=15)) as http:
             with http.stream("POST", f"{base}/v1/completions", json=body, headers=AUTH) as r:
                 if r.status_code != 200:
-                    return f"status {r.status_code}: {r.read()[:300]!r}", time.monotonic()
+                    return Outcome(f"status {r.status_code}: {r.read()[:300]!r}", time.monotonic())
                 for line in r.iter_lines():
                     if line.startswith("data: "):
                         events.append(line[6:])
     except httpx.TimeoutException:
-        return "hung", time.monotonic()
+        return Outcome("hung", time.monotonic())
     end = time.monotonic()
     if not events or events[-1] != "[DONE]":
-        return "cut", end
-    last = json.loads(events[-2])
-    if "error" in last:
-        assert set(last["error"]) == {"message", "type", "param", "code"}
-        assert "Traceback" not in last["error"]["message"]
-        return "error", end
-    return ("done" if last["choices"][0]["finish_reason"] == "length" else "short"), end
+        return Outcome("cut", end)
+    chunks = [json.loads(e) for e in events[:-1]]
+    errors = [c["error"] for c in chunks if "error" in c]
+    if errors:
+        assert set(errors[-1]) == {"message", "type", "param", "code"}
+        assert "Traceback" not in errors[-1]["message"]
+        return Outcome("error", end)
+    text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+    finish = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
+    kind = "done" if finish == ["length"] else "short"
+    return Outcome(kind, end, text, chunks[-1]["usage"]["completion_tokens"])
+
+
+def _counter(base: str, name: str, timeout_s: float = 30.0) -> float:
+    """A counter's total over its series in the server's /metrics (Ray's agent reports each second);
+    0 if it has not appeared within ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        lines = httpx.get(f"{base}/metrics", timeout=30).text.splitlines()
+        values = [float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(name + "{")]
+        if values and sum(values) > 0 or time.monotonic() > deadline:
+            return sum(values)
+        time.sleep(0.5)
 
 
 def _in_engine(replica) -> tuple[int, int]:
@@ -461,7 +485,10 @@ def _in_engine(replica) -> tuple[int, int]:
 
 @pytest.mark.parametrize("fresh", [pytest.param(50, id="50-new"), pytest.param(200, id="200-new",
                                                                                marks=pytest.mark.slow)])
-def test_a_killed_worker_replica_fails_its_streams_cleanly_and_is_replaced(server, fresh):
+def test_a_killed_worker_replica_loses_no_stream_and_is_replaced(server, fresh):
+    """A worker replica SIGKILLed under 32 streams (4 of them greedy): every stream goes on on the
+    other replica from the tokens it had (``router/worker_client/failover.py``) and ends with all its
+    tokens, no error event; the greedy ones say exactly what the same request says afterwards."""
     import ray
 
     base, model = server
@@ -469,19 +496,20 @@ def test_a_killed_worker_replica_fails_its_streams_cleanly_and_is_replaced(serve
     assert len(victims) == WORKERS
     before = set(worker_stats(APP))
     since = cpu_watch()
+    greedy = range(4)
     with ThreadPoolExecutor(32) as pool, ThreadPoolExecutor(4) as senders:
-        streams = [pool.submit(_stream_outcome, base, model, i, 100) for i in range(32)]
+        streams = [pool.submit(_stream_outcome, base, model, i, STREAM_TOKENS, 0.0 if i in greedy else 1.0)
+                   for i in range(32)]
         deadline = time.monotonic() + 60
         # every stream accepted by a replica (running or in its engine's queue) or already over, and
-        # the victim still running some, before the kill (on a slow machine the first streams can
-        # end before the last are accepted: waiting for all 32 in the engines at once never ended;
-        # a stream the victim only queued goes elsewhere unharmed, one it runs gets an error event)
+        # the victim running some with output out, before the kill
         while True:
             held = [_in_engine(a) for a in victims]
             if sum(map(sum, held)) + sum(s.done() for s in streams) >= 32 and held[0][0] >= 1:
                 break
             assert time.monotonic() < deadline, f"the streams never started: (running, queued) {held}"
             time.sleep(0.05)
+        time.sleep(0.5)  # output on its way from the victim's streams
         killed_at = time.monotonic()
         ray.kill(victims[0], no_restart=True)
         # requests sent after the kill, before Serve has replaced the replica (4 at a time: within
@@ -490,12 +518,14 @@ def test_a_killed_worker_replica_fails_its_streams_cleanly_and_is_replaced(serve
         new = [senders.submit(_ok_or_status, base, model, i, retried) for i in range(fresh)]
         outcomes = [s.result() for s in streams]
         new_codes = [f.result() for f in new]
-    failed_ended_after_kill = [t - killed_at for o, t in outcomes if o == "error"]
-    kinds = {k: sum(1 for o, _ in outcomes if o == k) for k in {o for o, _ in outcomes}}
-    assert kinds.get("hung", 0) == 0 and kinds.get("cut", 0) == 0, f"{kinds} {_evidence(since)}"
-    assert set(kinds) <= {"done", "error"}, f"{kinds} {_evidence(since)}"
-    assert kinds.get("error", 0) >= 1, kinds  # the dead replica's streams ended in an error event
-    assert max(failed_ended_after_kill) < 10.0, failed_ended_after_kill
+    kinds = {k: sum(1 for o in outcomes if o.kind == k) for k in {o.kind for o in outcomes}}
+    assert kinds == {"done": 32}, f"{kinds} {_evidence(since)}"
+    assert {o.completion_tokens for o in outcomes} == {STREAM_TOKENS}
+    failed_over = _counter(base, "ray_pagefleet_router_failovers_total")
+    assert failed_over >= 1  # the victim was running streams when it died
+    for i in greedy:
+        again = _stream_outcome(base, model, i, STREAM_TOKENS, 0.0)
+        assert again.kind == "done" and again.text == outcomes[i].text, i
     succeeded = new_codes.count(200) / len(new_codes)
     assert succeeded >= 0.99, f"{[c for c in new_codes if c != 200]} {_evidence(since)}"
     # Serve replaces the replica; afterwards no block is held anywhere
@@ -515,16 +545,15 @@ def test_a_killed_worker_replica_fails_its_streams_cleanly_and_is_replaced(serve
         assert time.monotonic() < deadline, "the killed replica was not replaced"
         time.sleep(1)
     recovered_s = time.monotonic() - killed_at
-    settle_s, engines = _idle(timeout_s=30)
+    _, engines = _idle(timeout_s=30)
     leaked = sum(e.num_total_blocks - e.num_free_blocks for e in engines)
     assert leaked == 0, engines
     _ok(base, model)
-    record_figure("replica_kill", kinds, "in-flight end cleanly within 10 s, hung 0; >= 99% of new requests "
-                  "succeed; 0 leaked blocks", streams=32, new_requests=len(new_codes),
-                  new_succeeded_pct=round(100 * succeeded, 1), new_retried_after_429=len(retried),
-                  leaked_blocks=leaked,
-                  replaced_after_s=round(recovered_s, 1), max_failed_stream_end_after_kill_s=round(max(
-                      failed_ended_after_kill), 2))
+    record_figure("replica_kill", kinds, "every stream ends with all its tokens, no error event; greedy ones equal "
+                  "a second asking; >= 99% of new requests succeed; 0 leaked blocks", streams=32,
+                  failovers=failed_over, new_requests=len(new_codes), new_succeeded_pct=round(100 * succeeded, 1),
+                  new_retried_after_429=len(retried), leaked_blocks=leaked, replaced_after_s=round(recovered_s, 1),
+                  last_stream_end_after_kill_s=round(max(o.ended for o in outcomes) - killed_at, 2))
 
 
 def _evidence(since) -> str:
@@ -561,17 +590,18 @@ def _evidence(since) -> str:
 
 
 def _ok_or_status(base, model, i, retried: list):
-    """A client that honours one 429 as told (Retry-After), as the openai client does: when one
-    replica of two dies, the survivor is at its seat limit until its own 100-token streams end
-    (about the 2 s a request may wait in the admission queue), so a request sent meanwhile may be
-    refused for load once; that is admission control, not a lost request."""
-    for attempt in range(2):
+    """A client that honours 429s as told (Retry-After), twice at most, as the openai client does by
+    default: when one replica of two dies, the survivor takes over the dead one's streams too and is
+    at its seat limit until they end (longer than the 2 s a request may wait in the admission
+    queue), so a request sent meanwhile may be refused for load; that is admission control, not a
+    lost request."""
+    for attempt in range(3):
         try:
             r = httpx.post(f"{base}/v1/completions", headers=AUTH, timeout=60,
                            json={"model": model, "prompt": f"after the kill {i}", "max_tokens": 2})
         except httpx.TimeoutException:
             return "timeout"
-        if r.status_code != 429 or attempt:
+        if r.status_code != 429 or attempt == 2:
             break
         retried.append(i)
         time.sleep(int(r.headers["Retry-After"]))
@@ -728,7 +758,7 @@ def test_drain_finishes_in_flight_requests_and_refuses_new_ones_with_503(server)
         time.sleep(0.5)
         refused = httpx.post(f"{base}/v1/completions", headers=AUTH, timeout=30,
                              json={"model": model, "prompt": "too late", "max_tokens": 2})
-        outcome, _ = running.result()
+        outcome = running.result().kind
         _, still_running = drained.result(timeout_s=60)
     assert refused.status_code == 503 and refused.json()["error"]["code"] == "draining"
     assert refused.headers["Retry-After"] == "5"

@@ -4,6 +4,7 @@ and a retry on another replica only for a request that had produced nothing yet.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import msgspec
 import pytest
@@ -13,6 +14,7 @@ from ray.serve.exceptions import BackPressureError
 from pagefleet.router.ingress import HandleWorkerClient
 from pagefleet.router.openai.service import Job
 from pagefleet.router.worker_client.worker_errors import worker_failure
+from pagefleet.worker.core.resume import ResumeState
 from pagefleet.worker.errors import EngineDeadError
 from pagefleet.worker.outputs import CompletionOutput, RequestOutputDelta
 from pagefleet.worker.replica.delta_channel import DeltaChannel
@@ -135,6 +137,7 @@ class _Handle:
     def __init__(self, responses):
         self.responses = list(responses)
         self.sent = []
+        self.requests = []  # copies of the WorkerRequests sent
         self.channels: dict[str, DeltaChannel] = {}
 
     def options(self, method_name, stream):
@@ -151,6 +154,7 @@ class _Method:
         if self.name == "channel":
             return _ChannelStream(channel)
         self.handle.sent.append((arg.request_id, arg.ranking))
+        self.handle.requests.append(dataclasses.replace(arg))
         response = self.handle.responses.pop(0)
         response.channel, response.request_id = channel, arg.request_id
         return response
@@ -181,7 +185,7 @@ def test_a_request_whose_worker_died_before_any_output_goes_to_another_replica()
     assert handle.sent == [("r-0", ["w1", "w0"]), ("r-0#2", None)] and dead.cancelled and not good.cancelled
 
 
-def test_a_request_with_output_already_sent_is_not_repeated():
+def test_a_request_with_output_already_sent_goes_on_elsewhere_and_repeats_none_of_it():
     dying = _Response([_delta(1, False)], ray_exceptions.ActorDiedError())
     handle = _Handle([dying, _Response([_delta(9, True)])])
     got = []
@@ -190,10 +194,11 @@ def test_a_request_with_output_already_sent_is_not_repeated():
         async for d in HandleWorkerClient(handle).generate(_job()):
             got.append(d)
 
-    with pytest.raises(Exception) as failed:
-        asyncio.run(run())
-    assert failed.value.status_code == 503 and [d.sequences[0].token_ids for d in got] == [[1]]
-    assert handle.sent == [("r-0", None)]
+    asyncio.run(run())
+    assert [d.sequences[0].token_ids for d in got] == [[1], [9]]
+    # failed over (not resent): under an id of its own, from the token and text it had
+    assert handle.sent == [("r-0", None), ("r-0~1.0", None)]
+    assert handle.requests[1].resume == ResumeState([1], 1, 0) and handle.requests[1].params.n == 1
 
 
 def test_retries_are_bounded():
