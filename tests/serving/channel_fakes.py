@@ -29,7 +29,20 @@ def delta(request_id: str, token: int, finished: bool = False) -> RequestOutputD
                                                             "length" if finished else None)], 1, 0, finished)
 
 
-class SteppedEngine:
+class IdleEngineParts:
+    """What a worker replica asks of its engine besides ``generate``, answered as an idle engine would."""
+
+    def stats(self):
+        return EngineStats(100, 90, 1, 2, 0, 0, 0, 5, 10, 20)
+
+    def check_health(self):
+        pass
+
+    def shutdown(self):
+        pass
+
+
+class SteppedEngine(IdleEngineParts):
     """Every running request gets its next delta when the test sets that step's event."""
 
     def __init__(self, args):
@@ -49,15 +62,6 @@ class SteppedEngine:
                 yield delta(request_id, step, step == params.max_tokens - 1)
         finally:
             self.closed.append(request_id)
-
-    def stats(self):
-        return EngineStats(100, 90, 1, 2, 0, 0, 0, 5, 10, 20)
-
-    def check_health(self):
-        pass
-
-    def shutdown(self):
-        pass
 
 
 class Call:

@@ -19,15 +19,14 @@ from pagefleet.router.openai.service import Job
 from pagefleet.worker.core.resume import ResumeState
 from pagefleet.worker.engine.engine_args import EngineArgs
 from pagefleet.worker.errors import EngineDeadError
-from pagefleet.worker.metrics.stats import EngineStats
 from pagefleet.worker.outputs import CompletionOutput, RequestOutputDelta
 from pagefleet.worker.replica.deployment import WorkerReplica
 from pagefleet.worker.sampling_params import SamplingParams
 
-from channel_fakes import Call
+from channel_fakes import Call, IdleEngineParts
 
 
-class ScriptedEngine:
+class ScriptedEngine(IdleEngineParts):
     """Sequence i's token at output position p is 100 * i + p, its text "<token> "; one delta per
     position, every sequence in it. ``die_at``: the engine dies when a request reaches that
     position (after sending the ones before)."""
@@ -50,15 +49,6 @@ class ScriptedEngine:
             yield RequestOutputDelta(request_id, [CompletionOutput(i, f"{100 * i + position} ", [100 * i + position],
                                                                    None, "length" if last else None)
                                                   for i in indices], len(prompt_token_ids), 0, last)
-
-    def stats(self):
-        return EngineStats(100, 90, 1, 2, 0, 0, 0, 5, 10, 20)
-
-    def check_health(self):
-        pass
-
-    def shutdown(self):
-        pass
 
 
 class _Handle:

@@ -17,6 +17,8 @@ from pagefleet.worker.sampling_params import StructuredOutputsParams
 from pagefleet.worker.structured.grammar_cache import GrammarCache, choice_grammar
 from pagefleet.worker.structured.matcher import GrammarMasker, SequenceGrammar
 
+from structured_helpers import slow_compile_of
+
 EOS = (2, 4)  # the demo checkpoints' <|endoftext|> and <|im_end|>
 TOKENIZER_VOCAB = 1000  # the tiny demo tokenizer
 
@@ -120,15 +122,7 @@ def test_what_xgrammar_refuses_is_an_invalid_request_without_its_source_paths(ca
 
 def test_a_compile_past_the_time_limit_is_refused_and_others_still_compile(tokenizer, monkeypatch):
     cache = GrammarCache(tokenizer, TOKENIZER_VOCAB, EOS, timeout_s=0.2)
-    release = threading.Event()
-    real = cache._compile
-
-    def slow_for_one_spec(key):
-        if key.spec == "slow+":
-            release.wait(30)
-        return real(key)
-
-    monkeypatch.setattr(cache, "_compile", slow_for_one_spec)
+    release = slow_compile_of(cache, monkeypatch, "slow+")
     slow = StructuredOutputsParams(regex="slow+")
     try:
         with pytest.raises(InvalidRequest) as info:

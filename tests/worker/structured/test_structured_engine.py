@@ -19,6 +19,8 @@ from pagefleet.worker import LLM, AsyncLLMEngine, EngineArgs, SamplingParams, St
 from pagefleet.worker.model_executor.model_config import load_model_config
 from pagefleet.worker.request_check import InvalidRequest
 
+from structured_helpers import slow_compile_of
+
 EOS = (2, 4)
 
 PERSON = {
@@ -254,15 +256,7 @@ def test_the_async_engine_compiles_on_the_pool_only(engine, monkeypatch):
 
 def test_a_refused_or_slow_grammar_fails_its_request_alone(engine, monkeypatch):
     cache = engine.engine.grammars
-    release = threading.Event()
-    real = cache._compile
-
-    def slow_for_one_spec(key):
-        if key.spec == "z{7}":
-            release.wait(30)
-        return real(key)
-
-    monkeypatch.setattr(cache, "_compile", slow_for_one_spec)
+    release = slow_compile_of(cache, monkeypatch, "z{7}")
     monkeypatch.setattr(cache, "timeout_s", 0.3)
 
     async def outcome(request_id: str, params: SamplingParams):
