@@ -2,7 +2,8 @@
 
 ``build_app`` is the app builder that ``serve run``, ``serve deploy`` and
 KubeRay's RayService use (``import_path: pagefleet.cluster.app:build_app``,
-options under ``args:``); ``pagefleet serve`` calls it too. With ``kv`` routing
+options under ``args:``); ``pagefleet serve`` builds the same app with ``pagefleet_app``,
+handing its ingress replicas the actor it drains them through (``cluster.drain``). With ``kv`` routing
 (the default) it also starts the global scheduler actor (one per cluster,
 detached: see ``router.global_scheduler.actor``), which both deployments talk to.
 """
@@ -36,7 +37,13 @@ ROUTING_STATS_PERIOD_S = 1.0
 
 
 def build_app(args: Mapping[str, Any] | ServeOptions | None = None) -> Application:
-    opts = args if isinstance(args, ServeOptions) else ServeOptions.from_dict(args)
+    """Serve's app builder (it passes exactly one argument: the ``args`` of the config)."""
+    return pagefleet_app(args if isinstance(args, ServeOptions) else ServeOptions.from_dict(args))
+
+
+def pagefleet_app(opts: ServeOptions, drain_board: Any = None) -> Application:
+    """The app; ``drain_board``: the ``cluster.drain.DrainBoard`` actor that ``pagefleet serve``
+    drains every ingress replica through (None: no such command, as under ``serve run``)."""
     engine_args = or_demo_model(opts.engine_args_for_this_machine(available_cores()))
     serve_args = opts.serve
     gpus = serve_args.worker_num_gpus
@@ -78,7 +85,8 @@ def build_app(args: Mapping[str, Any] | ServeOptions | None = None) -> Applicati
                         kv_routing=opts.kv_routing(), serving=serving,
                         body_limits=BodyLimits(serve_args.max_request_body_bytes),
                         drain_timeout_s=serve_args.drain_timeout_s,
-                        tools=ToolCallOptions(serve_args.tool_call_parser, serve_args.enable_auto_tool_choice))
+                        tools=ToolCallOptions(serve_args.tool_call_parser, serve_args.enable_auto_tool_choice),
+                        drain_board=drain_board)
 
 
 def worker_runtime_env(engine_args: EngineArgs, workers: int, gpus_per_rank: float, cores: int,

@@ -93,8 +93,9 @@ class ServeArgs:
     enable_auto_tool_choice: bool = option(False, help="let requests with tools use tool_choice 'auto' (the "
                                                        "model decides; its output is parsed with "
                                                        "--tool-call-parser)")
-    drain_timeout_s: float = option(30.0, help="on shutdown, how long in-flight requests may finish while new "
-                                               "ones get 503")
+    drain_timeout_s: float = option(30.0, help="how long the requests in flight may finish when pagefleet serve "
+                                               "stops (SIGTERM, Ctrl-C; new ones get 503) and when Serve stops a "
+                                               "replica (an upgrade, a scale-down)")
 
     def key(self) -> str | None:
         """The API key the server requires: the first line of ``api_key_file`` when given (read where

@@ -1,10 +1,13 @@
-"""Bring-up for ``pagefleet serve``: a local Ray (or a joined cluster), Serve, the app, Ctrl-C.
+"""Bring-up for ``pagefleet serve``: a local Ray (or a joined cluster), Serve, the app, and its stop.
 
 A local cluster runs with Ray's token authentication on (``RAY_AUTH_MODE=token``;
 the token is written to ``~/.ray/auth_token``): Ray refuses to run a node on a
 loopback address, so its own ports listen on the node's address and the token
 is what guards them. The HTTP server binds to loopback unless ``--host`` says
 otherwise.
+
+SIGTERM, or a first Ctrl-C, drains every ingress replica (``cluster.drain``) before Serve and
+the cluster stop; a second one stops at once.
 """
 
 from __future__ import annotations
@@ -54,7 +57,8 @@ def run_server(opts: ServeOptions, *, address: str | None = None, metrics_export
     import ray
     from ray import serve
 
-    from pagefleet.cluster.app import APP_NAME, build_app
+    from pagefleet.cluster.app import APP_NAME, pagefleet_app
+    from pagefleet.cluster.drain import RayDrainBoard, drain_ingress
     from pagefleet.router.global_scheduler.actor import stop_scheduler
 
     if local:
@@ -78,15 +82,12 @@ def run_server(opts: ServeOptions, *, address: str | None = None, metrics_export
         ray.shutdown()
         return 2
 
-    def stop(*_):
-        raise KeyboardInterrupt
-
-    # Explicit for SIGINT too: a shell that starts us in the background ignores it by default.
-    signal.signal(signal.SIGINT, stop)
-    signal.signal(signal.SIGTERM, stop)
+    stopping = StopSignals()
+    stopping.install()
     try:
         serve.start(http_options={"host": opts.serve.host, "port": opts.serve.port})
-        serve.run(build_app(opts), name=APP_NAME, route_prefix="/")
+        board = RayDrainBoard()
+        serve.run(pagefleet_app(opts, drain_board=board.actor), name=APP_NAME, route_prefix="/")
         if local and ray_control_priority == "idle":
             moved = idle_control_plane()
             if moved:
@@ -95,11 +96,19 @@ def run_server(opts: ServeOptions, *, address: str | None = None, metrics_export
         front = None if not local else HAPROXY_FRONT if fast_path else PYTHON_PROXY_FRONT
         print(banner(opts, model_name, time.monotonic() - started, local, metrics_targets(),
                      started_serve=running is None, front=front), flush=True)
-        while True:
-            time.sleep(3600)
-    except KeyboardInterrupt:
+        stopping.serving = True
+        try:
+            while True:
+                time.sleep(3600)
+        except DrainRequested as request:
+            print(f"pagefleet: {request}: draining (a second Ctrl-C or SIGTERM stops at once)", flush=True)
+            drain_ingress(board, opts.serve.ingress_replicas, opts.serve.drain_timeout_s,
+                          say=lambda line: print(line, flush=True))
         print("pagefleet: shutting down", flush=True)
+    except KeyboardInterrupt:  # a second signal, or one before the app was up
+        print("pagefleet: stopping now; requests in flight are cut", flush=True)
     finally:
+        stopping.teardown()  # a signal now would only leave processes behind
         if local or running is None:  # Serve was started here: leave nothing behind holding the port
             serve.shutdown()
         else:
@@ -107,6 +116,36 @@ def run_server(opts: ServeOptions, *, address: str | None = None, metrics_export
         stop_scheduler()  # detached: it would outlive the app on a joined cluster
         ray.shutdown()
     return 0
+
+
+class DrainRequested(Exception):
+    """SIGTERM (what Kubernetes and systemd send) or a first Ctrl-C: drain, then stop."""
+
+
+class StopSignals:
+    """SIGTERM and SIGINT, in the main thread: the first while serving raises ``DrainRequested``;
+    a second (during the drain), or one before the app is up, ``KeyboardInterrupt``: stop at
+    once. Explicit for SIGINT too: a shell that starts us in the background ignores it."""
+
+    def __init__(self) -> None:
+        self.received: list[str] = []
+        self.serving = False  # the app is up: a first signal drains it
+
+    def install(self) -> None:
+        signal.signal(signal.SIGINT, self._on_signal)
+        signal.signal(signal.SIGTERM, self._on_signal)
+
+    def teardown(self) -> None:
+        """From now on signals are ignored: shutting Serve down is bounded, and stopping it halfway
+        would leave HAProxy holding the port."""
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+    def _on_signal(self, signum: int, _frame) -> None:
+        self.received.append(signal.Signals(signum).name)
+        if self.serving and len(self.received) == 1:
+            raise DrainRequested(self.received[0])
+        raise KeyboardInterrupt
 
 
 def start_local_ray(num_cpus: int, metrics_export_port: int | None = None, log_to_driver: bool = True) -> bool:
@@ -182,5 +221,6 @@ def banner(opts: ServeOptions, model_name: str, elapsed_s: float, local: bool,
         f"\"max_tokens\": 32}}'\n"
         f"  Prometheus: scrape Ray's metrics agent{'s' if len(metrics_targets) > 1 else ''} at "
         f"{', '.join(metrics_targets) or '(none found)'} (ray_pagefleet_* series; deploy/README.md)\n"
-        f"  Ctrl-C {stops}.\n"
+        f"  Ctrl-C or SIGTERM lets the requests in flight finish (up to {opts.serve.drain_timeout_s:g} s; new "
+        f"ones get 503), then {stops}; a second one stops at once.\n"
     )

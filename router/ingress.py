@@ -21,9 +21,10 @@ import contextlib
 import dataclasses
 import logging
 import weakref
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, NamedTuple
 
 from ray import serve
+from ray.exceptions import RayActorError
 from ray.serve.handle import DeploymentHandle
 
 from pagefleet.router.global_scheduler.actor import WorkerKVView, worker_kv_view
@@ -56,6 +57,36 @@ INGRESS_DEPLOYMENT_NAME = "OpenAIIngress"
 MAX_ATTEMPTS = 3
 # Times one request's sequences may move to another replica after output started.
 MAX_FAILOVERS = 2
+
+
+class ReplicaInFlight(NamedTuple):
+    """An ingress replica and how many requests it still had in flight when its ``drain`` ended."""
+
+    replica_id: str
+    num_in_flight: int
+
+
+# How often a draining replica tells the drain board how many requests it still has in flight.
+DRAIN_REPORT_PERIOD_S = 0.1
+
+
+async def follow_drain(board: Any, service: OpenAIService, replica_id: str,
+                       period_s: float = DRAIN_REPORT_PERIOD_S) -> None:
+    """Waits for ``pagefleet serve``'s drain board (``cluster.drain.DrainBoard``) to say drain,
+    then stops admitting and reports this replica's requests in flight until none are left. A
+    Serve handle sends a call to one replica; every replica follows the board, so a drain reaches
+    them all. Ends quietly when the board is gone (the command that made it exited)."""
+    try:
+        await board.wait_for_drain.remote()
+        num = service.stop_admitting()
+        while True:
+            await board.report.remote(replica_id, num)
+            if num == 0:
+                return
+            await asyncio.sleep(period_s)
+            num = service.num_in_flight
+    except RayActorError:
+        return
 
 
 class ActorFeedLink:
@@ -213,8 +244,12 @@ class OpenAIIngress:
     def __init__(self, worker: DeploymentHandle, engine_args: EngineArgs, *, api_key: str | None = None,
                  kv_scheduler: Any = None, kv_routing: KVRoutingOptions | None = None,
                  serving: ServingLimits = ServingLimits(), body_limits: BodyLimits = BodyLimits(),
-                 drain_timeout_s: float = 30.0, tools: ToolCallOptions = ToolCallOptions()) -> None:
-        """``kv_scheduler``: the global scheduler actor, for ``kv`` routing (None: other policies)."""
+                 drain_timeout_s: float = 30.0, tools: ToolCallOptions = ToolCallOptions(),
+                 drain_board: Any = None) -> None:
+        """``kv_scheduler``: the global scheduler actor, for ``kv`` routing (None: other policies).
+        ``drain_board``: the actor through which ``pagefleet serve`` drains every ingress replica
+        (``follow_drain``; None: an app deployed otherwise, drained one replica at a time with
+        ``drain``)."""
         tracing.init_tracing(engine_args.otlp_traces_endpoint, "pagefleet-ingress")
         tokenizer, info = load_model_info(engine_args, serving)
         self._metrics = RouterMetrics(default_tags={"model_name": info.served_model_name})
@@ -232,17 +267,22 @@ class OpenAIIngress:
         self._api_key = api_key
         self._body_limits = body_limits
         self._drain_timeout_s = drain_timeout_s
+        self._drain_follower = None
+        if drain_board is not None:
+            with contextlib.suppress(RuntimeError):  # the replica's loop, as above
+                self._drain_follower = asyncio.get_running_loop().create_task(
+                    follow_drain(drain_board, self._service, _replica_id()))
         logger.info("ingress serves %s (max_model_len %d)", info.served_model_name, info.limits.max_model_len)
 
     def __serve_build_asgi_app__(self):
         return build_openai_app(self._service, api_key=self._api_key, body_limits=self._body_limits,
                                 metrics=self._metrics, node_metrics=NodeMetricsReader())
 
-    async def drain(self) -> tuple[str, int]:
+    async def drain(self) -> ReplicaInFlight:
         """Graceful shutdown: new requests get 503 from now on; waits up to drain_timeout_s for
         the in-flight ones. Returns this replica's id and how many were still running."""
         left = await self._service.drain(self._drain_timeout_s)
-        return serve.get_replica_context().replica_id.unique_id, left
+        return ReplicaInFlight(_replica_id(), left)
 
     async def routing_counters(self) -> RoutingCounters | None:
         """This replica's kv routing counters (None without kv routing), for benchmarks and tests
@@ -269,3 +309,7 @@ class OpenAIIngress:
     async def admission_counters(self):
         kv = self._client.kv
         return None if kv is None or kv.admission is None else kv.admission.counters
+
+
+def _replica_id() -> str:
+    return serve.get_replica_context().replica_id.unique_id

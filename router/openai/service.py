@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Mapping, Protocol, TypeVar
@@ -71,7 +72,7 @@ class OpenAIService:
         self.info = info
         self.client = client
         self.draining = False  # shutting down: in-flight requests finish, new ones get 503
-        self.num_in_flight = 0
+        self.num_in_flight = 0  # prepared requests whose response has not ended
         self._tokenizer_pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="pagefleet-tokenize")
 
     # ---- /v1/completions, /v1/chat/completions --------------------------------------
@@ -129,7 +130,18 @@ class OpenAIService:
             # Engine request ids are the server's own, whatever id the client sent.
             jobs.append(Job(f"{engine_id}-{i}", token_ids, pre.with_max_tokens(params, len(token_ids), self.info),
                             hashes, extra_keys))
-        return PreparedRequest(builder, jobs, req.stream)
+        # Checked again with no await before the count: a drain that began while this request was
+        # being tokenized refuses it, so once draining the count only goes down.
+        self._check_open()
+        prepared = PreparedRequest(builder, jobs, req.stream)
+        self.num_in_flight += 1
+        # Called when its response ends; at the latest when it is collected (a stream the server
+        # never started, a request dropped on an error).
+        prepared.ended = weakref.finalize(prepared, self._request_ended)
+        return prepared
+
+    def _request_ended(self) -> None:
+        self.num_in_flight -= 1
 
     async def _off_loop(self, text_chars: int, fn: Callable[..., T], *args: Any) -> T:
         """``fn(*args)`` here for short text, on a tokenizer thread for long text."""
@@ -151,10 +163,16 @@ class OpenAIService:
 
     # ---- draining (graceful shutdown) -----------------------------------------------------
 
+    def stop_admitting(self) -> int:
+        """Refuse new requests from now on (503 ``draining``, ``/health`` 503); returns how many
+        are in flight."""
+        self.draining = True
+        return self.num_in_flight
+
     async def drain(self, timeout_s: float) -> int:
         """Refuse new requests from now on and wait up to ``timeout_s`` for the in-flight ones;
         returns how many were still running when it gave up (0: all finished)."""
-        self.draining = True
+        self.stop_admitting()
         deadline = asyncio.get_running_loop().time() + timeout_s
         while self.num_in_flight and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.05)
@@ -178,6 +196,7 @@ class OpenAIService:
                 job.ranking = await self.client.route(job)
                 tracing.event(job.span, "routed")
         except BaseException as exc:
+            prepared.ended()
             for job in prepared.jobs:
                 _end_span(job, exc)
             raise
@@ -185,19 +204,17 @@ class OpenAIService:
     async def run_to_completion(self, prepared: PreparedRequest) -> dict:
         """All prompts run concurrently; the response is built once every one has finished."""
         builder, jobs = prepared.builder, prepared.jobs
-        self.num_in_flight += 1
         try:
             async for job_index, delta in self._merged(prepared):
                 for seq in delta.sequences:
                     builder.accumulate(job_index * jobs[job_index].params.n + seq.index, seq)
         finally:
-            self.num_in_flight -= 1
+            prepared.ended()
         return builder.full_response()
 
     async def stream_chunks(self, prepared: PreparedRequest) -> AsyncIterator[dict]:
         builder, jobs = prepared.builder, prepared.jobs
         n = jobs[0].params.n
-        self.num_in_flight += 1
         try:
             for chunk in builder.role_chunks(list(range(len(jobs) * n))):
                 yield chunk
@@ -209,7 +226,7 @@ class OpenAIService:
             if builder.include_usage:
                 yield builder.usage_chunk()
         finally:
-            self.num_in_flight -= 1
+            prepared.ended()
 
     async def _merged(self, prepared: PreparedRequest) -> AsyncIterator[tuple[int, RequestOutputDelta]]:
         """Deltas of every job as they come; leaving early closes every worker stream."""
@@ -281,13 +298,14 @@ class Job:
     span: Any = None  # its span while tracing is on (``worker.tracing``)
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, weakref_slot=True)
 class PreparedRequest:
     """A checked request, ready to run: its response builder and its engine requests."""
 
     builder: ResponseBuilder
     jobs: list[Job]
     stream: bool
+    ended: Callable[[], None] = lambda: None  # leaves the service's in-flight count (once)
 
 
 def _include_usage(req: CompletionRequest | ChatCompletionRequest) -> bool:

@@ -1,12 +1,16 @@
-"""Helpers for the tests that run a real Serve app: the workers' own published stats, and figures
-that benchmarks/reliability.py collects from the reliability battery."""
+"""Helpers for the tests that run a real Serve app: the workers' own published stats, streamed
+completions read on threads, and figures that benchmarks/reliability.py collects from the
+reliability battery."""
 
 from __future__ import annotations
 
 import json
 import os
 import platform
+import threading
 import time
+
+import httpx
 
 from pagefleet.worker.metrics.stats import ReplicaStats
 
@@ -162,3 +166,46 @@ def cpu_watch():
                 **{r: {"cpu_ms": round(v["cpu_ms"]), "wait_ms": round(v["wait_ms"]),
                        "max_thread_wait_ms": round(v["max_thread_wait_ms"])} for r, v in roles.items()}}
     return since
+
+
+class StreamedCompletion(threading.Thread):
+    """One streamed completion on a thread of its own: its data events, and ``started`` set at the
+    first one (or when it fails). Events are split on blank lines only, as SSE says: generated text
+    may hold characters (U+2028, U+0085) that a line reader splits JSON on."""
+
+    def __init__(self, url: str, body: dict, headers: dict | None = None) -> None:
+        super().__init__(daemon=True)
+        self.url, self.body, self.headers = url, body, headers or {}
+        self.started = threading.Event()
+        self.data: list[str] = []
+        self.status: int | None = None
+        self.error: str | None = None
+        self.ended_at: float | None = None  # time.monotonic()
+
+    def run(self) -> None:
+        try:
+            with httpx.stream("POST", self.url, json=self.body, headers=self.headers, timeout=300) as r:
+                self.status = r.status_code
+                pending = b""
+                for part in r.iter_bytes():
+                    *events, pending = (pending + part).split(b"\n\n")
+                    self.data += [e.decode()[6:] for e in events if e.startswith(b"data: ")]
+                    if self.data:
+                        self.started.set()
+        except httpx.HTTPError as exc:
+            self.error = repr(exc)
+        finally:
+            self.ended_at = time.monotonic()
+            self.started.set()
+
+    @property
+    def done(self) -> bool:
+        return self.data[-1:] == ["[DONE]"]
+
+    def outcome(self) -> tuple:
+        """(status, ends with [DONE], its error events, completion tokens in its usage chunk, a
+        client error)."""
+        events = [json.loads(d) for d in self.data if d != "[DONE]"]
+        usage = [e["usage"] for e in events if e.get("usage")]
+        return (self.status, self.done, [e for e in events if "error" in e],
+                usage[-1]["completion_tokens"] if usage else None, self.error)

@@ -109,13 +109,14 @@ def test_banner_says_where_prometheus_scrapes_and_what_ctrl_c_stops():
     opts = ServeOptions.from_dict({})
     local = banner(opts, "demo", 1.0, local=True, metrics_targets=["10.0.0.5:8080"])
     assert "scrape Ray's metrics agent at 10.0.0.5:8080" in local
-    assert "Ctrl-C stops the server and the local Ray cluster." in local
+    assert ("Ctrl-C or SIGTERM lets the requests in flight finish (up to 30 s; new ones get 503), then stops "
+            "the server and the local Ray cluster; a second one stops at once.") in local
     joined = banner(opts, "demo", 1.0, local=False, metrics_targets=["10.0.0.5:8080", "10.0.0.6:8080"],
                     started_serve=True)
     assert "scrape Ray's metrics agents at 10.0.0.5:8080, 10.0.0.6:8080" in joined
     assert "removes the app and the Serve instance this command started" in joined
     shared = banner(opts, "demo", 1.0, local=False, metrics_targets=[], started_serve=False)
-    assert "Ctrl-C removes the app; Serve and the Ray cluster keep running." in shared
+    assert "then removes the app; Serve and the Ray cluster keep running; a second" in shared
 
 
 def test_join_errors_are_one_sentence_with_the_fix():

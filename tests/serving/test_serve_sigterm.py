@@ -1,0 +1,102 @@
+"""SIGTERM to a real ``pagefleet serve`` (its own local Ray cluster, two ingress replicas, the tiny
+demo checkpoint) under 8 streams: every stream finishes, a request sent during the drain is
+refused with 503, and the process exits 0 by itself."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from cluster_helpers import StreamedCompletion
+from conftest import free_port
+
+PAGEFLEET = str(Path(sys.executable).parent / "pagefleet")
+STREAMS = 8
+MAX_TOKENS = 960  # each stream runs for seconds: all 8 are in flight when SIGTERM comes 1 s after they are sent
+DRAIN_TIMEOUT_S = 120
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """A run that failed: SIGINT twice (stop at once, Serve and Ray shut down), then kill."""
+    for _ in range(2):
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            time.sleep(1)
+    try:
+        proc.wait(120)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(30)
+
+
+def test_sigterm_drains_every_ingress_replica_then_exits_0(tiny_checkpoint, tmp_path):
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # its own cluster, not this session's
+    log = tmp_path / "serve.log"
+    cmd = [PAGEFLEET, "serve", str(tiny_checkpoint("llama")), "--port", str(port),
+           "--metrics-export-port", str(free_port()), "--ingress-replicas", "2", "--worker-cpus", "0.5",
+           "--kv-cache-bytes", "16MiB", "--max-model-len", "1024", "--max-num-seqs", str(STREAMS),
+           "--drain-timeout-s", str(DRAIN_TIMEOUT_S)]
+    base = f"http://127.0.0.1:{port}"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert proc.poll() is None, log.read_text()[-3000:]
+            assert time.monotonic() < deadline, log.read_text()[-3000:]
+            try:
+                if httpx.get(f"{base}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        model = httpx.get(f"{base}/v1/models", timeout=30).json()["data"][0]["id"]
+        for i in range(4):  # both ingress replicas (HAProxy takes turns) open their channel to the worker
+            warm = httpx.post(f"{base}/v1/completions", json={"model": model, "prompt": f"warm {i}", "max_tokens": 4},
+                              timeout=120)
+            assert warm.status_code == 200, warm.text
+        streams = [StreamedCompletion(f"{base}/v1/completions", {
+            "model": model, "prompt": f"story {i}", "max_tokens": MAX_TOKENS, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}) for i in range(STREAMS)]
+        for s in streams:
+            s.start()
+        # SIGTERM once all 8 are in the ingress, whether or not their first token is out yet (the
+        # log's "draining 8 requests" below says the drain found all 8 in flight): waiting for
+        # every first token let the first streams end first on a busy machine.
+        time.sleep(1.0)
+        assert [i for i, s in enumerate(streams) if s.done] == []
+
+        proc.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        while "pagefleet: draining " not in log.read_text():  # every ingress replica has stopped admitting
+            assert time.monotonic() - signalled < 60, log.read_text()[-3000:]
+            time.sleep(0.05)
+        refused = httpx.post(f"{base}/v1/completions", json={"model": model, "prompt": "late", "max_tokens": 2},
+                             timeout=30)
+        health = httpx.get(f"{base}/health", timeout=30).status_code
+        for s in streams:
+            s.join(120)
+        rc = proc.wait(DRAIN_TIMEOUT_S + 60)  # by itself: the drain, then Serve and Ray shut down
+        exited_after_s = time.monotonic() - signalled
+    except BaseException:
+        _stop(proc)
+        print(log.read_text()[-5000:])
+        raise
+
+    text = log.read_text()
+    assert [s.outcome() for s in streams] == [(200, True, [], MAX_TOKENS, None)] * STREAMS, text[-3000:]
+    assert (refused.status_code, refused.json()["error"]["code"], refused.headers["Retry-After"]) == \
+        (503, "draining", "5")
+    assert health == 503
+    assert rc == 0, text[-3000:]
+    assert "pagefleet: SIGTERM: draining (a second Ctrl-C or SIGTERM stops at once)" in text
+    assert f"pagefleet: draining {STREAMS} requests, up to {DRAIN_TIMEOUT_S} s" in text
+    assert "pagefleet: drained in " in text and "requests cut" not in text
+    print(f"exited {exited_after_s:.1f} s after SIGTERM")
