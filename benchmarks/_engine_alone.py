@@ -10,8 +10,10 @@ ITL and output tok/s mean exactly what they mean for the servers. One JSON line 
 ``--as-served``: build and step the engine as a worker replica's step thread does
 (the platform's ``prepare_step_thread``: the lowest priority, the OpenMP team pinned one
 thread per core) instead of as ``LLMEngine`` runs in a user's process (niceness 0, threads unpinned).
+``--simulate GPU[:EFFICIENCY]``: the simulated GPU engine (docs/simulator.md); CKPT may then be
+a model ``pagefleet plan`` knows by name.
 
-    python _engine_alone.py [--as-served] CKPT INPUT_LEN OUTPUT_LEN C:N [C:N ...]
+    python _engine_alone.py [--as-served] [--simulate GPU[:F]] CKPT INPUT_LEN OUTPUT_LEN C:N [C:N ...]
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from typing import Callable
 from pagefleet.cluster.bench.metrics import RequestResult, compute_metrics
 from pagefleet.worker.engine.engine_args import EngineArgs
 from pagefleet.worker.engine.llm_engine import LLMEngine, resolve_device
-from pagefleet.worker.model_executor.platform import platform_for
+from pagefleet.worker.model_executor.platform import platform_of
 from pagefleet.worker.sampling_params import SamplingParams
 
 from _proc_cpu import sched_per_token, thread_sched
@@ -82,7 +84,9 @@ def run(engine: LLMEngine, prompts: list[list[int]], output_len: int, concurrenc
 def random_prompts(engine: LLMEngine, input_len: int, seed: int = 0) -> Callable[[], list[int]]:
     """A maker of prompts of ``input_len`` random token ids (no special tokens), the same series
     for the same seed."""
-    vocab, special = engine.model_config.vocab_size, set(engine.tokenizer.all_special_ids)
+    # Ids the tokenizer has (a simulated model's config may be wider than its demo tokenizer).
+    vocab = min(engine.model_config.vocab_size, len(engine.tokenizer))
+    special = set(engine.tokenizer.all_special_ids)
     rng = random.Random(seed)
 
     def prompt() -> list[int]:
@@ -101,14 +105,19 @@ def main() -> None:
     as_served = argv[:1] == ["--as-served"]
     if as_served:
         argv = argv[1:]
+    simulate: dict = {}
+    if argv[:1] == ["--simulate"] and len(argv) > 1:
+        gpu, _, efficiency = argv[1].partition(":")
+        simulate = {"simulate": gpu, "simulate_efficiency": float(efficiency or 1.0)}
+        argv = argv[2:]
     if len(argv) < 4:
         sys.exit(__doc__)
     ckpt, input_len, output_len = argv[0], int(argv[1]), int(argv[2])
     plan = [tuple(int(x) for x in arg.split(":")) for arg in argv[3:]]
-    args = EngineArgs(model=ckpt, log_stats_interval=0)
+    args = EngineArgs(model=ckpt, log_stats_interval=0, **simulate)
     setup: dict = {"system": "engine-alone"}
     if as_served:  # this thread builds and steps the engine, as the replica's step thread does
-        args, pinned = platform_for(resolve_device(args.device)).prepare_step_thread(args)
+        args, pinned = platform_of(args, resolve_device(args.device)).prepare_step_thread(args)
         setup = {"system": "engine-as-served", "pinned_threads": len(pinned)}
     engine = LLMEngine(args)
     prompt = random_prompts(engine, input_len)

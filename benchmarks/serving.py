@@ -34,9 +34,16 @@ the overhead being measured, so a ratio is only taken between runs of one round,
 lines (``ray_path_overhead_median``) give each overhead figure's value in every round and the
 median over rounds.
 
+``--simulate GPU``: the simulated GPU engine (docs/simulator.md) on both sides, the model a
+checkpoint or a name ``pagefleet plan`` knows (default ``llama-3-8b``): what the serving path
+adds at GPU token rates. ``--workers N`` serves from N worker replicas; the engine alone is then
+N engines, each at C/N requests in flight (its lines' tok/s are the N engines' together).
+
     python benchmarks/serving.py                      # all of it
     python benchmarks/serving.py --systems engine-alone pagefleet-serve --concurrency 1
     python benchmarks/serving.py --model /models/x    # another checkpoint
+    python benchmarks/serving.py --simulate h200 --systems engine-alone pagefleet-serve \\
+        --input-len 32 --output-len 128 --concurrency 1 16 --workers 2
 """
 
 from __future__ import annotations
@@ -91,7 +98,13 @@ def load() -> float:
     return round(os.getloadavg()[0], 2)
 
 
-def checkpoint(model: str | None) -> str:
+def checkpoint(model: str | None, simulate: str | None = None) -> str:
+    """The checkpoint directory (the tokenizer the client counts with)."""
+    if simulate is not None:
+        from pagefleet.cluster.demo.simulated import simulated_checkpoint
+
+        model = model or "llama-3-8b"
+        return simulated_checkpoint(model) or model
     if model is not None:
         return model
     from pagefleet.cluster.demo.model import write_demo_checkpoint
@@ -144,11 +157,20 @@ class Server:
                 self.proc.wait()
 
 
-def start_pagefleet(ckpt: str, workdir: Path, log_name: str = "pagefleet-serve") -> Server:
+def start_pagefleet(ckpt: str, workdir: Path, log_name: str = "pagefleet-serve", extra: list[str] = ()) -> Server:
+    """``extra``: more `pagefleet serve` flags (``--simulate``, ``--workers``)."""
     port = free_port()
     argv = [str(BIN / "pagefleet"), "serve", "--model", ckpt, "--port", str(port),
-            "--metrics-export-port", str(free_port()), "--log-stats-interval", "0"]
+            "--metrics-export-port", str(free_port()), "--log-stats-interval", "0", *extra]
     return Server(argv, f"http://127.0.0.1:{port}", workdir / f"{log_name}.log")
+
+
+def serve_flags(args) -> list[str]:
+    """The `pagefleet serve` flags of ``--simulate`` and ``--workers``."""
+    flags = ["--workers", str(args.workers)]
+    if args.simulate:
+        flags += ["--simulate", args.simulate, "--simulate-efficiency", str(args.simulate_efficiency)]
+    return flags
 
 
 def vllm_argv(venv: str, *args: str) -> list[str]:
@@ -174,7 +196,8 @@ def bench(base: str, ckpt: str, concurrency: int, n: int, args, workdir: Path, t
             "--ignore-eos", "--num-prompts", str(n), "--max-concurrency", str(concurrency), "--seed",
             str(concurrency), "--disable-tqdm", "--percentiles", "50,99", "--save-result", str(result)]
     cpu_before = tree_cpu_s(server_pid) if server_pid else {}
-    engine = engine_threads_of(server_pid) if server_pid else None
+    # A simulated engine's step thread runs at the default priority: no compute threads to follow.
+    engine = engine_threads_of(server_pid) if server_pid and not getattr(args, "simulate", None) else None
     sched_before = thread_sched(engine, LOWEST_NICE) if engine else {}
     done = subprocess.run(argv, capture_output=True, text=True, timeout=1800)
     if done.returncode != 0:
@@ -251,20 +274,27 @@ def engine_alone(ckpt: str, args, out: Path | None, info: dict, as_served: bool 
     """The engine alone's lines by concurrency (``_engine_alone.py`` in a process of its own).
     ``as_served``: its engine set up as a worker replica's (``_engine_alone.py --as-served``);
     ``system``: the name its lines carry (default: the script's)."""
-    plan = [f"{c}:{num_prompts(c)}" for c in args.concurrency]
+    # N engines alone (fewer below C = N), each at C/N in flight: one runs, the others alike
+    engines = [min(getattr(args, "workers", 1), c) for c in args.concurrency]
+    plan = [f"{c // k}:{max(num_prompts(c) // k, 1)}" for c, k in zip(args.concurrency, engines)]
     before = load()
+    simulated = getattr(args, "simulate", None)
+    simulate = ["--simulate", f"{simulated}:{args.simulate_efficiency}"] if simulated else []
+    model = args.model or "llama-3-8b" if simulated else ckpt
     done = subprocess.run([sys.executable, str(HERE / "_engine_alone.py"), *(["--as-served"] if as_served else []),
-                           ckpt, str(args.input_len), str(args.output_len), *plan], capture_output=True, text=True,
-                          timeout=3600, env=alone_env())
+                           *simulate, model, str(args.input_len), str(args.output_len), *plan],
+                          capture_output=True, text=True, timeout=3600, env=alone_env())
     if done.returncode != 0:
         raise RuntimeError(f"engine-alone failed: {done.stderr[-2000:]}")
     lines = {}
-    for text in done.stdout.splitlines():
-        if text.startswith("{"):
-            line = {**json.loads(text), **({"system": system} if system else {}), "load_1m_before": before,
-                    "load_1m_after": load(), **info}
-            emit(line, out)
-            lines[line["concurrency"]] = line
+    texts = [text for text in done.stdout.splitlines() if text.startswith("{")]
+    for text, k in zip(texts, engines, strict=True):
+        line = {**json.loads(text), **({"system": system} if system else {}), "load_1m_before": before,
+                "load_1m_after": load(), **info}
+        if k > 1:  # the k engines' together, at the concurrency the server had
+            line.update(engines=k, concurrency=line["concurrency"] * k, output_tok_s=round(line["output_tok_s"] * k, 2))
+        emit(line, out)
+        lines[line["concurrency"]] = line
     return lines
 
 
@@ -322,7 +352,8 @@ def run_round(order: list[str], ckpt: str, args, workdir: Path, info: dict, have
         if name == "engine-alone":
             results[name] = engine_alone(ckpt, args, args.out, info)
         elif name == "pagefleet-serve":
-            server = start_pagefleet(ckpt, workdir)
+            server = start_pagefleet(args.model or "llama-3-8b" if args.simulate else ckpt, workdir,
+                                     extra=serve_flags(args))
             try:
                 results[name] = drive(name, server, ckpt, args, workdir, args.out, info)
                 if have_vllm and check_client:
@@ -383,11 +414,20 @@ def main() -> None:
                    help="measure every system this many times, in alternating order; the last lines give "
                         "the median over rounds of each overhead figure")
     p.add_argument("--label", default=None, help="a note carried in every line (e.g. the commit measured)")
+    p.add_argument("--simulate", default=None, metavar="GPU",
+                   help="the simulated GPU engine on both sides (docs/simulator.md); --model then defaults to "
+                        "llama-3-8b")
+    p.add_argument("--simulate-efficiency", type=float, default=1.0)
+    p.add_argument("--workers", type=int, default=1, help="pagefleet serve's worker replicas")
     args = p.parse_args()
     if args.rounds < 1:
         p.error("--rounds must be at least 1")
-    ckpt = checkpoint(args.model)
+    if args.workers < 1 or any(c % args.workers for c in args.concurrency if c >= args.workers):
+        p.error("--workers must be >= 1 and divide each concurrency it is not above")
+    ckpt = checkpoint(args.model, args.simulate)
     info = {"machine": machine(), "input_len": args.input_len, "output_len": args.output_len,
+            **({"simulate": args.simulate, "simulate_efficiency": args.simulate_efficiency} if args.simulate else {}),
+            **({"workers": args.workers} if args.workers > 1 else {}),
             **({"label": args.label} if args.label else {})}
     have_vllm = (Path(args.vllm_venv) / "bin" / "python").is_file()
     workdir = Path(tempfile.mkdtemp(prefix="pf-serving-bench-"))

@@ -48,7 +48,7 @@ def pagefleet_app(opts: ServeOptions, drain_board: Any = None) -> Application:
     serve_args = opts.serve
     gpus = serve_args.worker_num_gpus
     if gpus is None:
-        gpus = 1.0 if _cluster_has_gpus() and engine_args.device != "cpu" else 0.0
+        gpus = 1.0 if _cluster_has_gpus() and engine_args.device != "cpu" and engine_args.simulate is None else 0.0
     kv_scheduler = start_scheduler() if serve_args.routing == "kv" else None
     worker = worker_deployment(
         engine_args,
@@ -94,13 +94,13 @@ def worker_runtime_env(engine_args: EngineArgs, workers: int, gpus_per_rank: flo
     """The worker replicas' Ray ``runtime_env``: None (they inherit the job's, as any deployment
     without one does), or the job's ``job_env`` with libgomp's spin added to its ``env_vars``
     (``compute_thread_env``) where one CPU engine of one rank (no GPU reserved, not a CUDA
-    engine) computes on as many threads as ``cores``. ``cores`` and the thread count are this
+    or simulated engine) computes on as many threads as ``cores``. ``cores`` and the thread count are this
     machine's, where the app is built: on a multi-node cluster they stand for the worker's node.
     The job's whole environment is carried over because Serve gives a deployment the job's
     runtime_env only when it has none of its own. A GOMP_SPINCOUNT or OMP_WAIT_POLICY=ACTIVE of
     the user's (in ``environ`` or the job's env_vars) wins."""
     if gpus_per_rank or engine_args.device == "cuda" or workers != 1 or engine_args.tensor_parallel_size != 1 \
-            or engine_args.cpu_omp_threads is None:
+            or engine_args.cpu_omp_threads is None or engine_args.simulate is not None:
         return None
     job_vars = dict(job_env.get("env_vars") or {})
     spin = compute_thread_env(engine_args.cpu_omp_threads, cores, {**environ, **job_vars})

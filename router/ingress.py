@@ -108,6 +108,9 @@ class HandleWorkerClient:
                  follower: ViewFollower | None = None) -> None:
         self._stream = handle.options(method_name="generate", stream=True)
         self.metrics = metrics or RouterMetrics()
+        self.metrics.start_at_zero("delta_channels_opened", {"transport": "socket"}, {"transport": "serve_stream"})
+        self.metrics.start_at_zero("failovers", {"reason": "worker_failed"})
+        self.metrics.start_at_zero("worker_resends", {"reason": "worker_failed"})
         self.mux = ChannelMux(handle.options(method_name="channel", stream=True).remote,
                               on_opened=lambda transport: self.metrics.inc("delta_channels_opened",
                                                                            transport=transport))

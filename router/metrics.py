@@ -10,7 +10,7 @@ tests with a FastAPI test client) nothing is recorded.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Mapping
 
 from pagefleet.worker.metrics.definitions import MetricSpec
 
@@ -88,6 +88,16 @@ class RouterMetrics:
         self._check(key, "counter")
         if self.enabled and value > 0:
             self._metrics[key].inc(value, tags=tags or None)
+
+    def start_at_zero(self, key: str, *tag_sets: Mapping[str, str]) -> None:
+        """A counter's series for each of ``tag_sets`` (none: its default tags alone) at 0 from now,
+        so they exist from the first scrape (``recorder.start_at_zero``)."""
+        self._check(key, "counter")
+        if self.enabled:
+            from pagefleet.worker.metrics.recorder import start_at_zero
+
+            for tags in tag_sets or ({},):
+                start_at_zero(self._metrics[key], tags)
 
     def set(self, key: str, value: float, **tags: str) -> None:
         self._check(key, "gauge")

@@ -19,7 +19,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from pagefleet.cluster.demo.tokenizer import IM_END_TOKEN, build_demo_tokenizer
 from pagefleet.worker.model_executor.model_config import DTYPES
@@ -231,18 +231,22 @@ def demo_cache_root() -> Path:
 
 
 def default_demo_model_dir() -> Path:
-    """The built-in demo checkpoint (tiny Llama, random weights), written on first use.
-
-    Written to a temporary sibling and renamed into place, so concurrent
-    processes (several replicas starting at once) never see a half-written
-    directory."""
+    """The built-in demo checkpoint (tiny Llama, random weights), written on first use."""
     target = demo_cache_root() / f"demo-tiny-llama-v{DEMO_FORMAT_VERSION}"
+    return cached_checkpoint(target, lambda out: write_demo_checkpoint(out, size="tiny", arch="llama"))
+
+
+def cached_checkpoint(target: Path, write: Callable[[Path], object]) -> Path:
+    """``target``, written by ``write(directory)`` unless it holds a config.json already.
+
+    Written to a temporary sibling and renamed into place, so concurrent processes (several
+    replicas starting at once) never see a half-written directory."""
     if (target / "config.json").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
     try:
-        write_demo_checkpoint(staging, size="tiny", arch="llama")
+        write(staging)
         try:
             os.rename(staging, target)
         except OSError:
@@ -253,7 +257,6 @@ def default_demo_model_dir() -> Path:
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
     return target
-
 
 
 def or_demo_model(args: "EngineArgs") -> "EngineArgs":

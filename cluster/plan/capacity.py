@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from pagefleet.cluster.plan.presets import GPUSpec, ModelShape
+from pagefleet.cluster.plan.roofline import StepRoofline, decode_work, step_work
 from pagefleet.worker.core.kv_cache_sizing import (
     DEFAULT_CPU_KV_CACHE_BYTES,
     gpu_kv_budget,
@@ -194,20 +195,22 @@ def mean_blocks_per_request(lengths: Lengths, block_size: int) -> float:
     return total / ((phi - plo + 1) * (ohi - olo + 1))
 
 
-def decode_step(p: PlanInputs, plan_weights: int, matmul_params: int, kv_per_token: int, batch: int,
-                context: float, replicas: int) -> DecodeStep:
-    """One decode step of ``batch`` sequences of ``context`` tokens on one GPU of a replica:
-    it reads the weights once and each sequence's KV; it multiplies every weight per sequence."""
+def step_roofline(p: PlanInputs, decode_weight_bytes: int, kv_per_token: int) -> StepRoofline:
+    """One GPU of a replica of ``p``, as a step's time sees it (``p.gpu`` must be set)."""
     m, gpu = p.model, p.gpu
     r = rank_shape(m, p.tensor_parallel_size)
-    bytes_read = int(plan_weights + batch * context * kv_per_token)
-    attention_flops = 4 * context * r.heads * m.head_dim * m.num_layers
-    flops = batch * (2 * matmul_params + attention_flops)
     peak_flops = gpu.flops / (2 if p.dtype == "float32" else 1)  # fp32 weights: TF32 at half rate
-    t_mem, t_comp = bytes_read / gpu.bandwidth, flops / peak_flops
-    t = max(t_mem, t_comp)
-    return DecodeStep(batch, bytes_read, flops, t * 1e3, "compute" if t_comp > t_mem else "memory",
-                      1 / t, batch / t, replicas * batch / t)
+    return StepRoofline(decode_weight_bytes, matmul_params_per_rank(m, p.tensor_parallel_size), kv_per_token,
+                        4 * r.heads * m.head_dim * m.num_layers, gpu.bandwidth, peak_flops)
+
+
+def decode_step(roof: StepRoofline, batch: int, context: float, replicas: int) -> DecodeStep:
+    """One decode step of ``batch`` sequences of ``context`` tokens on one GPU of a replica:
+    it reads the weights once and each sequence's KV; it multiplies every weight per sequence."""
+    cost = roof.cost(decode_work(batch, context))
+    t = cost.seconds
+    return DecodeStep(batch, int(cost.bytes_read), cost.flops, t * 1e3, cost.bound, 1 / t, batch / t,
+                      replicas * batch / t)
 
 
 def make_plan(p: PlanInputs) -> Plan:
@@ -253,20 +256,19 @@ def make_plan(p: PlanInputs) -> Plan:
                 pool.max_concurrency(p.max_model_len), mean_blocks, paged, contiguous, paged / contiguous)
     if p.gpu is None:
         return plan
-    matmul = matmul_params_per_rank(m, tp)
-    steps, compute_from = _roofline(p, plan, matmul, min(paged, p.max_num_seqs))
-    cost = _cost(p, plan, matmul) if p.cost is not None else None
+    roof = step_roofline(p, plan.decode_weight_bytes_per_gpu, kv_token)
+    steps, compute_from = _roofline(p, plan, roof, min(paged, p.max_num_seqs))
+    cost = _cost(p, plan, roof) if p.cost is not None else None
     return replace(plan, decode=steps, compute_bound_from_batch=compute_from, cost=cost)
 
 
-def _roofline(p: PlanInputs, plan: Plan, matmul: int, max_batch: int) -> tuple[list[DecodeStep], int | None]:
+def _roofline(p: PlanInputs, plan: Plan, roof: StepRoofline, max_batch: int) -> tuple[list[DecodeStep], int | None]:
     """Steps at batch 1, 2, 4, ... up to ``max_batch`` (what the pool and max_num_seqs allow),
     ending at the first compute-bound batch; and the smallest compute-bound batch, if any."""
     ctx = p.lengths.mean_context
 
     def step(b: int) -> DecodeStep:
-        return decode_step(p, plan.decode_weight_bytes_per_gpu, matmul, plan.kv_bytes_per_token_per_gpu, b, ctx,
-                           plan.replicas)
+        return decode_step(roof, b, ctx, plan.replicas)
 
     batches, b = [], 1
     while b < max_batch:
@@ -285,21 +287,17 @@ def _roofline(p: PlanInputs, plan: Plan, matmul: int, max_batch: int) -> tuple[l
     return steps, first
 
 
-def _cost(p: PlanInputs, plan: Plan, matmul: int) -> CostPlan:
+def _cost(p: PlanInputs, plan: Plan, roof: StepRoofline) -> CostPlan:
     """Each replica serves requests back to back at the operating batch (what fits in its pool,
-    at most max_num_seqs): a prefill at the compute roofline, then decode steps at the decode
+    at most max_num_seqs): a prefill step of the whole prompt, then decode steps, each at the
     roofline. An upper bound on throughput, so a lower bound on cost."""
-    c, m = p.cost, p.model
+    c = p.cost
     generated = c.mean_output_tokens * c.reasoning_multiplier
     request_blocks = -(-int(c.mean_prompt_tokens + generated) // p.block_size)
     batch = max(1, min(p.max_num_seqs, plan.num_blocks // request_blocks))
-    r = rank_shape(m, p.tensor_parallel_size)
-    peak_flops = p.gpu.flops / (2 if p.dtype == "float32" else 1)
     prompt = c.mean_prompt_tokens
-    prefill_flops = 2 * matmul * prompt + 2 * prompt * prompt * r.heads * m.head_dim * m.num_layers  # causal
-    prefill_s = prefill_flops / peak_flops
-    step = decode_step(p, plan.decode_weight_bytes_per_gpu, matmul, plan.kv_bytes_per_token_per_gpu, batch,
-                       prompt + generated / 2, plan.replicas)
+    prefill_s = roof.cost(step_work([(0, prompt)])).seconds
+    step = decode_step(roof, batch, prompt + generated / 2, plan.replicas)
     decode_s = generated * step.ms / 1e3 / batch
     rps = 1 / (prefill_s + decode_s)
     replicas = max(1, math.ceil(c.requests_per_day / 86400 / rps))

@@ -105,6 +105,10 @@ def build_openai_app(service: OpenAIService, *, api_key: str | None = None, body
 
     if metrics is not None:  # added after the API-key check, so it wraps it: a 401 is counted too
         app.add_middleware(ResponseCounter, metrics=metrics)
+        # What the dashboard plots (requests by status, 429s) exists from the first scrape.
+        metrics.start_at_zero("http_requests", *({"route": route, "status_code": status}
+                                                 for route in ("/v1/completions", "/v1/chat/completions")
+                                                 for status in ("200", "429")))
 
     async def _parse(request: Request, model: type[Body]) -> Body:
         check_content_type(request)

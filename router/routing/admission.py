@@ -31,10 +31,13 @@ T = TypeVar("T")
 WAITED_OUT = "no worker had room for this request within"
 
 
+REJECTION_REASONS = ("queue_full", "expected_wait", "waited_too_long")
+
+
 class AdmissionRejected(Exception):
     def __init__(self, message: str, reason: str, retry_after_s: int) -> None:
         super().__init__(message)
-        self.reason = reason  # "queue_full", "expected_wait" or "waited_too_long"
+        self.reason = reason  # one of REJECTION_REASONS
         self.retry_after_s = retry_after_s
 
 

@@ -36,7 +36,11 @@ from pagefleet.router.global_scheduler.core import RouteDecision, RouteRequest
 from pagefleet.router.global_scheduler.kv_mirror import SchedulerMirror
 from pagefleet.router.metrics import RouterMetrics
 from pagefleet.router.openai.errors import too_many_requests
-from pagefleet.router.routing.admission import AdmissionQueue, AdmissionRejected
+from pagefleet.router.routing.admission import REJECTION_REASONS, AdmissionQueue, AdmissionRejected
+
+# Every reason a kv decision is counted by: the global scheduler's (prefix, load, no_room) and the
+# fallbacks without a current view.
+KV_REASONS = ("prefix", "load", "no_room", "fallback_stale", "fallback_no_view")
 
 
 @dataclass(slots=True, frozen=True)
@@ -85,6 +89,11 @@ class KVRoutingClient:
         self.block_size = block_size
         self.clock = clock
         self.metrics = metrics or RouterMetrics()
+        self.metrics.start_at_zero("routing_decisions", *({"policy": "kv", "reason": r} for r in KV_REASONS))
+        self.metrics.start_at_zero("admission_rejections",
+                                   *({"reason": r} for r in (*REJECTION_REASONS, "worker_queue_full")))
+        self.metrics.start_at_zero("prefix_hit_blocks_predicted")
+        self.metrics.start_at_zero("prefix_hit_blocks_realised")
         self.admission = (AdmissionQueue(options.admission_queue_size, options.admission_max_wait_s, clock=clock,
                                          on_length=lambda n: self.metrics.set("admission_queue_length", n),
                                          on_wait=lambda s: self.metrics.observe("admission_wait_seconds", s))

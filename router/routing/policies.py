@@ -70,6 +70,10 @@ def _ordered(loads: Sequence[ReplicaLoad]) -> list[ReplicaLoad]:
     return sorted(loads, key=lambda r: (*_load_key(r), r.replica_id))
 
 
+# Every reason ``routing_reason`` gives.
+LOAD_REASONS = ("only_replica", "least_queued", "most_free_blocks", "tie", "fallback_unhealthy", "fallback_no_stats")
+
+
 def routing_reason(loads: Sequence[ReplicaLoad]) -> str:
     """Why ``rank_replicas`` put its first replica first, for the routing-decisions metric:
 

@@ -18,6 +18,9 @@ from typing import Sequence
 from pagefleet.router.routing.policies import ReplicaLoad, rank_replicas
 
 
+PREFIX_REASONS = ("cached_prefix", "balance", "no_match")  # every reason ``PrefixTable.rank`` gives
+
+
 class PrefixTable:
     def __init__(self, capacity: int = 200_000, balance_slack: int = 8) -> None:
         self.capacity = capacity

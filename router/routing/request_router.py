@@ -38,6 +38,7 @@ from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, Reque
 
 from pagefleet.router.metrics import RouterMetrics
 from pagefleet.router.routing.policies import (
+    LOAD_REASONS,
     ReplicaLoad,
     pick_two,
     rank_replicas,
@@ -45,7 +46,7 @@ from pagefleet.router.routing.policies import (
     round_robin,
     routing_reason,
 )
-from pagefleet.router.routing.prefix_table import PrefixTable
+from pagefleet.router.routing.prefix_table import PREFIX_REASONS, PrefixTable
 from pagefleet.worker.core.block_hash import PackedHashes
 from pagefleet.worker.metrics.stats import ReplicaStats
 from pagefleet.worker.replica.wire import ChannelOpen, WorkerRequest
@@ -71,7 +72,11 @@ def _channel_open(pending_request: Optional[PendingRequest]) -> ChannelOpen | No
 
 class _PagefleetRouter(FIFOMixin, RequestRouter):
     """What every policy shares: loads in sequences, turning an id ranking into tiers, and
-    channels pinned to their replica. Each policy implements ``choose``."""
+    channels pinned to their replica. Each policy implements ``choose``, and names the reasons it
+    counts its decisions by (their series start at 0)."""
+
+    POLICY: str | None = None
+    REASONS: tuple[str, ...] = ()
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -80,6 +85,9 @@ class _PagefleetRouter(FIFOMixin, RequestRouter):
         self._in_flight: dict[tuple[ReplicaID, str], list[int]] = {}
         self._in_flight_seqs: Counter = Counter()  # replica -> sequences in flight from this router
         self.metrics = RouterMetrics()
+        if self.POLICY is not None:
+            self.metrics.start_at_zero("routing_decisions",
+                                       *({"policy": self.POLICY, "reason": r} for r in self.REASONS))
 
     async def choose_replicas(self, candidate_replicas: List[RunningReplica],
                               pending_request: Optional[PendingRequest] = None) -> List[List[RunningReplica]]:
@@ -126,6 +134,8 @@ class _PagefleetRouter(FIFOMixin, RequestRouter):
 
 
 class LeastLoadedRouter(_PagefleetRouter):
+    POLICY, REASONS = "least_loaded", LOAD_REASONS
+
     async def choose(self, candidate_replicas: List[RunningReplica],
                      pending_request: Optional[PendingRequest]) -> List[List[RunningReplica]]:
         loads = self.loads(candidate_replicas)
@@ -135,6 +145,8 @@ class LeastLoadedRouter(_PagefleetRouter):
 
 
 class PowerOfTwoRouter(_PagefleetRouter):
+    POLICY, REASONS = "pow2", LOAD_REASONS
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.rng = random.Random()
@@ -150,6 +162,8 @@ class PowerOfTwoRouter(_PagefleetRouter):
 
 
 class RoundRobinRouter(_PagefleetRouter):
+    POLICY, REASONS = "round_robin", ("turn",)
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.turn = 0
@@ -164,6 +178,8 @@ class RoundRobinRouter(_PagefleetRouter):
 
 class PrefixRouter(_PagefleetRouter):
     """Routes by what this router remembers sending where (it never sees the caches)."""
+
+    POLICY, REASONS = "prefix", PREFIX_REASONS
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -185,7 +201,8 @@ class PrefixRouter(_PagefleetRouter):
 
 
 class KVRouter(_PagefleetRouter):
-    """Applies the global scheduler's ranking carried by the request; pow2 without one."""
+    """Applies the global scheduler's ranking carried by the request; pow2 without one. (Its
+    decisions are counted where they are made: ``kv_routing.KVRoutingClient``.)"""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

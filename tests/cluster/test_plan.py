@@ -11,6 +11,7 @@ import pytest
 from pagefleet.cluster.cli import main
 from pagefleet.cluster.plan.capacity import CostInputs, Lengths, PlanInputs, make_plan, mean_blocks_per_request
 from pagefleet.cluster.plan.presets import GPUS, MODELS, find_model
+from pagefleet.cluster.plan.roofline import StepCost, StepRoofline, StepWork, decode_work, step_work
 from pagefleet.worker.core.kv_cache_sizing import kv_heads_per_rank, size_kv_pool
 
 GiB = 2**30
@@ -137,7 +138,9 @@ def test_cost_from_the_roofline():
     # 1000 + 400 generated tokens = 88 blocks; 5120 // 88 = 58 requests fit, under max_num_seqs 64
     assert c.operating_batch == 58
     matmul = 32 * (4096 * 6144 + 4096 * 4096 + 3 * 4096 * 14336) + 128256 * 4096
-    assert c.prefill_s_per_request == pytest.approx((2 * matmul * 1000 + 2 * 1000**2 * 32 * 128 * 32) / 989e12)
+    # compute-bound: each of the 1000 prompt tokens attends to itself and those before it
+    assert c.prefill_s_per_request == pytest.approx((2 * matmul * 1000 + 4 * (1000 * 1001 // 2) * 32 * 128 * 32)
+                                                    / 989e12, rel=1e-12)
     weights = 2 * 8_030_261_248 - 2 * 128256 * 4096
     step_s = (weights + 58 * (1000 + 200) * 131_072) / 4.8e12
     assert c.decode_s_per_request == pytest.approx(400 * step_s / 58)
@@ -184,3 +187,14 @@ def test_cli_table_json_and_errors(capsys):
     assert "exceeds the model's limit of 8192" in capsys.readouterr().err
     assert main(["plan", "--model", "llama-3-8b", "--gpu-memory", "80GiB"]) == 2
     assert "needs --gpu-memory and --gpu-bandwidth" in capsys.readouterr().err
+
+
+def test_a_steps_work_counts_each_new_tokens_keys():
+    # A decode at 9 tokens (position 8 attends 9 keys), a 4-token prefill after a 16-token
+    # prefix hit (positions 16..19: 17 + 18 + 19 + 20 keys), a whole 3-token prompt (1 + 2 + 3).
+    work = step_work([(8, 9), (16, 20), (0, 3)])
+    assert work == StepWork(num_tokens=1 + 4 + 3, context_tokens=9 + 20 + 3, attention_keys=9 + 74 + 6)
+    assert decode_work(4, 9) == step_work([(8, 9)] * 4)
+    roof = StepRoofline(weight_bytes=1000, matmul_params=10, kv_bytes_per_token=2, attention_flops_per_key=4,
+                        bandwidth=100.0, peak_flops=10.0)
+    assert roof.cost(work) == StepCost(1000 + 2 * 32, 2 * 10 * 8 + 4 * 89, (2 * 10 * 8 + 4 * 89) / 10.0, "compute")

@@ -32,16 +32,16 @@ def worker_stats() -> dict[str, ReplicaStats]:
     return cluster_helpers.worker_stats(APP)
 
 
-def start_app(ray_address: str, port: int, ckpt: Path, workdir: Path) -> str:
-    """`serve run` the shipped serve.yaml with only sizes changed; returns the base URL."""
+def start_app(ray_address: str, port: int, ckpt: Path | str, workdir: Path, **args) -> str:
+    """`serve run` the shipped serve.yaml with only sizes changed (and ``args``); returns the base URL."""
 
     config = yaml.safe_load(SERVE_YAML.read_text())
     config["http_options"]["port"] = port
     # A tiny checkpoint and CI-sized resources. 4 MiB of KV per worker is 256 blocks, small
     # enough that the kv routing tests churn through it (evictions included).
-    config["applications"][0]["args"].update(model=str(ckpt), workers=2, kv_cache_bytes="4MiB",
-                                             max_model_len=MAX_MODEL_LEN, max_num_seqs=8,
-                                             worker_num_cpus=0.5, ingress_num_cpus=0.25)
+    config["applications"][0]["args"].update({"model": str(ckpt), "workers": 2, "kv_cache_bytes": "4MiB",
+                                              "max_model_len": MAX_MODEL_LEN, "max_num_seqs": 8,
+                                              "worker_num_cpus": 0.5, "ingress_num_cpus": 0.25, **args})
     path = workdir / "serve.yaml"
     path.write_text(yaml.safe_dump(config))
     serve_cli = str(Path(sys.executable).parent / "serve")

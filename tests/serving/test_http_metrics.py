@@ -60,3 +60,33 @@ def test_router_metrics_refuse_keys_outside_the_table():
         metrics.set("http_requests", 1.0)  # a counter, not a gauge
     with pytest.raises(KeyError):
         metrics.observe("no_such_metric", 1.0)
+
+
+class ZeroedMetrics(RecordingMetrics):
+    """Records which counter series start at 0 (``start_at_zero``) instead of making them in Ray."""
+
+    def __init__(self):
+        super().__init__()
+        self.zeroed: set[tuple] = set()
+
+    def start_at_zero(self, key, *tag_sets):
+        super().start_at_zero(key, *tag_sets)  # checks the key is a counter of the table
+        self.zeroed |= {(key, *sorted(tags.items())) for tags in tag_sets or ({},)}
+
+
+def test_the_ingress_counters_the_dashboard_plots_start_at_zero(service):
+    from pagefleet.router.global_scheduler.kv_mirror import SchedulerMirror
+    from pagefleet.router.routing.admission import REJECTION_REASONS
+    from pagefleet.router.routing.kv_routing import KV_REASONS, KVRoutingClient, KVRoutingOptions
+
+    metrics = ZeroedMetrics()
+    build_openai_app(service, metrics=metrics)
+    assert metrics.zeroed == {("http_requests", ("route", route), ("status_code", status))
+                              for route in ("/v1/completions", "/v1/chat/completions") for status in ("200", "429")}
+    metrics = ZeroedMetrics()
+    KVRoutingClient(SchedulerMirror(4.0), KVRoutingOptions(), block_size=16, metrics=metrics)
+    assert metrics.zeroed == (
+        {("routing_decisions", ("policy", "kv"), ("reason", r)) for r in KV_REASONS}
+        | {("admission_rejections", ("reason", r)) for r in (*REJECTION_REASONS, "worker_queue_full")}
+        | {("prefix_hit_blocks_predicted",), ("prefix_hit_blocks_realised",)})
+    assert KV_REASONS == ("prefix", "load", "no_room", "fallback_stale", "fallback_no_view")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -21,6 +22,7 @@ import httpx
 import pytest
 import yaml
 
+from pagefleet.worker.metrics.definitions import ENGINE_METRICS
 from pagefleet.worker.metrics.stats import ReplicaStats
 
 from cluster_helpers import wait_until_running
@@ -147,7 +149,7 @@ def _settled(prom: str, replicas: list[str], timeout_s: float = 60.0) -> dict:
     while True:
         time.sleep(3)
         now = _counters(prom, replicas)
-        if now == last and now["finished"]:
+        if now == last and sum(now["finished"].values()):
             return now
         assert time.monotonic() < deadline, f"counters still moving: {last} -> {now}"
         last = now
@@ -222,6 +224,30 @@ def traffic(app, prometheus):
     return reported, _delta(after, before)
 
 
+def test_engine_and_http_counters_are_scraped_at_zero_before_any_request(app, prometheus):
+    """As vLLM's: every engine counter of each replica (request_success for each finish reason) and
+    the ingress's http_requests for what the dashboard plots, from the first scrape at 0. (The
+    routing decisions of least_loaded start at 0 when Serve makes its request router, at the
+    first request; latency histograms appear with their first observation.)"""
+    base, model, replicas = app
+    sel = 'replica=~"%s"' % "|".join(replicas)
+    counters = [s.exported for s in ENGINE_METRICS.values() if s.kind == "counter"]
+    deadline = time.monotonic() + 60
+    while True:
+        rows = {name: query(prometheus, f"{name}{{{sel}}}") for name in counters}
+        http = query(prometheus, f'ray_pagefleet_http_requests_total{{model_name="{model}", status_code="429"}}')
+        if all(rows.values()) and http or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    per_replica = {name: sorted(r["metric"]["replica"] for r in found) for name, found in rows.items()}
+    success = per_replica.pop("ray_pagefleet_request_success_total")
+    assert per_replica == {name: replicas for name in per_replica}, per_replica
+    assert success == sorted(replicas * 3)  # stop, length and abort
+    assert all(float(r["value"][1]) == 0 for found in rows.values() for r in found)
+    assert sorted(r["metric"]["route"] for r in http) == ["/v1/chat/completions", "/v1/completions"]
+    assert all(float(r["value"][1]) == 0 for r in http)
+
+
 def test_exported_counters_equal_what_the_responses_reported(traffic):
     reported, grown = traffic
     assert reported["finished"]["stop"] >= 1 and reported["finished"]["length"] >= 17  # both reasons exercised
@@ -245,8 +271,6 @@ def _as_promql(expr: str) -> str:
 
 
 def test_every_dashboard_query_returns_data(traffic, prometheus):
-    import re
-
     def returns_data(expr: str) -> bool:
         match = re.fullmatch(r"label_values\((.*), (\w+)\)", expr)
         if match:  # a variable: the label must have values on the series
@@ -266,8 +290,6 @@ def test_every_dashboard_query_returns_data(traffic, prometheus):
 
 
 def test_dashboard_series_are_all_exported(traffic, prometheus):
-    import re
-
     named = {n for _, expr in _dashboard_queries() for n in re.findall(r"\bray_pagefleet_\w+", expr)}
     deadline = time.monotonic() + 30
     while True:  # series names Prometheus has seen; a busy agent may export a gauge a scrape late
@@ -289,5 +311,6 @@ def test_metrics_endpoint_on_the_serve_port_shows_the_pagefleet_series(app, traf
         assert series in text, series
     assert "python_gc_objects_collected_total" in text  # the ingress process's own series stay
     # every delta channel went over a TCP connection to its replica, none fell back to a Serve stream
-    assert 'ray_pagefleet_router_delta_channels_opened_total{' in text and 'transport="socket"' in text
-    assert 'transport="serve_stream"' not in text
+    opened = {m.group(1): float(m.group(2)) for m in re.finditer(
+        r'ray_pagefleet_router_delta_channels_opened_total\{[^}]*transport="(\w+)"[^}]*\} (\S+)', text)}
+    assert opened["socket"] >= 1 and opened["serve_stream"] == 0  # its series is there from the start, at 0

@@ -209,3 +209,20 @@ def test_build_app_spins_the_team_of_a_lone_cpu_worker_in_its_process_environmen
     worker_app, engine_args = built._bound_deployment.init_args
     assert engine_args.cpu_omp_threads == 4
     assert worker_app._bound_deployment.ray_actor_options["runtime_env"] == {"env_vars": {"GOMP_SPINCOUNT": "300000"}}
+
+
+def test_simulated_workers_reserve_no_gpu_spin_no_team_and_start_no_rank_actors(tiny_checkpoint, monkeypatch):
+    import pagefleet.cluster.app as app_module
+
+    monkeypatch.setattr(app_module, "available_cores", lambda: 4)
+    monkeypatch.setattr(app_module, "_cluster_has_gpus", lambda: True)
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    built = build_app({"model": str(tiny_checkpoint("llama")), "routing": "round_robin", "simulate": "h200",
+                       "tensor_parallel_size": 2})
+    worker_app, engine_args = built._bound_deployment.init_args
+    deployment = worker_app._bound_deployment
+    assert engine_args.simulate == "h200"
+    assert deployment.ray_actor_options["num_gpus"] == 0.0 and "runtime_env" not in deployment.ray_actor_options
+    assert deployment._replica_config.placement_group_bundles is None  # one process: no rank actors to place
+    assert "placement_group_bundles" not in worker_deployment_options(EngineArgs(simulate="h200",
+                                                                                 tensor_parallel_size=4))

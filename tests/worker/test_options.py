@@ -42,6 +42,8 @@ OTHER_VALUES = {
     "max_stop_token_ids": ("8", 8),
     "cpu_omp_threads": ("3", 3),
     "enforce_eager": (None, True),  # --enforce-eager
+    "simulate": ("h100", "h100"),
+    "simulate_efficiency": ("0.73", 0.73),
     "host": ("0.0.0.0", "0.0.0.0"),
     "port": ("9000", 9000),
     "workers": ("3", 3),

@@ -23,7 +23,7 @@ from pagefleet.worker.errors import EngineDeadError
 from pagefleet.worker.metrics.engine_metrics import EngineMetrics, MetricsRecorder
 from pagefleet.worker.metrics.stats import EngineStats
 from pagefleet.worker.model_executor.model_config import ModelConfig
-from pagefleet.worker.model_executor.platform import platform_for
+from pagefleet.worker.model_executor.platform import platform_of
 from pagefleet.worker.outputs import RequestOutputDelta, merge_deltas
 from pagefleet.worker.sampling_params import SamplingParams
 
@@ -311,7 +311,7 @@ class AsyncLLMEngine:
 
     def _build_and_run(self, args: EngineArgs) -> None:
         try:
-            args, self.pinned_threads = platform_for(resolve_device(args.device)).prepare_step_thread(args)
+            args, self.pinned_threads = platform_of(args, resolve_device(args.device)).prepare_step_thread(args)
             self.engine = LLMEngine(args)
         except BaseException as e:  # the constructor raises it
             self._build_error = e

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pagefleet.cluster.plan.presets import GPUS
 from pagefleet.worker.engine.options import check_choices, option, parse_bytes
 from pagefleet.worker.model_executor.model_config import parse_dtype
 from pagefleet.worker.request_check import (
@@ -69,6 +70,18 @@ class EngineArgs:
                                               "core; a served engine computes at the lowest priority, so "
                                               "the server's threads still get a core at once. Sets torch's "
                                               "thread count for the whole process)")
+    simulate: str | None = option(None, choices=tuple(GPUS), metavar="GPU",
+                                  help="run no model: each engine step waits the time `pagefleet plan`'s roofline "
+                                       f"gives its batch on this GPU ({', '.join(GPUS)}) over the real scheduler, "
+                                       "KV block pool (sized from the GPU's memory as `pagefleet plan` sizes it), "
+                                       "prefix cache, KV events and metrics; tokens are drawn from a seeded "
+                                       "generator. --model may then be a model `pagefleet plan` knows by name "
+                                       "(its config and the demo tokenizer serve). For capacity tests without "
+                                       "GPUs: docs/simulator.md")
+    simulate_efficiency: float = option(1.0, metavar="F",
+                                        help="--simulate: the fraction of the roofline the simulated GPU reaches, "
+                                             "in (0, 1]: a step takes the roofline's time / F (calibrations "
+                                             "measured on an H200: docs/simulator.md)")
 
     @property
     def max_queued_seqs(self) -> int:
@@ -106,6 +119,8 @@ class EngineArgs:
                              f"{self.log_stats_interval}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if not 0.0 < self.simulate_efficiency <= 1.0:
+            raise ValueError(f"simulate_efficiency must be in (0, 1], got {self.simulate_efficiency}")
         if self.gpu_memory_utilization is not None:
             if self.kv_cache_bytes is not None:
                 raise ValueError("give kv_cache_bytes or gpu_memory_utilization, not both")

@@ -24,6 +24,7 @@ from pagefleet.worker.metrics.stats import EngineStats
 from pagefleet.worker.model_executor.model_config import model_config_of
 from pagefleet.worker.model_executor.model_runner import build_step_input
 from pagefleet.worker.model_executor.sampler import Sampler
+from pagefleet.worker.model_executor.simulated_sampler import SimulatedSampler
 from pagefleet.worker.outputs import CompletionOutput, RequestOutputDelta
 from pagefleet.worker.parallel.executor import make_executor
 from pagefleet.worker.request_check import InvalidRequest, RequestLimits, check_request
@@ -62,12 +63,17 @@ class LLMEngine:
         self.pool = BlockPool(num_blocks, args.enable_prefix_caching)
         self.kv = KVCacheManager(self.pool, args.block_size)
         self.scheduler = Scheduler(self.kv, args.max_num_seqs, args.max_num_batched_tokens)
-        self.sampler = Sampler(cfg.eos_token_ids)
+        if args.simulate is None:
+            self.sampler: Sampler | SimulatedSampler = Sampler(cfg.eos_token_ids)
+        else:  # the simulated GPU returns no logits: tokens are drawn, over the tokenizer's ids
+            self.sampler = SimulatedSampler(cfg.eos_token_ids, min(len(self.tokenizer), cfg.vocab_size),
+                                            cfg.vocab_size, args.seed)
         # Grammars are compiled for the logits' width; a complete grammar ends at the model's EOS.
         self.grammars = GrammarCache(self.tokenizer, cfg.vocab_size, cfg.eos_token_ids)
         tokens = num_blocks * args.block_size
         logger.info("%s on %s: KV cache (per rank) of %d blocks = %d tokens (%.1f MiB); maximum concurrency at "
-                    "max_model_len %d: %.2fx", cfg.architecture, self.device, num_blocks, tokens,
+                    "max_model_len %d: %.2fx", cfg.architecture,
+                    self.device if args.simulate is None else f"a simulated {args.simulate}", num_blocks, tokens,
                     num_blocks * per_block / 2**20, cfg.max_model_len, tokens / cfg.max_model_len)
         self.requests: dict[str, list[Sequence]] = {}
         self.detok: dict[int, IncrementalDetokenizer] = {}

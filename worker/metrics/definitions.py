@@ -15,6 +15,7 @@ from dataclasses import dataclass
 PREFIX = "pagefleet_"
 EXPORT_PREFIX = "ray_"  # added by Ray's metrics agent to every metric it exports
 ENGINE_TAGS = ("model_name", "replica")
+FINISH_REASONS = ("stop", "length", "abort")  # request_success's finished_reason values
 
 # vLLM's bucket boundaries (V1 loggers), so dashboards and SLOs carry over unchanged.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,

@@ -56,8 +56,15 @@ def model_config_of(args: "EngineArgs") -> ModelConfig:
     if args.model is None:
         raise ValueError("no model given: pass a checkpoint directory (`pagefleet serve` without --model "
                          "serves the built-in demo checkpoint; `pagefleet demo-model --out DIR` writes one)")
-    return load_model_config(args.model, dtype=args.dtype, max_model_len=args.max_model_len,
-                             served_model_name=args.served_model_name)
+    model, names = args.model, args.served_model_name
+    if args.simulate is not None:
+        # A model `pagefleet plan` knows by name is simulated from its config alone, served under that name.
+        from pagefleet.cluster.demo.simulated import simulated_checkpoint
+
+        path = simulated_checkpoint(model)
+        if path is not None:
+            model, names = path, names or [args.model]
+    return load_model_config(model, dtype=args.dtype, max_model_len=args.max_model_len, served_model_name=names)
 
 
 def resolve_model_path(model: str) -> Path:

@@ -4,7 +4,9 @@ The model runner, the executor and a served engine's step thread ask the platfor
 device (``platform_for``, CPU or CUDA) for what only that device needs, once, at start; each
 step then runs the same code on either. The CPU platform is worker/cpu/platform.py. CUDA needs
 nothing beyond its kernel table: its Triton kernels read the paged cache in place and plan
-nothing, and torch's defaults serve its host threads and memory.
+nothing, and torch's defaults serve its host threads and memory. A simulated GPU
+(``EngineArgs.simulate``, ``platform_of``) needs nothing at all: its engine computes nothing on
+the host, so it pins no thread and lowers no priority.
 """
 
 from __future__ import annotations
@@ -55,9 +57,18 @@ class CudaPlatform:
         return args, {}
 
 
-_CPU, _CUDA = CpuPlatform(), CudaPlatform()
+class SimulatedPlatform(CudaPlatform):
+    """A simulated GPU: as CUDA, nothing to set up on the host (no kernels run)."""
+
+
+_CPU, _CUDA, _SIMULATED = CpuPlatform(), CudaPlatform(), SimulatedPlatform()
 
 
 def platform_for(device: torch.device | str) -> Platform:
     """The CPU platform for a CPU device, else CUDA's."""
     return _CPU if torch.device(device).type == "cpu" else _CUDA
+
+
+def platform_of(args: EngineArgs, device: torch.device | str) -> Platform:
+    """The platform of an engine with ``args`` on ``device``: a simulated GPU's under ``args.simulate``."""
+    return _SIMULATED if args.simulate is not None else platform_for(device)

@@ -1,8 +1,8 @@
 """How the engine runs its model: an ``Executor`` over one or more ranks.
 
 The engine speaks only this protocol. ``UniProcExecutor`` is the single rank in
-the engine's own process (tensor_parallel_size 1); ``TPExecutor``
-(tp_executor.py) drives Ray actors for ranks 1..N-1 beside rank 0.
+the engine's own process (tensor_parallel_size 1, or a simulated GPU of any size);
+``TPExecutor`` (tp_executor.py) drives Ray actors for ranks 1..N-1 beside rank 0.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from pagefleet.worker.engine.engine_args import EngineArgs
 from pagefleet.worker.model_executor.model_config import ModelConfig
 from pagefleet.worker.model_executor.model_runner import ModelRunner, StepInput
 from pagefleet.worker.model_executor.platform import platform_for
+from pagefleet.worker.model_executor.simulated_runner import SimulatedModelRunner
 from pagefleet.worker.parallel.tp_group import SINGLE
 
 
@@ -41,10 +42,8 @@ class Executor(Protocol):
 class UniProcExecutor:
     """One rank, in this process: failures surface as exceptions from ``execute`` itself."""
 
-    def __init__(self, cfg: ModelConfig, args: EngineArgs, device: torch.device) -> None:
-        platform_for(device).set_compute_threads(args)
-        self.runner: ModelRunner | None = ModelRunner(cfg, SINGLE, device, args.load_format, args.seed,
-                                                      args.enforce_eager)
+    def __init__(self, runner: ModelRunner | SimulatedModelRunner) -> None:
+        self.runner: ModelRunner | SimulatedModelRunner | None = runner
 
     def kv_bytes_per_block(self, block_size: int) -> int:
         return self._runner().kv_bytes_per_block(block_size)
@@ -67,15 +66,19 @@ class UniProcExecutor:
         # engine in this process (or on this GPU) gets the memory back.
         self.runner = None
 
-    def _runner(self) -> ModelRunner:
+    def _runner(self) -> ModelRunner | SimulatedModelRunner:
         if self.runner is None:
             raise RuntimeError("the executor is shut down")
         return self.runner
 
 
 def make_executor(cfg: ModelConfig, args: EngineArgs, device: torch.device) -> Executor:
+    if args.simulate is not None:
+        # The simulated GPU computes nothing: one runner stands for every rank of the replica.
+        return UniProcExecutor(SimulatedModelRunner(cfg, args))
     if args.tensor_parallel_size == 1:
-        return UniProcExecutor(cfg, args, device)
+        platform_for(device).set_compute_threads(args)
+        return UniProcExecutor(ModelRunner(cfg, SINGLE, device, args.load_format, args.seed, args.enforce_eager))
     from pagefleet.worker.parallel.tp_executor import TPExecutor
 
     return TPExecutor(cfg, args, device)

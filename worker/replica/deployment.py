@@ -245,7 +245,8 @@ def worker_deployment_options(engine_args: EngineArgs, *, num_replicas: int = 1,
         raise ValueError(f"channels must be >= 0, got {channels}")
     if num_cpus < 0 or num_gpus_per_rank < 0:
         raise ValueError("num_cpus and num_gpus_per_rank must be >= 0")
-    tp = engine_args.tensor_parallel_size
+    # A simulated engine is one process whatever its size: it starts no rank actors.
+    tp = 1 if engine_args.simulate is not None else engine_args.tensor_parallel_size
     options: dict[str, Any] = {
         "name": name,
         "num_replicas": num_replicas,

@@ -1,0 +1,63 @@
+"""Config-only checkpoints of the models ``pagefleet plan`` knows by name, for the simulated
+engine (``--simulate``): the model's published shape as its config.json and the demo tokenizer,
+no weights. ``pagefleet plan`` reads the same shape from the directory as from the name."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from pagefleet.cluster.demo.model import DEMO_SIZES, cached_checkpoint, demo_cache_root
+from pagefleet.cluster.demo.tokenizer import IM_END_TOKEN, build_demo_tokenizer
+from pagefleet.cluster.plan.presets import ModelShape, find_model
+
+# Bumped whenever the files written here change, so a stale cached checkpoint is never served.
+SIMULATED_FORMAT_VERSION = 1
+# The demo's larger tokenizer: a BPE vocabulary whose text is about as dense in tokens as a real
+# one's. The config keeps the model's own vocabulary size, which the roofline's LM head reads.
+TOKENIZER_VOCAB = DEMO_SIZES["small"].vocab_size
+
+
+def simulated_checkpoint(model: str) -> str | None:
+    """The config-only checkpoint directory of a model known by name (written on first use), or
+    None when ``model`` is a directory or no known name."""
+    if Path(model).expanduser().is_dir():
+        return None
+    shape = find_model(model)
+    if shape is None:
+        return None
+    target = demo_cache_root() / f"simulated-{shape.name.lower()}-v{SIMULATED_FORMAT_VERSION}"
+    return str(cached_checkpoint(target, lambda out: write_config_checkpoint(shape, out)))
+
+
+def architecture_of(shape: ModelShape) -> tuple[str, str]:
+    """(architecture, model_type) whose defaults give the shape's biases and norms when read back."""
+    if shape.qk_norm:
+        return "Qwen3ForCausalLM", "qwen3"
+    if shape.attention_bias:
+        return "Qwen2ForCausalLM", "qwen2"
+    if shape.name.lower().startswith("mistral"):
+        return "MistralForCausalLM", "mistral"
+    return "LlamaForCausalLM", "llama"
+
+
+def write_config_checkpoint(shape: ModelShape, out: Path) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_demo_tokenizer(min(shape.vocab_size, TOKENIZER_VOCAB), shape.max_position_embeddings)
+    eos = [tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids(IM_END_TOKEN)]
+    arch, model_type = architecture_of(shape)
+    config = {
+        "architectures": [arch], "model_type": model_type, "vocab_size": shape.vocab_size,
+        "hidden_size": shape.hidden_size, "intermediate_size": shape.intermediate_size,
+        "num_hidden_layers": shape.num_layers, "num_attention_heads": shape.num_heads,
+        "num_key_value_heads": shape.num_kv_heads, "head_dim": shape.head_dim,
+        "max_position_embeddings": shape.max_position_embeddings, "tie_word_embeddings": shape.tie_word_embeddings,
+        "attention_bias": shape.attention_bias, "mlp_bias": shape.mlp_bias, "sliding_window": None,
+        "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "dtype": shape.dtype,
+        "bos_token_id": tokenizer.bos_token_id, "eos_token_id": eos, "pad_token_id": tokenizer.pad_token_id,
+    }
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    (out / "generation_config.json").write_text(json.dumps({"bos_token_id": tokenizer.bos_token_id,
+                                                            "eos_token_id": eos}, indent=2))
+    tokenizer.save_pretrained(out)
+    return out

@@ -1,0 +1,73 @@
+"""A simulated GPU in the model runner's place (``EngineArgs.simulate``): no weights and no KV
+tensors; a step waits the time ``pagefleet plan``'s roofline gives its batch on that GPU, divided
+by ``simulate_efficiency``. The pool is the one ``pagefleet plan`` sizes for that GPU's memory.
+
+Both come from the plan's own functions (cluster/plan), so the simulator and the planner cannot
+disagree. The engine around this runner is the real one; the sampler that stands in for the
+model's logits is ``simulated_sampler.py``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from pagefleet.cluster.plan.capacity import make_plan, step_roofline
+from pagefleet.cluster.plan.cli import PlanArgs, plan_inputs
+from pagefleet.cluster.plan.roofline import StepRoofline, StepWork, step_work
+from pagefleet.worker.engine.engine_args import EngineArgs
+from pagefleet.worker.model_executor.model_config import ModelConfig
+from pagefleet.worker.model_executor.model_runner import StepInput
+
+logger = logging.getLogger(__name__)
+
+
+class SimulatedModelRunner:
+    def __init__(self, cfg: ModelConfig, args: EngineArgs) -> None:
+        # The plan of one replica of this engine: its KV budget and its GPU's roofline. Its
+        # request lengths are unused here (they only shape the plan's printed tables).
+        inputs = plan_inputs(PlanArgs(model=str(cfg.path), gpu=args.simulate, input_len=1, output_len=1),
+                             args)
+        plan = make_plan(inputs)
+        self.gpu = inputs.gpu
+        self.kv_budget_bytes = plan.kv_budget_bytes_per_gpu
+        self.kv_bytes_per_token = plan.kv_bytes_per_token_per_gpu
+        self.roofline: StepRoofline = step_roofline(inputs, plan.decode_weight_bytes_per_gpu,
+                                                    plan.kv_bytes_per_token_per_gpu)
+        self.efficiency = args.simulate_efficiency
+        logger.info("simulated %s (%d GPU(s) per replica): steps at %g of the roofline", self.gpu.name,
+                    args.tensor_parallel_size, self.efficiency)
+
+    def kv_bytes_per_block(self, block_size: int) -> int:
+        return block_size * self.kv_bytes_per_token
+
+    def available_kv_bytes(self, kv_cache_bytes: int | None, gpu_memory_utilization: float | None,
+                           max_num_batched_tokens: int) -> int:
+        """The plan's budget: ``kv_cache_bytes``, or the GPU's memory x utilization less the
+        estimated peak of the profile run (the plan read the same options)."""
+        return self.kv_budget_bytes
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        return None  # no tensors: the engine's block pool is the whole of the simulated cache
+
+    def step_seconds(self, step: StepInput) -> float:
+        """The roofline's time of this step on one GPU, over the efficiency."""
+        return self.roofline.cost(work_of(step)).seconds / self.efficiency
+
+    def execute(self, step: StepInput) -> None:
+        """Wait the step's time; no logits (the simulated sampler draws the tokens). Sleeps: an
+        engine waiting on its simulated GPU uses no CPU, as one waiting on a real GPU need not."""
+        sleep_until(time.perf_counter() + self.step_seconds(step))
+        return None
+
+
+def work_of(step: StepInput) -> StepWork:
+    """What a step computes: each sequence's new tokens end at its seq_len."""
+    starts = step.query_start_loc
+    return step_work((end - (starts[i + 1] - starts[i]), end) for i, end in enumerate(step.seq_lens))
+
+
+def sleep_until(deadline: float) -> None:
+    """Return at ``deadline`` (``time.perf_counter``) or after it, never before."""
+    while (left := deadline - time.perf_counter()) > 0:
+        time.sleep(left)
