@@ -109,7 +109,7 @@ def worker_kv_view(core: GlobalScheduler, worker_id: str) -> WorkerKVView | None
     if view is None:
         return None
     return WorkerKVView(worker_id, view.seq, view.synced, core.keys_of(worker_id) or set(), view.num_free_blocks,
-                        view.num_total_blocks, set(view.in_use))
+                        view.num_total_blocks, core.in_use_of(worker_id))
 
 
 def start_scheduler():

@@ -1,7 +1,10 @@
 """The global scheduler's core: every worker's KV blocks and load, and where a request should go.
 
-Pure Python (no Ray, no torch, no clock of its own: callers pass ``now``), so
-every choice is tested on constructed states. ``actor.py`` wraps it
+Python (no Ray, no torch, no clock of its own: callers pass ``now``), so
+every choice is tested on constructed states; the KV index and the ranking walk
+over it are compiled where a C++ compiler is (``kv_index_native``,
+``ranking_native``), else pure Python (``kv_index``, ``ranking``), with the same
+answers. ``actor.py`` wraps it
 in a named Ray actor (the source of truth, fed by the workers); each ingress
 replica holds another instance as its read-only copy (``kv_mirror.py``), fed
 the same inputs in the same order, and routes with it.
@@ -40,12 +43,15 @@ from __future__ import annotations
 
 import heapq
 import sys
+from array import array
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
-from pagefleet.router.global_scheduler.kv_index import KVBlockIndex, pack_keys, routing_keys, unpack_keys
+from pagefleet.router.global_scheduler.kv_index import KEY_WIDTH, routing_keys
+from pagefleet.router.global_scheduler.kv_index_native import NativeKVBlockIndex, new_kv_index
 from pagefleet.router.global_scheduler.predictions import Prediction, Predictions
-from pagefleet.router.global_scheduler.ranking import RANK, candidate_rows
+from pagefleet.router.global_scheduler.ranking import RANK, Row, candidate_rows
+from pagefleet.router.global_scheduler.ranking_native import NativeWalk, WorkerTable
 from pagefleet.worker.core.block_hash import HASH_SIZE
 from pagefleet.worker.core.kv_events import KVEventBatch, KVSnapshot
 
@@ -78,7 +84,7 @@ class RouteDecision:
 
 @dataclass(slots=True)
 class WorkerView:
-    """What the scheduler knows of one worker (its blocks live in the index under ``slot``)."""
+    """What the scheduler knows of one worker (its blocks, cached and in use, live in the index under ``slot``)."""
 
     worker_id: str
     slot: int
@@ -95,12 +101,12 @@ class WorkerView:
     predicted_blocks: int = 0
     predicted_seqs: int = 0  # sequences of requests routed to it that it has not reported yet
     max_seqs: int = sys.maxsize  # sequences it holds at most, running and waiting (its request queue)
-    in_use: set[int] = field(default_factory=set)  # routing keys it holds that a running sequence holds
     # Derived from the numbers above by ``refresh`` whenever they change (read once per decision):
     load_blocks: int = 0  # committed: in use + reserved by unfinished sequences + predicted
     room_blocks: int = sys.maxsize  # free - reserved - predicted; no bound until the worker reports
     queued: int = 0  # sequences running or waiting
     seats: int = sys.maxsize  # sequences it can still take: max - queued - predicted
+    table: WorkerTable | None = field(default=None, repr=False, compare=False)  # the compiled walk's copy of them
 
     def refresh(self) -> None:
         used = self.num_total_blocks - self.num_free_blocks
@@ -109,6 +115,8 @@ class WorkerView:
             self.room_blocks = self.num_free_blocks - self.num_reserved_blocks - self.predicted_blocks
         self.queued = self.num_running + self.num_waiting
         self.seats = self.max_seqs - self.queued - self.predicted_seqs
+        if self.table is not None:
+            self.table.put(self)
 
 
 @dataclass(slots=True)
@@ -144,10 +152,12 @@ class SchedulerCounters:
 
 class GlobalScheduler:
     def __init__(self, *, weight: float = 4.0, prediction_ttl_s: float = 2.0, liveness_timeout_s: float = 10.0,
-                 snapshot_retry_s: float = 2.0, max_ranked: int = 8, max_seqs_per_worker: int | None = None) -> None:
+                 snapshot_retry_s: float = 2.0, max_ranked: int = 8, max_seqs_per_worker: int | None = None,
+                 index_kind: str | None = None) -> None:
         """``max_seqs_per_worker``: how many sequences a worker holds, running and waiting, before
         requests queue for it elsewhere (the worker deployment's request limit); a worker with no
-        seat left has no room, as one without the blocks (None: no limit)."""
+        seat left has no room, as one without the blocks (None: no limit). ``index_kind``: the KV
+        index, as ``kv_index_native.new_kv_index`` takes it (default: the compiled one if it builds)."""
         if weight < 0:
             raise ValueError(f"the cost weight must be >= 0, got {weight}")
         if max_ranked < 1:
@@ -158,7 +168,12 @@ class GlobalScheduler:
         self.prediction_ttl_s = prediction_ttl_s
         self.liveness_timeout_s = liveness_timeout_s
         self.snapshot_retry_s = snapshot_retry_s
-        self.index = KVBlockIndex()
+        self.index = new_kv_index(index_kind)
+        # The compiled index ranks with the compiled walk, over a table of the views' numbers.
+        native = isinstance(self.index, NativeKVBlockIndex)
+        self._walk = NativeWalk(self.index, max_ranked) if native else None
+        self._table = WorkerTable() if native else None
+        self._all_slots: array | None = None  # every view's slot, for the walk; None: to redo (and the id order)
         self.workers: dict[str, WorkerView] = {}
         self._by_slot: dict[int, WorkerView] = {}
         self._order: list[WorkerView] = []  # every view; sorted by ``ranking.RANK`` when a decision starts
@@ -166,7 +181,7 @@ class GlobalScheduler:
         self._free_slots: list[int] = []
         self._next_slot = 0
         self._next_liveness_check = float("-inf")
-        self.predictions = Predictions()
+        self.predictions = Predictions(NativeKVBlockIndex(self.index.library) if native else None)
 
     # ---- workers -----------------------------------------------------------------------------
 
@@ -179,8 +194,12 @@ class GlobalScheduler:
             else:
                 slot, self._next_slot = self._next_slot, self._next_slot + 1
             view = self.workers[worker_id] = self._by_slot[slot] = WorkerView(worker_id, slot, last_seen=now,
-                                                                              max_seqs=self.max_seqs_per_worker)
+                                                                              max_seqs=self.max_seqs_per_worker,
+                                                                              table=self._table)
             self._order.append(view)
+            if self._table is not None:
+                self._table.put(view)
+                self._all_slots = None
         return view
 
     def drop_worker(self, worker_id: str) -> bool:
@@ -190,6 +209,7 @@ class GlobalScheduler:
             return False
         del self._by_slot[view.slot]
         self._order.remove(view)
+        self._all_slots = None
         self.index.clear(view.slot)
         for pred in [p for p in self.predictions.by_request.values() if p.slot == view.slot]:
             self.predictions.end(pred, None)
@@ -244,24 +264,9 @@ class GlobalScheduler:
             self.counters.gaps += 1
         if not view.synced:
             return self._ask_snapshot(view, now)
-        in_use = view.in_use
-        if batch.cleared:
-            self.index.clear(view.slot)
-            in_use.clear()
-        if batch.removed:
-            removed = routing_keys(batch.removed)
-            self.index.remove(view.slot, removed)
-            in_use.difference_update(removed)
-        if batch.stored:
-            stored = routing_keys(batch.stored)
-            self.index.add(view.slot, stored)
-            in_use.update(stored)
-        # then the state each cached hash was left in
-        if batch.acquired:
-            in_use.update(routing_keys(batch.acquired))
-        if batch.released:
-            in_use.difference_update(routing_keys(batch.released))
-        self.predictions.stop_sharing(view, self.index.holds)
+        self.index.apply_packed(view.slot, batch.removed, batch.stored, cleared=batch.cleared,
+                                acquired=batch.acquired, released=batch.released)
+        self.predictions.stop_sharing(view, self.index)
         view.seq = batch.seq
         self.counters.batches += 1
         self.counters.block_events += (batch.num_removed + batch.num_stored
@@ -279,10 +284,10 @@ class GlobalScheduler:
         view = self._view(snap.worker_id, now)
         if view.synced and snap.seq <= view.seq:
             return  # older than what we hold
-        self.index.replace(view.slot, routing_keys(snap.block_hashes))
-        view.in_use = set(routing_keys(snap.in_use_hashes))
+        self.index.replace_packed(view.slot, snap.block_hashes)
+        self.index.replace_in_use_packed(view.slot, snap.in_use_hashes)
         self._report(view, snap, now)
-        self.predictions.stop_sharing(view, self.index.holds)
+        self.predictions.stop_sharing(view, self.index)
         view.seq = snap.seq
         view.synced = True
         view.snapshot_asked_at = None
@@ -290,9 +295,9 @@ class GlobalScheduler:
 
     def worker_states(self) -> list[WorkerState]:
         """Every worker's view as plain data, for a new copy of the view to ``restore``."""
-        return [WorkerState(v.worker_id, v.seq, v.synced, pack_keys(self.index.keys_of(v.slot)), v.num_free_blocks,
+        return [WorkerState(v.worker_id, v.seq, v.synced, self.index.packed_keys_of(v.slot), v.num_free_blocks,
                             v.num_total_blocks, v.num_running, v.num_waiting, v.num_reserved_blocks,
-                            pack_keys(v.in_use))
+                            self.index.packed_in_use_of(v.slot))
                 for v in self.workers.values()]
 
     def restore(self, states: list[WorkerState], now: float) -> None:
@@ -303,20 +308,25 @@ class GlobalScheduler:
             self.drop_worker(worker_id)
         for state in states:
             view = self._view(state.worker_id, now)
-            self.index.replace(view.slot, unpack_keys(state.routing_keys))
-            view.in_use = set(unpack_keys(state.in_use_keys))
+            self.index.replace_packed(view.slot, state.routing_keys, width=KEY_WIDTH)
+            self.index.replace_in_use_packed(view.slot, state.in_use_keys, width=KEY_WIDTH)
             view.seq, view.synced, view.snapshot_asked_at = state.seq, state.synced, None
             view.reported = True
             view.num_free_blocks, view.num_total_blocks = state.num_free_blocks, state.num_total_blocks
             view.num_running, view.num_waiting = state.num_running, state.num_waiting
             view.num_reserved_blocks = state.num_reserved_blocks
             view.refresh()
-            self.predictions.stop_sharing(view, self.index.holds)
+            self.predictions.stop_sharing(view, self.index)
 
     def keys_of(self, worker_id: str) -> set[int] | None:
         """The routing keys the scheduler believes the worker holds (None: unknown worker)."""
         view = self.workers.get(worker_id)
         return None if view is None else self.index.keys_of(view.slot)
+
+    def in_use_of(self, worker_id: str) -> set[int] | None:
+        """The routing keys the scheduler believes a running sequence of the worker holds."""
+        view = self.workers.get(worker_id)
+        return None if view is None else self.index.in_use_of(view.slot)
 
     # ---- routing -----------------------------------------------------------------------------
 
@@ -328,22 +338,12 @@ class GlobalScheduler:
         The first choice is recorded as a prediction when the request is admitted, or
         always with ``force`` (the caller routes it whether or not a worker has room)."""
         self.expire(now)
-        if candidates is None:
-            order = self._order
-            order.sort(key=RANK)  # nearly sorted already: a decision or a batch moves a worker or two
-        else:
-            order = sorted([self._view(c, now) for c in dict.fromkeys(candidates)], key=RANK)
+        order = self._order if candidates is None else [self._view(c, now) for c in dict.fromkeys(candidates)]
         if not order:
             return RouteDecision([], False, "no_workers", 0)
         keys = routing_keys(req.block_hashes)
-        # {leading prompt blocks held: bit mask of the workers holding that many}
-        runs = self.index.prefix_runs(keys, self.predictions.held) if keys else {}
         need, seqs = req.num_blocks, req.num_seqs
-        by_slot = self._by_slot if candidates is None else {v.slot: v for v in order}
-        rows = candidate_rows(order, runs, by_slot, restrict=candidates is not None, weight=self.weight,
-                              num_keys=len(keys), need=need, seqs=seqs, k=self.max_ranked,
-                              idle_count=lambda v, cached: len(self.predictions.cached_keys(
-                                  v, keys, cached, self.index.holds)[0]))
+        rows = (self._walk_python if self._walk is None else self._walk_compiled)(req, keys, order, candidates is None)
         best = heapq.nsmallest(self.max_ranked, rows)
         admitted = not best[0][0]
         if admitted:
@@ -361,11 +361,41 @@ class GlobalScheduler:
             old = self.predictions.by_request.get(req.request_id)
             if old is not None:  # routed again (a retry): its earlier prediction ends
                 self.predictions.end(old, self._view_of(old))
-            idle, shared = self.predictions.cached_keys(view, keys, first.cached_blocks, self.index.holds)
+            idle, shared = self.predictions.cached_keys(view, keys, first.cached_blocks, self.index)
             self.predictions.add(Prediction(req.request_id, view.worker_id, view.slot, now + self.prediction_ttl_s,
                                             keys[first.cached_blocks:], max(need - first.cached_blocks, 0) + len(idle),
                                             seqs, idle, shared), view)
         return RouteDecision([s.worker_id for s in scores], admitted, reason, first.cached_blocks, scores)
+
+    def _idle_count(self, view: WorkerView, keys: list[int], cached: int) -> int:
+        """How many of the prompt's first ``cached`` blocks are idle on ``view`` (reusing them takes room)."""
+        return len(self.predictions.cached_keys(view, keys, cached, self.index)[0])
+
+    def _walk_python(self, req: RouteRequest, keys: list[int], order: list[WorkerView], everyone: bool) -> list[Row]:
+        """The rows that can make the ranking (``ranking.candidate_rows``), for the pure-Python index."""
+        order.sort(key=RANK)  # every view's is nearly sorted already: a decision or a batch moves one or two
+        # {leading prompt blocks held: bit mask of the workers holding that many}
+        runs = self.index.prefix_runs(keys, self.predictions.held) if keys else {}
+        return candidate_rows(order, runs, self._by_slot if everyone else {v.slot: v for v in order},
+                              restrict=not everyone, weight=self.weight, num_keys=len(keys), need=req.num_blocks,
+                              seqs=req.num_seqs, k=self.max_ranked,
+                              idle_count=lambda v, cached: self._idle_count(v, keys, cached))
+
+    def _walk_compiled(self, req: RouteRequest, keys: list[int], order: list[WorkerView], everyone: bool) -> list[Row]:
+        """The best rows (``ranking_native``), for the compiled index: no Python loop over the workers."""
+        if self._all_slots is None:  # workers came or went
+            self._all_slots = array("I", sorted(self._by_slot))
+            self._table.order_ids(self.workers.values())
+        slots = self._all_slots if everyone else array("I", [v.slot for v in order])
+        num_runs = (self.index.prefix_run_pairs(req.block_hashes, HASH_SIZE, keys, self.predictions.held_index)
+                    if keys else 0)
+        by_slot = self._by_slot
+        best = self._walk.best(self._table, slots, self.index, num_runs, num_keys=len(keys), need=req.num_blocks,
+                               seqs=req.num_seqs, weight=self.weight, k=self.max_ranked,
+                               idle_count=lambda slot, cached: self._idle_count(by_slot[slot], keys, cached))
+        weight, num_keys = self.weight, len(keys)
+        return [(no_room, weight * (num_keys - cached) + v.load_blocks, v.load_blocks, v.queued, v.worker_id, cached)
+                for slot, cached, no_room in best for v in (by_slot[slot],)]
 
     def _view_of(self, pred: Prediction) -> WorkerView | None:
         """The view a prediction was made on, if that worker is still known in that slot."""

@@ -10,7 +10,12 @@ the key -> holders map stores one small int per key: a key held by a single
 worker maps to that worker's slot (``v >= 0``; slots below 257 are ints
 Python never allocates), a key held by several maps to the bitwise complement
 of their bit mask (``v < 0``). Each slot also keeps the set of its keys, so a
-worker can be dropped or resynchronised in time proportional to what it holds.
+worker can be dropped or resynchronised in time proportional to what it holds,
+and the set of those a running sequence holds (*in use*: reusing an idle cached
+block takes room, sharing one in use does not), which its KV event batches keep
+current with the rest.
+
+This is the reference; ``kv_index_native`` holds the same in C++.
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ from typing import Iterable, Sequence
 
 from pagefleet.worker.core.block_hash import HASH_SIZE
 
+KEY_WIDTH = 8  # bytes per routing key, packed
+
 
 def routing_keys(packed_hashes: bytes) -> list[int]:
     """The routing key of each packed block hash (``HASH_SIZE`` bytes each), in order."""
@@ -33,6 +40,15 @@ def routing_keys(packed_hashes: bytes) -> list[int]:
     if sys.byteorder == "big":  # keys must agree across machines: they are little-endian by definition
         keys = [int.from_bytes(k.to_bytes(8, "big"), "little") for k in keys]
     return keys
+
+
+def unpack_routing_keys(packed: bytes, width: int) -> list[int]:
+    """The routing keys of packed block hashes (``width`` HASH_SIZE) or packed keys (KEY_WIDTH)."""
+    if width == HASH_SIZE:
+        return routing_keys(packed)
+    if width == KEY_WIDTH:
+        return unpack_keys(packed)
+    raise ValueError(f"packed keys are {HASH_SIZE} or {KEY_WIDTH} bytes wide, not {width}")
 
 
 def pack_keys(keys: Iterable[int]) -> bytes:
@@ -57,13 +73,14 @@ def holders_mask(v: int) -> int:
 
 
 class KVBlockIndex:
-    """Routing key -> the slots holding it, plus each slot's own key set."""
+    """Routing key -> the slots holding it, plus each slot's own key set and those of it in use."""
 
-    __slots__ = ("_holders", "_keys")
+    __slots__ = ("_holders", "_keys", "_in_use")
 
     def __init__(self) -> None:
         self._holders: dict[int, int] = {}
         self._keys: list[set[int]] = []
+        self._in_use: list[set[int]] = []  # per slot; not necessarily cached (its batches say so)
 
     # ---- queries ---------------------------------------------------------------------------
 
@@ -86,6 +103,27 @@ class KVBlockIndex:
     def holds(self, slot: int, key: int) -> bool:
         v = self._holders.get(key)
         return v is not None and (v == slot if v >= 0 else bool(~v >> slot & 1))
+
+    def held_keys(self, slot: int, keys: Iterable[int]) -> list[int]:
+        """Those of ``keys`` that ``slot`` holds, in order."""
+        mine = self._keys[slot] if slot < len(self._keys) else ()
+        return [key for key in keys if key in mine]
+
+    def packed_keys_of(self, slot: int) -> bytes:
+        """``keys_of(slot)`` packed (``pack_keys``)."""
+        return pack_keys(self._keys[slot]) if slot < len(self._keys) else b""
+
+    def in_use_of(self, slot: int) -> set[int]:
+        """The keys a running sequence of ``slot`` holds."""
+        return set(self._in_use[slot]) if slot < len(self._in_use) else set()
+
+    def packed_in_use_of(self, slot: int) -> bytes:
+        return pack_keys(self._in_use[slot]) if slot < len(self._in_use) else b""
+
+    def in_use_keys(self, slot: int, keys: Iterable[int]) -> list[int]:
+        """Those of ``keys`` in use at ``slot``, in order."""
+        mine = self._in_use[slot] if slot < len(self._in_use) else ()
+        return [key for key in keys if key in mine]
 
     def prefix_runs(self, keys: Sequence[int], extra: dict[int, int] | None = None) -> dict[int, int]:
         """How many leading ``keys`` each slot holds without a gap, as ``{run length: bit mask of
@@ -122,6 +160,7 @@ class KVBlockIndex:
     def _slot_keys(self, slot: int) -> set[int]:
         while len(self._keys) <= slot:
             self._keys.append(set())
+            self._in_use.append(set())
         return self._keys[slot]
 
     # add and remove do their per-key work in C (set algebra, dict.fromkeys, map over bound
@@ -147,6 +186,13 @@ class KVBlockIndex:
             v = holders[key]
             holders[key] = ~(1 << v | bit) if v >= 0 else v & ~bit  # v & ~bit == ~(~v | bit)
 
+    def add_new(self, slot: int, keys: Iterable[int]) -> list[int]:
+        """``add``, returning those of ``keys`` that ``slot`` did not hold yet (each once, in order)."""
+        mine = self._slot_keys(slot)
+        new = [key for key in dict.fromkeys(keys) if key not in mine]
+        self.add(slot, new)
+        return new
+
     def remove(self, slot: int, keys: Iterable[int]) -> None:
         mine = self._slot_keys(slot)
         gone = mine.intersection(keys)  # keys this slot does not hold are no-ops
@@ -166,9 +212,10 @@ class KVBlockIndex:
                 holders[key] = rest.bit_length() - 1 if rest & (rest - 1) == 0 else ~rest
 
     def clear(self, slot: int) -> None:
-        """Forget everything ``slot`` holds."""
+        """Forget everything ``slot`` holds, in use or not."""
         if slot < len(self._keys):
             self.remove(slot, self._keys[slot].copy())
+            self._in_use[slot].clear()
 
     def replace(self, slot: int, keys: Iterable[int]) -> None:
         """Make ``slot`` hold exactly ``keys`` (a snapshot), touching only the difference."""
@@ -176,3 +223,37 @@ class KVBlockIndex:
         old = self._slot_keys(slot)
         self.remove(slot, old - new)
         self.add(slot, new - old)
+
+    # The same updates with keys packed as they arrive: ``width`` bytes per key, the routing key
+    # its first 8 (HASH_SIZE: block hashes of KV events and snapshots; KEY_WIDTH: ``pack_keys``).
+
+    def apply_packed(self, slot: int, removed: bytes, stored: bytes, *, cleared: bool = False,
+                     acquired: bytes = b"", released: bytes = b"", width: int = HASH_SIZE) -> None:
+        """One KV event batch of ``slot``, in its order: ``cleared`` (nothing cached or in use),
+        ``removed`` (left the cache), ``stored`` (cached, in use), ``acquired`` (cached blocks
+        that went from idle to in use), ``released`` (from in use to idle)."""
+        self._slot_keys(slot)
+        in_use = self._in_use[slot]
+        if cleared:
+            self.clear(slot)
+        if removed:
+            keys = unpack_routing_keys(removed, width)
+            self.remove(slot, keys)
+            in_use.difference_update(keys)
+        if stored:
+            keys = unpack_routing_keys(stored, width)
+            self.add(slot, keys)
+            in_use.update(keys)
+        if acquired:
+            in_use.update(unpack_routing_keys(acquired, width))
+        if released:
+            in_use.difference_update(unpack_routing_keys(released, width))
+
+    def replace_packed(self, slot: int, packed: bytes, *, width: int = HASH_SIZE) -> None:
+        """Make ``slot`` cache exactly these keys (a snapshot's; what is in use is left alone)."""
+        self.replace(slot, unpack_routing_keys(packed, width))
+
+    def replace_in_use_packed(self, slot: int, packed: bytes, *, width: int = HASH_SIZE) -> None:
+        """Make exactly these keys in use at ``slot``."""
+        self._slot_keys(slot)
+        self._in_use[slot] = set(unpack_routing_keys(packed, width))

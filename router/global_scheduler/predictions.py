@@ -18,8 +18,8 @@ land where the view looked emptiest. So each routed request leaves a
   match), so a burst with one prefix keeps to one worker; these stay until the
   prediction's time runs out, confirmed or not.
 
-Pure Python, no clock of its own; the views (``core.WorkerView``)
-are passed in.
+Pure Python, no clock of its own; the views (``core.WorkerView``) and the
+KV index (what each worker caches and has in use) are passed in.
 """
 
 from __future__ import annotations
@@ -28,12 +28,13 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from itertools import compress, repeat
 from operator import not_, sub
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
-from pagefleet.router.global_scheduler.kv_index import holders_mask
+from pagefleet.router.global_scheduler.kv_index import KVBlockIndex, holders_mask
 
 if TYPE_CHECKING:
     from pagefleet.router.global_scheduler.core import WorkerView
+    from pagefleet.router.global_scheduler.kv_index_native import NativeKVBlockIndex
 
 
 @dataclass(slots=True)
@@ -54,7 +55,10 @@ class Prediction:
 
 
 class Predictions:
-    def __init__(self) -> None:
+    def __init__(self, held_index: NativeKVBlockIndex | None = None) -> None:
+        """``held_index``: an empty compiled index to hold the predicted (slot, key) pairs in, for the
+        compiled index's prefix match, instead of ``held`` (a dict of hundreds of thousands of keys
+        is slow to probe from Python: each probe misses the CPU caches)."""
         self.by_request: dict[str, Prediction] = {}  # in expiry order
         # Routing key -> the slots predicted to hold it, encoded as the index's own holders
         # (``kv_index``): the slot when one prediction says so (nearly every key: a prompt's
@@ -62,20 +66,23 @@ class Predictions:
         # slot behind it in ``_counts``. The index's prefix match reads it as extra holders.
         self.held: dict[int, int] = {}
         self._counts: dict[int, dict[int, int]] = {}  # key -> slot -> predictions, for keys held by several
+        # Or, with held_index: the pairs there, and per slot the predictions beyond the first of a key.
+        self.held_index = held_index
+        self._repeats: dict[int, Counter] = {}
         self._soon_in_use: dict[int, Counter] = {}  # slot -> idle key -> unconfirmed predictions taking it
         self._sharing: dict[int, dict[int, list[Prediction]]] = {}  # slot -> key in use -> predictions sharing it
 
     def cached_keys(self, view: WorkerView, keys: list[int], cached: int,
-                    holds: Callable[[int, int], bool]) -> tuple[list[int], list[int]]:
+                    index: KVBlockIndex) -> tuple[list[int], list[int]]:
         """The first ``cached`` keys the worker holds, split into (idle, shared): idle ones are
         not in use there and not about to be (taken by a request routed there and not yet
         started); shared ones are. A key matched only by a prediction is neither: it is being
         computed there, for the request that predicted it."""
-        in_use, soon, slot = view.in_use, self._soon_in_use.get(view.slot, ()), view.slot
+        slot, head = view.slot, keys[:cached]
+        in_use, soon = set(index.in_use_keys(slot, head)), self._soon_in_use.get(slot, ())
         idle, shared = [], []
-        for k in keys[:cached]:
-            if holds(slot, k):
-                (shared if k in in_use or k in soon else idle).append(k)
+        for k in index.held_keys(slot, head):
+            (shared if k in in_use or k in soon else idle).append(k)
         return idle, shared
 
     def add(self, pred: Prediction, view: WorkerView) -> None:
@@ -120,6 +127,8 @@ class Predictions:
 
     def holders(self, key: int) -> int:
         """Bit mask of the slots predicted to hold ``key`` (0: none)."""
+        if self.held_index is not None:
+            return self.held_index.holders(key)
         v = self.held.get(key)
         return 0 if v is None else holders_mask(v)
 
@@ -128,6 +137,13 @@ class Predictions:
     # algebra, dict.fromkeys, map over bound methods, as in the index.
 
     def _hold(self, slot: int, keys: list[int]) -> None:
+        if self.held_index is not None:
+            new = self.held_index.add_new(slot, keys)
+            if len(new) != len(keys):  # some were predicted there already (or are twice in keys)
+                more = Counter(keys)
+                more.subtract(new)
+                self._repeats.setdefault(slot, Counter()).update(+more)
+            return
         held = self.held
         distinct = set(keys)
         if len(distinct) == len(keys):
@@ -152,6 +168,23 @@ class Predictions:
             held[key] = ~(mask | 1 << slot)
 
     def _release(self, slot: int, keys: list[int]) -> None:
+        if self.held_index is not None:
+            repeats = self._repeats.get(slot)
+            if repeats:  # the keys another prediction (or this one, twice) holds there stay
+                gone = []
+                for key in keys:
+                    n = repeats.get(key)
+                    if not n:
+                        gone.append(key)
+                    elif n == 1:
+                        del repeats[key]
+                    else:
+                        repeats[key] = n - 1
+                if not repeats:
+                    del self._repeats[slot]
+                keys = gone
+            self.held_index.remove(slot, keys)
+            return
         held = self.held
         if len(set(keys)) == len(keys):
             values = list(map(held.__getitem__, keys))
@@ -181,7 +214,7 @@ class Predictions:
                     continue
             held[key] = v
 
-    def stop_sharing(self, view: WorkerView, holds: Callable[[int, int], bool]) -> None:
+    def stop_sharing(self, view: WorkerView, index: KVBlockIndex) -> None:
         """After ``view`` changed: shared keys that nothing holds in use any more (idle with no
         request routed to take them, or gone from its cache) become blocks after all (the idle
         block itself, or a new one to compute it again), taken by the first request routed there
@@ -189,7 +222,7 @@ class Predictions:
         sharing = self._sharing.get(view.slot)
         if not sharing:
             return
-        in_use, soon = view.in_use, self._soon_in_use.get(view.slot, ())
+        in_use, soon = set(index.in_use_keys(view.slot, sharing)), self._soon_in_use.get(view.slot, ())
         gone = [k for k in sharing if k not in in_use and k not in soon]
         if not gone:
             return
@@ -201,7 +234,7 @@ class Predictions:
             taker = sharers[0]
             taker.blocks += 1
             view.predicted_blocks += 1
-            if holds(view.slot, key):  # idle there: taken, so nobody else counts it idle
+            if index.holds(view.slot, key):  # idle there: taken, so nobody else counts it idle
                 taker.idle_keys.append(key)
                 soon[key] += 1
         view.refresh()

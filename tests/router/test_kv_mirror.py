@@ -22,6 +22,8 @@ from pagefleet.router.global_scheduler.view_feed import ViewFeed, WorkerDropped
 from pagefleet.worker.core.block_hash import pack_hashes
 from pagefleet.worker.core.kv_events import KVEventBatch, KVSnapshot
 
+pytestmark = pytest.mark.usefixtures("kv_index_kind")
+
 WORKERS = ("w0", "w1", "w2")
 
 

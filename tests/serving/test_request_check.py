@@ -97,7 +97,9 @@ print(json.dumps(sorted(m for m in sys.modules if m.startswith("pagefleet"))))
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     loaded = json.loads(result.stdout.strip().splitlines()[-1])
-    engine_modules = [m for m in loaded if m.startswith("pagefleet.kernels") or m in (
+    # kernels.cpu.build is the C++ build helper (ctypes, no torch) the scheduler's compiled KV index uses too
+    build = ("pagefleet.kernels", "pagefleet.kernels.cpu", "pagefleet.kernels.cpu.build")
+    engine_modules = [m for m in loaded if m.startswith("pagefleet.kernels") and m not in build or m in (
         "pagefleet.worker.engine.llm_engine", "pagefleet.worker.model_executor.model", "pagefleet.worker.model_executor.layers",
         "pagefleet.worker.model_executor.model_runner", "pagefleet.worker.model_executor.loader", "pagefleet.worker.engine.async_engine")]
     assert engine_modules == []

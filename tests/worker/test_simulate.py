@@ -204,7 +204,7 @@ def test_kv_events_of_a_simulated_engine_replay_to_its_pool(tiny_args):
         view = sched.workers["w0"]
         pool = engine.pool
         assert sched.keys_of("w0") == set(routing_keys(pack_hashes(pool.cached))) != set()
-        assert view.in_use == set() and all(b.ref_cnt == 0 for b in pool.cached.values())
+        assert sched.in_use_of("w0") == set() and all(b.ref_cnt == 0 for b in pool.cached.values())
         assert (view.num_free_blocks, view.num_total_blocks) == (pool.num_free, pool.num_blocks) == (64, 64)
         assert sched.counters.gaps == 0 and sum(removed) > 0  # cached prefixes were evicted too
     finally:

@@ -1,0 +1,744 @@
+// The global scheduler's KV index in C++: routing key -> the slots holding it, and per slot its keys
+// and those of them in use.
+//
+// kv_index_native.py loads it with ctypes (which releases the GIL for every call) and says what each
+// entry point means; kv_index.py's KVBlockIndex is the reference it must equal. Not thread-safe: one
+// caller at a time, like the Python index.
+//
+// Layout, for memory (hundreds of workers x 100k blocks) and for few cache misses per event:
+//   * one open-addressing table of packed 12-byte entries (key, holders) for every key held by anyone;
+//     holders is a slot when one worker holds the key (nearly every key), else a record of up to
+//     three slots, else a bitset over all slots (keys of popular prompts);
+//   * per slot, an open-addressing set of its keys, so that a drop or a snapshot touches only what
+//     that worker holds, and a (small) set of those a running sequence holds.
+// Both tables probe linearly and delete by backward shift (no tombstones: churn never degrades
+// them). Batch calls prefetch the buckets of the keys a few steps ahead, so the misses of one
+// event overlap those of the next; tables of megabytes ask for huge pages (fewer TLB misses).
+
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <new>
+#include <sys/mman.h>
+#include <vector>
+
+namespace {
+
+using u8 = uint8_t;
+using u32 = uint32_t;
+using u64 = uint64_t;
+using i64 = int64_t;
+
+constexpr i64 PREFETCH_AHEAD = 12;  // keys: enough misses in flight to cover memory latency
+constexpr u64 MIN_CAPACITY = 16;
+constexpr size_t HUGE_PAGE = 2u << 20;
+
+// Routing keys are the first 8 bytes of a block hash, little-endian, whatever the machine.
+inline u64 read_key(const u8* p) {
+    u64 k;
+    std::memcpy(&k, p, 8);
+#if __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+    k = __builtin_bswap64(k);
+#endif
+    return k;
+}
+
+inline void write_key(u8* p, u64 k) {
+#if __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+    k = __builtin_bswap64(k);
+#endif
+    std::memcpy(p, &k, 8);
+}
+
+// Fibonacci hashing (the top bits of key * 2^64 / phi): block hashes are random already, but keys
+// given by hand (0, 1, 2, ...) must spread too.
+inline u64 spread(u64 key) { return key * 0x9E3779B97F4A7C15ull; }
+
+// Load factors past which a table doubles: 0.8 for the table of every key (memory: 12 bytes a
+// bucket, one table), 0.5 for a slot's set (8 bytes a bucket; at 0.8 a probe for a new key or a
+// deletion's shift runs past the first cache line often enough to cost a quarter of ingest).
+inline bool over_load(u64 used, u64 capacity) { return used * 5 > capacity * 4; }
+inline bool set_over_load(u64 used, u64 capacity) { return used * 2 > capacity; }
+
+inline u64 set_capacity_for(u64 n) {
+    u64 cap = MIN_CAPACITY;
+    while (set_over_load(n, cap)) cap *= 2;
+    return cap;
+}
+
+inline int log2_of(u64 pow2) { return 63 - __builtin_clzll(pow2); }
+
+// Memory for a table of `bytes`, zeroed; null when there is none. Large tables are aligned to huge
+// pages and ask for them (a hint: without transparent huge pages it changes nothing).
+inline void* table_alloc(size_t bytes) {
+    if (bytes < HUGE_PAGE) return std::calloc(1, bytes);  // (tables are powers of two: nothing wasted)
+    bytes = (bytes + HUGE_PAGE - 1) / HUGE_PAGE * HUGE_PAGE;
+    void* p = std::aligned_alloc(HUGE_PAGE, bytes);
+    if (p) {
+        madvise(p, bytes, MADV_HUGEPAGE);
+        std::memset(p, 0, bytes);
+    }
+    return p;
+}
+
+// One slot's keys. 0 marks an empty bucket; the key 0 itself is a flag beside the table.
+struct KeySet {
+    u64* buckets = nullptr;
+    u64 mask = 0;  // capacity - 1 (capacity 0 while buckets is null)
+    int shift = 64;
+    u64 used = 0;  // nonzero keys stored
+    bool has_zero = false;
+
+    u64 size() const { return used + has_zero; }
+    u64 capacity() const { return buckets ? mask + 1 : 0; }
+    u64 home(u64 key) const { return spread(key) >> shift; }
+
+    void prefetch(u64 key) const {
+        if (buckets) __builtin_prefetch(&buckets[home(key)]);
+    }
+
+    void release() {
+        std::free(buckets);
+        *this = KeySet();
+    }
+
+    void rehash(u64 cap) {
+        u64* old = buckets;
+        u64 old_cap = capacity();
+        buckets = static_cast<u64*>(table_alloc(cap * sizeof(u64)));
+        if (!buckets) throw std::bad_alloc();
+        mask = cap - 1;
+        shift = 64 - log2_of(cap);
+        for (u64 i = 0; i < old_cap; ++i) {
+            u64 k = old[i];
+            if (!k) continue;
+            u64 j = home(k);
+            while (buckets[j]) j = (j + 1) & mask;
+            buckets[j] = k;
+        }
+        std::free(old);
+    }
+
+    void reserve(u64 n) {
+        if (set_over_load(n, capacity())) rehash(set_capacity_for(n));
+    }
+
+    bool contains(u64 key) const {
+        if (!key) return has_zero;
+        if (!buckets) return false;
+        for (u64 i = home(key);; i = (i + 1) & mask) {
+            u64 b = buckets[i];
+            if (b == key) return true;
+            if (!b) return false;
+        }
+    }
+
+    // True when the key was not in the set.
+    bool insert(u64 key) {
+        if (!key) {
+            bool added = !has_zero;
+            has_zero = true;
+            return added;
+        }
+        if (set_over_load(used + 1, capacity())) rehash(capacity() ? capacity() * 2 : MIN_CAPACITY);
+        u64 i = home(key);
+        for (;; i = (i + 1) & mask) {
+            u64 b = buckets[i];
+            if (b == key) return false;
+            if (!b) break;
+        }
+        buckets[i] = key;
+        ++used;
+        return true;
+    }
+
+    // True when the key was in the set.
+    bool erase(u64 key) {
+        if (!key) {
+            bool had = has_zero;
+            has_zero = false;
+            return had;
+        }
+        if (!buckets) return false;
+        u64 i = home(key);
+        for (;; i = (i + 1) & mask) {
+            u64 b = buckets[i];
+            if (b == key) break;
+            if (!b) return false;
+        }
+        // Backward shift: pull later keys of the probe run into the hole unless that would put
+        // one before its home bucket.
+        for (u64 j = (i + 1) & mask; buckets[j]; j = (j + 1) & mask) {
+            if (((j - home(buckets[j])) & mask) >= ((j - i) & mask)) {
+                buckets[i] = buckets[j];
+                i = j;
+            }
+        }
+        buckets[i] = 0;
+        --used;
+        if (capacity() > MIN_CAPACITY && used * 8 < capacity()) rehash(capacity() / 2);  // a shrunk worker
+        return true;
+    }
+
+    template <class F>
+    void for_each(F&& f) const {
+        if (has_zero) f(u64(0));
+        for (u64 i = 0, cap = capacity(); i < cap; ++i)
+            if (buckets[i]) f(buckets[i]);
+    }
+};
+
+struct Slot {
+    KeySet cached;
+    KeySet in_use;  // keys a running sequence holds (not necessarily cached: the batches say so)
+};
+
+#pragma pack(push, 4)
+struct Entry {
+    u64 key;
+    u32 holders;  // see the tags below; EMPTY marks a free bucket
+};
+#pragma pack(pop)
+static_assert(sizeof(Entry) == 12, "entries are packed: 12 bytes, five to a cache line");
+
+constexpr u32 TAG = 0xC0000000u;
+constexpr u32 FEW = 0x80000000u;   // holders = FEW | index of a Few record
+constexpr u32 WIDE = 0xC0000000u;  // holders = WIDE | index of a bitset record
+constexpr u32 INDEX = 0x3FFFFFFFu;
+constexpr u32 EMPTY = 0xFFFFFFFFu;  // (WIDE | INDEX: that bitset record is never handed out)
+constexpr u32 FEW_SLOTS = 3;
+constexpr u32 MAX_SLOTS = 1u << 16;  // bitsets span every slot: keep them bounded
+
+struct Few {
+    u32 n;
+    u32 slot[FEW_SLOTS];  // slot[0] links the free list while unused
+};
+
+inline bool is_single(u32 h) { return h < FEW; }
+
+struct Index {
+    Entry* table = nullptr;
+    u64 mask = 0;
+    int shift = 64;
+    u64 distinct = 0;
+    u64 entries = 0;
+    std::vector<Slot> slots;
+    std::vector<Few> few;
+    u32 few_free = EMPTY;
+    u32 words = 1;  // u64 words per bitset record: covers every slot in `slots`
+    std::vector<u64> wide;
+    std::vector<u32> wide_count;
+    std::vector<u32> wide_free;
+    std::vector<u64> scratch_current, scratch_holders;  // the prefix walk's bitsets
+
+    Index() { rehash(MIN_CAPACITY); }
+    ~Index() {
+        std::free(table);
+        for (Slot& s : slots) {
+            s.cached.release();
+            s.in_use.release();
+        }
+    }
+
+    u64 capacity() const { return mask + 1; }
+    u64 home(u64 key) const { return spread(key) >> shift; }
+    void prefetch(u64 key) const { __builtin_prefetch(&table[home(key)]); }
+
+    void rehash(u64 cap) {
+        Entry* old = table;
+        u64 old_cap = table ? capacity() : 0;
+        table = static_cast<Entry*>(table_alloc(cap * sizeof(Entry)));
+        if (!table) {
+            table = old;
+            throw std::bad_alloc();
+        }
+        for (u64 i = 0; i < cap; ++i) table[i].holders = EMPTY;
+        mask = cap - 1;
+        shift = 64 - log2_of(cap);
+        for (u64 i = 0; i < old_cap; ++i) {
+            if (old[i].holders == EMPTY) continue;
+            u64 j = home(old[i].key);
+            while (table[j].holders != EMPTY) j = (j + 1) & mask;
+            table[j] = old[i];
+        }
+        std::free(old);
+    }
+
+    Entry* find(u64 key) const {
+        for (u64 i = home(key);; i = (i + 1) & mask) {
+            Entry* e = &table[i];
+            if (e->holders == EMPTY) return nullptr;
+            if (e->key == key) return e;
+        }
+    }
+
+    void erase(Entry* e) {
+        u64 i = static_cast<u64>(e - table);
+        for (u64 j = (i + 1) & mask; table[j].holders != EMPTY; j = (j + 1) & mask) {
+            if (((j - home(table[j].key)) & mask) >= ((j - i) & mask)) {
+                table[i] = table[j];
+                i = j;
+            }
+        }
+        table[i].holders = EMPTY;
+        --distinct;
+    }
+
+    void ensure_slot(u32 slot) {
+        if (slot < slots.size()) return;
+        slots.resize(slot + 1);
+        u32 need = (slot + 64) / 64;
+        if (need <= words) return;
+        u32 grown = need > 2 * words ? need : 2 * words;
+        std::vector<u64> bits(wide_count.size() * grown, 0);
+        for (size_t r = 0; r < wide_count.size(); ++r)
+            std::memcpy(&bits[r * grown], &wide[r * words], words * sizeof(u64));
+        wide.swap(bits);
+        words = grown;
+    }
+
+    // ---- holder records ----
+
+    u32 new_few() {
+        if (few_free != EMPTY) {
+            u32 r = few_free;
+            few_free = few[r].slot[0];
+            return r;
+        }
+        few.push_back(Few());
+        return static_cast<u32>(few.size() - 1);
+    }
+
+    void free_few(u32 r) {
+        few[r].slot[0] = few_free;
+        few_free = r;
+    }
+
+    u32 new_wide() {
+        u32 r;
+        if (!wide_free.empty()) {
+            r = wide_free.back();
+            wide_free.pop_back();
+        } else {
+            r = static_cast<u32>(wide_count.size());
+            wide_count.push_back(0);
+            wide.resize(wide.size() + words);
+        }
+        std::memset(&wide[size_t(r) * words], 0, words * sizeof(u64));
+        wide_count[r] = 0;
+        return r;
+    }
+
+    u64* bits_of(u32 r) { return &wide[size_t(r) * words]; }
+
+    // h with `slot` added (h does not hold it).
+    u32 with_holder(u32 h, u32 slot) {
+        if (is_single(h)) {
+            u32 r = new_few();
+            few[r] = Few{2, {h, slot, 0}};
+            return FEW | r;
+        }
+        u32 r = h & INDEX;
+        if ((h & TAG) == FEW) {
+            if (few[r].n < FEW_SLOTS) {
+                few[r].slot[few[r].n++] = slot;
+                return h;
+            }
+            Few f = few[r];
+            free_few(r);
+            u32 w = new_wide();
+            for (u32 i = 0; i < f.n; ++i) bits_of(w)[f.slot[i] / 64] |= u64(1) << (f.slot[i] % 64);
+            wide_count[w] = f.n;
+            h = WIDE | w;
+            r = w;
+        }
+        bits_of(r)[slot / 64] |= u64(1) << (slot % 64);
+        ++wide_count[r];
+        return h;
+    }
+
+    // h without `slot` (h holds it); EMPTY when nobody is left.
+    u32 without_holder(u32 h, u32 slot) {
+        if (is_single(h)) return EMPTY;
+        u32 r = h & INDEX;
+        if ((h & TAG) == FEW) {
+            Few& f = few[r];
+            for (u32 i = 0; i < f.n; ++i) {
+                if (f.slot[i] == slot) {
+                    f.slot[i] = f.slot[--f.n];
+                    break;
+                }
+            }
+            if (f.n > 1) return h;
+            u32 last = f.slot[0];
+            free_few(r);
+            return last;
+        }
+        u64* bits = bits_of(r);
+        bits[slot / 64] &= ~(u64(1) << (slot % 64));
+        if (--wide_count[r] > FEW_SLOTS) return h;
+        u32 f = new_few();
+        few[f].n = 0;
+        for (u32 w = 0; w < words; ++w)
+            for (u64 b = bits[w]; b; b &= b - 1) few[f].slot[few[f].n++] = w * 64 + __builtin_ctzll(b);
+        wide_free.push_back(r);
+        return FEW | f;
+    }
+
+    // The slots of h, ORed into a bitset of `n` words.
+    void or_into(u32 h, u64* bitset, u32 n) {
+        if (is_single(h)) {
+            if (h / 64 < n) bitset[h / 64] |= u64(1) << (h % 64);
+            return;
+        }
+        u32 r = h & INDEX;
+        if ((h & TAG) == FEW) {
+            const Few& f = few[r];
+            for (u32 i = 0; i < f.n; ++i)
+                if (f.slot[i] / 64 < n) bitset[f.slot[i] / 64] |= u64(1) << (f.slot[i] % 64);
+            return;
+        }
+        const u64* bits = bits_of(r);
+        for (u32 w = 0; w < n && w < words; ++w) bitset[w] |= bits[w];
+    }
+
+    // ---- (slot, key) updates; the slot's own set says whether anything changes ----
+
+    void add_holder(u64 key, u32 slot) {
+        if (over_load(distinct + 1, capacity())) rehash(capacity() * 2);
+        u64 i = home(key);
+        for (;; i = (i + 1) & mask) {
+            Entry& e = table[i];
+            if (e.holders == EMPTY) {
+                e.key = key;
+                e.holders = slot;
+                ++distinct;
+                return;
+            }
+            if (e.key == key) {
+                e.holders = with_holder(e.holders, slot);
+                return;
+            }
+        }
+    }
+
+    void remove_holder(u64 key, u32 slot) {
+        Entry* e = find(key);
+        u32 h = without_holder(e->holders, slot);
+        if (h == EMPTY)
+            erase(e);
+        else
+            e->holders = h;
+    }
+
+    // Each of n packed keys through f, with the home buckets of both tables requested
+    // PREFETCH_AHEAD keys before they are needed.
+    template <class F>
+    void each_key(const KeySet& set, const u8* data, i64 n, i64 width, F&& f) {
+        for (i64 i = 0; i < n && i < PREFETCH_AHEAD; ++i) {
+            u64 key = read_key(data + i * width);
+            set.prefetch(key);
+            prefetch(key);
+        }
+        for (i64 i = 0; i < n; ++i) {
+            if (i + PREFETCH_AHEAD < n) {
+                u64 key = read_key(data + (i + PREFETCH_AHEAD) * width);
+                set.prefetch(key);
+                prefetch(key);
+            }
+            f(read_key(data + i * width));
+        }
+    }
+
+    // Returns how many keys were new to the slot; those go to `added` (if not null), in order.
+    i64 add(u32 slot, const u8* data, i64 n, i64 width, u64* added = nullptr) {
+        ensure_slot(slot);
+        KeySet& mine = slots[slot].cached;
+        i64 count = 0;
+        each_key(mine, data, n, width, [&](u64 key) {
+            if (mine.insert(key)) {
+                ++entries;
+                add_holder(key, slot);
+                if (added) added[count] = key;
+                ++count;
+            }
+        });
+        return count;
+    }
+
+    void remove(u32 slot, const u8* data, i64 n, i64 width) {
+        if (slot >= slots.size()) return;
+        KeySet& mine = slots[slot].cached;
+        each_key(mine, data, n, width, [&](u64 key) {
+            if (mine.erase(key)) {
+                --entries;
+                remove_holder(key, slot);
+            }
+        });
+    }
+
+    // Every key of `set`, in bucket order, with the global buckets prefetched ahead.
+    template <class F>
+    void each_prefetched(const KeySet& set, F&& f) {
+        if (set.has_zero) f(u64(0));
+        u64 cap = set.capacity(), ahead = 0;
+        for (u64 i = 0; i < cap; ++i) {
+            for (; ahead < cap && ahead < i + 4 * PREFETCH_AHEAD; ++ahead)
+                if (set.buckets[ahead]) prefetch(set.buckets[ahead]);
+            if (set.buckets[i]) f(set.buckets[i]);
+        }
+    }
+
+    void clear(u32 slot) {
+        if (slot >= slots.size()) return;
+        KeySet& mine = slots[slot].cached;
+        each_prefetched(mine, [&](u64 key) { remove_holder(key, slot); });
+        entries -= mine.size();
+        mine.release();
+        slots[slot].in_use.release();
+    }
+
+    static KeySet set_of(const u8* data, i64 n, i64 width) {
+        KeySet set;
+        try {
+            set.reserve(static_cast<u64>(n));
+            for (i64 i = 0; i < n; ++i) set.insert(read_key(data + i * width));
+        } catch (...) {
+            set.release();
+            throw;
+        }
+        return set;
+    }
+
+    void replace(u32 slot, const u8* data, i64 n, i64 width) {
+        ensure_slot(slot);
+        KeySet fresh = set_of(data, n, width);
+        KeySet& old = slots[slot].cached;
+        each_prefetched(old, [&](u64 key) {
+            if (!fresh.contains(key)) remove_holder(key, slot);
+        });
+        each_prefetched(fresh, [&](u64 key) {
+            if (!old.contains(key)) add_holder(key, slot);
+        });
+        entries += fresh.size();
+        entries -= old.size();
+        old.release();
+        old = fresh;
+    }
+
+    void replace_in_use(u32 slot, const u8* data, i64 n, i64 width) {
+        ensure_slot(slot);
+        KeySet fresh = set_of(data, n, width);
+        slots[slot].in_use.release();
+        slots[slot].in_use = fresh;
+    }
+
+    // One KV event batch, in the order the Python core applies it.
+    void apply(u32 slot, bool cleared, const u8* removed, i64 num_removed, const u8* stored, i64 num_stored,
+               const u8* acquired, i64 num_acquired, const u8* released, i64 num_released, i64 width) {
+        ensure_slot(slot);
+        if (cleared) clear(slot);
+        KeySet& in_use = slots[slot].in_use;
+        remove(slot, removed, num_removed, width);
+        for (i64 i = 0; i < num_removed; ++i) in_use.erase(read_key(removed + i * width));
+        add(slot, stored, num_stored, width);
+        for (i64 i = 0; i < num_stored; ++i) in_use.insert(read_key(stored + i * width));
+        for (i64 i = 0; i < num_acquired; ++i) in_use.insert(read_key(acquired + i * width));
+        for (i64 i = 0; i < num_released; ++i) in_use.erase(read_key(released + i * width));
+    }
+
+    // ---- queries ----
+
+    // For every slot holding keys[0] (or given it by `extra`): how many leading keys it holds
+    // without a gap, as (slot, run) pairs; the return value is how many.
+    i64 prefix_runs(const u8* data, i64 n, i64 width, Index* extra, const i64* extra_slot, const i64* mask_at,
+                    const u64* masks, i64 num_masks, i64 mask_words, u32* out_slot, u32* out_run) {
+        u64 top = slots.size();
+        if (extra && extra->slots.size() > top) top = extra->slots.size();
+        for (i64 i = 0; extra_slot && i < n; ++i)
+            if (extra_slot[i] >= 0 && u64(extra_slot[i]) >= top) top = extra_slot[i] + 1;
+        if (num_masks && u64(mask_words) * 64 > top) top = mask_words * 64;
+        u32 nw = static_cast<u32>((top + 63) / 64);
+        if (!nw) return 0;
+        scratch_current.assign(nw, 0);
+        scratch_holders.assign(nw, 0);
+        u64* cur = scratch_current.data();
+        u64* m = scratch_holders.data();
+        for (i64 i = 0; i < n && i < 2 * PREFETCH_AHEAD; ++i) {
+            prefetch(read_key(data + i * width));
+            if (extra) extra->prefetch(read_key(data + i * width));
+        }
+        i64 mask = 0, found = 0;
+        for (i64 i = 0; i < n; ++i) {
+            if (i + 2 * PREFETCH_AHEAD < n) {
+                prefetch(read_key(data + (i + 2 * PREFETCH_AHEAD) * width));
+                if (extra) extra->prefetch(read_key(data + (i + 2 * PREFETCH_AHEAD) * width));
+            }
+            u64* into = i ? m : cur;
+            if (i) std::memset(m, 0, nw * sizeof(u64));
+            u64 key = read_key(data + i * width);
+            if (const Entry* e = find(key)) or_into(e->holders, into, nw);
+            if (extra)
+                if (const Entry* e = extra->find(key)) extra->or_into(e->holders, into, nw);
+            if (extra_slot && extra_slot[i] >= 0) into[extra_slot[i] / 64] |= u64(1) << (extra_slot[i] % 64);
+            for (; mask < num_masks && mask_at[mask] == i; ++mask)
+                for (i64 w = 0; w < mask_words; ++w) into[w] |= masks[mask * mask_words + w];
+            bool any = false;
+            for (u32 w = 0; w < nw; ++w) {
+                if (i) {
+                    for (u64 ended = cur[w] & ~m[w]; ended; ended &= ended - 1) {
+                        out_slot[found] = w * 64 + __builtin_ctzll(ended);
+                        out_run[found++] = static_cast<u32>(i);
+                    }
+                    cur[w] &= m[w];
+                }
+                any |= cur[w] != 0;
+            }
+            if (!any) return found;
+        }
+        for (u32 w = 0; w < nw; ++w)
+            for (u64 b = cur[w]; b; b &= b - 1) {
+                out_slot[found] = w * 64 + __builtin_ctzll(b);
+                out_run[found++] = static_cast<u32>(n);
+            }
+        return found;
+    }
+};
+
+}  // namespace
+
+// Entry points. Keys come packed: n keys `width` bytes apart (8: packed routing keys, 16: packed
+// block hashes), each read from its first 8 bytes. Updates return 0, or -1 when memory ran out
+// (the index is then unchanged for that key, consistent otherwise).
+extern "C" {
+
+void* kvi_new() {
+    try {
+        return new Index();
+    } catch (...) {
+        return nullptr;
+    }
+}
+
+void kvi_free(void* index) { delete static_cast<Index*>(index); }
+
+u32 kvi_max_slots() { return MAX_SLOTS; }
+
+i64 kvi_distinct(const void* index) { return static_cast<const Index*>(index)->distinct; }
+
+i64 kvi_entries(const void* index) { return static_cast<const Index*>(index)->entries; }
+
+const KeySet* set_of_slot(const void* index, u32 slot, int in_use) {
+    const Index* ix = static_cast<const Index*>(index);
+    if (slot >= ix->slots.size()) return nullptr;
+    return in_use ? &ix->slots[slot].in_use : &ix->slots[slot].cached;
+}
+
+i64 kvi_size(const void* index, u32 slot, int in_use) {
+    const KeySet* set = set_of_slot(index, slot, in_use);
+    return set ? set->size() : 0;
+}
+
+// The slot's keys as packed little-endian u64s into out (room for kvi_size keys); returns how many.
+i64 kvi_keys(const void* index, u32 slot, int in_use, u8* out) {
+    const KeySet* set = set_of_slot(index, slot, in_use);
+    i64 n = 0;
+    if (set) set->for_each([&](u64 key) { write_key(out + 8 * n++, key); });
+    return n;
+}
+
+// Those of the n keys in the slot's set, in order, into out; returns how many.
+i64 kvi_among(const void* index, u32 slot, int in_use, const u8* data, i64 n, i64 width, u64* out) {
+    const KeySet* set = set_of_slot(index, slot, in_use);
+    i64 found = 0;
+    for (i64 i = 0; set && i < n; ++i) {
+        u64 key = read_key(data + i * width);
+        if (set->contains(key)) out[found++] = key;
+    }
+    return found;
+}
+
+// The slots holding `key`, into out (room for every slot); returns how many.
+i64 kvi_holders(void* index, u64 key, u32* out) {
+    Index* ix = static_cast<Index*>(index);
+    const Entry* e = ix->find(key);
+    if (!e) return 0;
+    u32 nw = ix->words;
+    std::vector<u64> bits(nw, 0);
+    ix->or_into(e->holders, bits.data(), nw);
+    i64 n = 0;
+    for (u32 w = 0; w < nw; ++w)
+        for (u64 b = bits[w]; b; b &= b - 1) out[n++] = w * 64 + __builtin_ctzll(b);
+    return n;
+}
+
+// Adds the keys to the slot; those new to it go to `added` (room for n; may be null). Returns how
+// many were new, or -1 when memory ran out.
+i64 kvi_add(void* index, u32 slot, const u8* data, i64 n, i64 width, u64* added) {
+    try {
+        return static_cast<Index*>(index)->add(slot, data, n, width, added);
+    } catch (...) {
+        return -1;
+    }
+}
+
+int kvi_remove(void* index, u32 slot, const u8* data, i64 n, i64 width) {
+    try {
+        static_cast<Index*>(index)->remove(slot, data, n, width);
+        return 0;
+    } catch (...) {
+        return -1;
+    }
+}
+
+int kvi_clear(void* index, u32 slot) {
+    try {
+        static_cast<Index*>(index)->clear(slot);
+        return 0;
+    } catch (...) {
+        return -1;
+    }
+}
+
+// The slot's cached keys, or (in_use) its keys in use, made exactly these.
+int kvi_replace(void* index, u32 slot, int in_use, const u8* data, i64 n, i64 width) {
+    try {
+        Index* ix = static_cast<Index*>(index);
+        if (in_use)
+            ix->replace_in_use(slot, data, n, width);
+        else
+            ix->replace(slot, data, n, width);
+        return 0;
+    } catch (...) {
+        return -1;
+    }
+}
+
+// One KV event batch of a worker: Index::apply.
+int kvi_apply(void* index, u32 slot, int cleared, const u8* removed, i64 num_removed, const u8* stored,
+              i64 num_stored, const u8* acquired, i64 num_acquired, const u8* released, i64 num_released,
+              i64 width) {
+    try {
+        static_cast<Index*>(index)->apply(slot, cleared, removed, num_removed, stored, num_stored, acquired,
+                                          num_acquired, released, num_released, width);
+        return 0;
+    } catch (...) {
+        return -1;
+    }
+}
+
+// Index::prefix_runs, with further holders of the keys (predicted ones): those of the index `extra`
+// (may be null), and extra_slot: per key, a slot or -1 (may be null); the keys at positions mask_at
+// (ascending) have more: masks, mask_words u64 bitset words each. out_slot and out_run need room
+// for every slot that can appear.
+i64 kvi_prefix_runs(void* index, const u8* data, i64 n, i64 width, void* extra, const i64* extra_slot,
+                    const i64* mask_at, const u64* masks, i64 num_masks, i64 mask_words, u32* out_slot, u32* out_run) {
+    try {
+        return static_cast<Index*>(index)->prefix_runs(data, n, width, static_cast<Index*>(extra), extra_slot, mask_at,
+                                                       masks, num_masks, mask_words, out_slot, out_run);
+    } catch (...) {
+        return -1;
+    }
+}
+
+}  // extern "C"
