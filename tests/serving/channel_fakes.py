@@ -10,18 +10,22 @@ from pagefleet.worker.metrics.stats import EngineStats
 from pagefleet.worker.outputs import CompletionOutput, RequestOutputDelta
 
 
-class ResendMetrics(RouterMetrics):
-    """The ingress's metrics, recording nothing in Ray: the reason of each ``worker_resends``."""
+class ReasonMetrics(RouterMetrics):
+    """The ingress's metrics, recording nothing in Ray: the reason of each ``worker_resends`` and
+    each ``failovers``."""
 
     def __init__(self) -> None:
         super().__init__()
         self.enabled = False
         self.resends: list[str] = []
+        self.failovers: list[str] = []
 
     def inc(self, key: str, value: float = 1.0, **tags: str) -> None:
         super().inc(key, value, **tags)  # checks the key against the table
         if key == "worker_resends":
             self.resends.append(tags["reason"])
+        elif key == "failovers":
+            self.failovers.append(tags["reason"])
 
 
 def delta(request_id: str, token: int, finished: bool = False) -> RequestOutputDelta:

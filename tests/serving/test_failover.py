@@ -13,7 +13,6 @@ from types import SimpleNamespace
 import pytest
 
 from pagefleet.router.ingress import MAX_FAILOVERS, HandleWorkerClient
-from pagefleet.router.metrics import RouterMetrics
 from pagefleet.router.openai.errors import OpenAIError
 from pagefleet.router.openai.service import Job
 from pagefleet.worker.core.resume import ResumeState
@@ -23,7 +22,7 @@ from pagefleet.worker.outputs import CompletionOutput, RequestOutputDelta
 from pagefleet.worker.replica.deployment import WorkerReplica
 from pagefleet.worker.sampling_params import SamplingParams
 
-from channel_fakes import Call, IdleEngineParts
+from channel_fakes import Call, IdleEngineParts, ReasonMetrics
 
 
 class ScriptedEngine(IdleEngineParts):
@@ -74,18 +73,6 @@ class _Handle:
     failed = False
 
 
-class FailoverMetrics(RouterMetrics):
-    def __init__(self) -> None:
-        super().__init__()
-        self.enabled = False
-        self.failovers: list[str] = []
-
-    def inc(self, key: str, value: float = 1.0, **tags: str) -> None:
-        super().inc(key, value, **tags)
-        if key == "failovers":
-            self.failovers.append(tags["reason"])
-
-
 def _replicas(die_at: int, second_dies_at: int | None = None) -> tuple[WorkerReplica, WorkerReplica]:
     first = WorkerReplica(EngineArgs(), engine_factory=lambda _: ScriptedEngine(die_at), channel_host="127.0.0.1")
     second = WorkerReplica(EngineArgs(), engine_factory=lambda _: ScriptedEngine(second_dies_at),
@@ -107,7 +94,7 @@ async def _run(params: SamplingParams, die_at: int, second_dies_at: int | None =
             raise
 
     first.engine.generate = failing
-    metrics = FailoverMetrics()
+    metrics = ReasonMetrics()
     client = HandleWorkerClient(handle, metrics=metrics)
     job = Job("req", [7, 8, 9], params)
     outputs: dict[int, list[CompletionOutput]] = {}

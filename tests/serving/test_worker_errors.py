@@ -22,7 +22,7 @@ from pagefleet.worker.replica.wire import Ended, Placed
 from pagefleet.worker.request_check import InvalidRequest
 from pagefleet.worker.sampling_params import SamplingParams
 
-from channel_fakes import ResendMetrics
+from channel_fakes import ReasonMetrics
 
 
 def _as_ray_task_error(cause: Exception) -> Exception:
@@ -177,7 +177,7 @@ def test_a_request_whose_worker_died_before_any_output_goes_to_another_replica()
     dead = _Response([], ray_exceptions.ActorDiedError())
     good = _Response([_delta(1, False), _delta(2, True)])
     handle = _Handle([dead, good])
-    metrics = ResendMetrics()
+    metrics = ReasonMetrics()
     deltas = asyncio.run(_collect(HandleWorkerClient(handle, metrics=metrics), _job(ranking=["w1", "w0"])))
     assert [d.sequences[0].token_ids for d in deltas] == [[1], [2]] and metrics.resends == ["worker_failed"]
     # the retry drops the ranking whose first choice just failed: the request router picks again
@@ -203,7 +203,7 @@ def test_a_request_with_output_already_sent_goes_on_elsewhere_and_repeats_none_o
 
 def test_retries_are_bounded():
     handle = _Handle([_Response([], ray_exceptions.ActorDiedError()) for _ in range(5)])
-    metrics = ResendMetrics()
+    metrics = ReasonMetrics()
     with pytest.raises(Exception) as failed:
         asyncio.run(_collect(HandleWorkerClient(handle, metrics=metrics)))
     assert failed.value.status_code == 503 and len(handle.sent) == 3
