@@ -9,6 +9,7 @@ the hop before, in milliseconds, over the requests.
 
     python benchmarks/hop_trace.py                      # 20 requests, 256 in, 16 out
     python benchmarks/hop_trace.py --model DIR --requests 50
+    python benchmarks/hop_trace.py --simulate h200 --input-len 32 --output-len 128   # at GPU rates
 
 Hops, in order: client_sent; ingress_http (the ingress's handler starts: the HTTP front,
 HAProxy or Serve's Python proxy, and its hand-off to the ingress replica lie before it);
@@ -161,12 +162,16 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=20)
     p.add_argument("--input-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=16)
+    p.add_argument("--simulate", default=None, metavar="GPU",
+                   help="serve the simulated GPU engine (docs/simulator.md); --model then defaults to llama-3-8b")
     args = p.parse_args()
-    ckpt = checkpoint(args.model)
+    ckpt = checkpoint(args.model, args.simulate)
+    model_args = ["--model", ckpt] if args.simulate is None else ["--model", args.model or "llama-3-8b",
+                                                                  "--simulate", args.simulate]
     workdir = Path(tempfile.mkdtemp(prefix="pf-hop-trace-"))
     receiver = SpanReceiver()
     port = free_port()
-    server = Server([str(BIN / "pagefleet"), "serve", "--model", ckpt, "--port", str(port),
+    server = Server([str(BIN / "pagefleet"), "serve", *model_args, "--port", str(port),
                      "--metrics-export-port", str(free_port()), "--log-stats-interval", "0",
                      "--otlp-traces-endpoint", receiver.endpoint],
                     f"http://127.0.0.1:{port}", workdir / "pagefleet-serve.log")
@@ -193,7 +198,7 @@ def main() -> None:
             wait_for_spans(receiver, times)
     finally:
         server.stop()
-    print(json.dumps({"benchmark": "hop_trace", "input_len": args.input_len, "output_len": args.output_len,
+    print(json.dumps({"benchmark": "hop_trace", "simulate": args.simulate, "input_len": args.input_len, "output_len": args.output_len,
                       **summarize(times, receiver), "request_wall_ms": round(1e3 * statistics.median(walls), 1),
                       "cpu_per_request_ms": cpu_medians(busy), "cpu_per_idle_window_ms": cpu_medians(idle),
                       "machine": machine()}))

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import copy
+import random
+
 import pytest
 from transformers import AutoTokenizer
 
-from pagefleet.worker.engine.detokenizer import IncrementalDetokenizer
+from pagefleet.worker.engine.detokenizer import IncrementalDetokenizer, _plain_fast_decode
 
 TEXT = "héllo wörld, 你好 🙂 the end"
 
@@ -94,3 +97,51 @@ def test_special_tokens_are_skipped_unless_the_request_keeps_them(tokenizer):
             ids.append(t)
             d.update(ids)
         assert d.take_new_text(True) == want
+
+
+def test_the_fast_decode_streams_what_transformers_decode_streams(tokenizer):
+    """The demo tokenizer takes the direct ``tokenizers`` call; over random ids, special ones
+    among them, every step's text is what transformers' own decode gives it."""
+    from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+
+    assert _plain_fast_decode(type(tokenizer))
+    rng = random.Random(7)
+    specials = tokenizer.all_special_ids
+    prompt = tokenizer.encode("prompt:", add_special_tokens=False)
+    output = [rng.choice(specials) if rng.random() < 0.05 else rng.randrange(tokenizer.vocab_size)
+              for _ in range(400)]
+
+    class ViaTransformers(type(tokenizer)):  # the same tokenizer, through transformers' decode
+        def decode(self, *args, **kwargs):
+            return PreTrainedTokenizerBase.decode(self, *args, **kwargs)
+
+    slow = copy.copy(tokenizer)
+    slow.__class__ = ViaTransformers
+    assert not _plain_fast_decode(ViaTransformers)
+    for skip in (True, False):
+        fast_d = IncrementalDetokenizer(tokenizer, prompt, [], False, skip_special_tokens=skip)
+        slow_d = IncrementalDetokenizer(slow, prompt, [], False, skip_special_tokens=skip)
+        ids = list(prompt)
+        for t in output:
+            ids.append(t)
+            fast_d.update(ids)
+            slow_d.update(ids)
+            assert fast_d.take_new_text(False) == slow_d.take_new_text(False)
+        assert fast_d.text == slow_d.text == tokenizer.decode(output, skip_special_tokens=skip,
+                                                              clean_up_tokenization_spaces=False)
+
+
+def test_a_tokenizer_that_overrides_decoding_keeps_its_own(tokenizer):
+    class Shouting(type(tokenizer)):
+        def _decode(self, token_ids, **kwargs):
+            return super()._decode(token_ids, **kwargs).upper()
+
+    loud = copy.copy(tokenizer)
+    loud.__class__ = Shouting
+    output = tokenizer.encode("abc the end", add_special_tokens=False)
+    d = IncrementalDetokenizer(loud, [], [], False)
+    ids = []
+    for t in output:
+        ids.append(t)
+        d.update(ids)
+    assert d.take_new_text(True) == "ABC THE END"
