@@ -139,9 +139,9 @@ class AdmissionQueue:
     def _too_long(self, wait: float, left: float) -> AdmissionRejected:
         """The refusal of a request whose forecast ``wait`` passes the ``left`` seconds it may wait."""
         if math.isinf(wait):
-            return AdmissionRejected("all workers are full and none is expected to have room for this request "
-                                     "before its running requests end; retry later", "expected_wait",
-                                     self.retry_after_s)
+            return AdmissionRejected("all workers are full, and the room their running requests free when they "
+                                     "end is not enough for this request and those ahead of it; retry later",
+                                     "expected_wait", self.retry_after_s)
         return AdmissionRejected(f"all workers are full; room for this request is expected in about {wait:.1f} s "
                                  f"(when their running requests end), more than the {left:.1f} s it may wait; "
                                  "retry later", "expected_wait", max(1, math.ceil(wait)))
