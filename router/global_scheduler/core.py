@@ -62,6 +62,7 @@ class RouteRequest:
     block_hashes: bytes  # the prompt's full blocks, packed, as the ingress hashed them
     num_blocks: int  # blocks the request takes over its life on a worker that has none of it cached
     num_seqs: int = 1  # sequences (n)
+    max_steps: int = 0  # engine steps it runs at most once started (its max_tokens); 0: not known
 
 
 @dataclass(slots=True)
@@ -373,7 +374,7 @@ class GlobalScheduler:
             idle, shared = self.predictions.cached_keys(view, keys, first.cached_blocks, self.index)
             self.predictions.add(Prediction(req.request_id, view.worker_id, view.slot, now + self.prediction_ttl_s,
                                             keys[first.cached_blocks:], max(need - first.cached_blocks, 0) + len(idle),
-                                            seqs, idle, shared), view)
+                                            seqs, idle, shared, steps=req.max_steps, made_at=now), view)
         return RouteDecision([s.worker_id for s in scores], admitted, reason, first.cached_blocks, scores)
 
     def _idle_count(self, view: WorkerView, keys: list[int], cached: int) -> int:

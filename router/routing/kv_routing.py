@@ -37,6 +37,7 @@ from typing import Callable, Mapping
 
 from pagefleet.router.global_scheduler.core import RouteDecision, RouteRequest
 from pagefleet.router.global_scheduler.kv_mirror import SchedulerMirror
+from pagefleet.router.global_scheduler.predictions import Prediction
 from pagefleet.router.metrics import RouterMetrics
 from pagefleet.router.openai.errors import too_many_requests
 from pagefleet.router.routing.admission import REJECTION_REASONS, AdmissionQueue, AdmissionRejected
@@ -117,7 +118,8 @@ class KVRoutingClient:
                     n: int) -> RouteDecision | None:
         """Where the request goes (None: no worker known yet, route without a ranking).
         Raises OpenAIError 429."""
-        req = RouteRequest(request_id, block_hashes, request_blocks(prompt_len, max_tokens, n, self.block_size), n)
+        req = RouteRequest(request_id, block_hashes, request_blocks(prompt_len, max_tokens, n, self.block_size), n,
+                           max_tokens)
         if self.admission is None:
             decision = self._decide(req, force=True)
         else:
@@ -158,10 +160,15 @@ class KVRoutingClient:
         now = self.clock()
         if self.mirror.age(now) > self.options.max_staleness_s:
             return None
-        views = [v for v in self.mirror.core.workers.values() if v.reported]
+        core = self.mirror.core
+        views = [v for v in core.workers.values() if v.reported]
         if not any(v.step_time_s > 0 for v in views):
             return None
-        return forecast_waits([outlook(v, now, VIEW_LAG_S) for v in views], needs)
+        routed: dict[int, list[Prediction]] = {}  # slot -> this ingress's requests it has not reported yet
+        for pred in core.predictions.by_request.values():
+            if not pred.confirmed:
+                routed.setdefault(pred.slot, []).append(pred)
+        return forecast_waits([outlook(v, now, VIEW_LAG_S, routed.get(v.slot, ())) for v in views], needs)
 
     async def _admit(self, req: RouteRequest) -> RouteDecision | None:
         async def attempt() -> RouteDecision | None:

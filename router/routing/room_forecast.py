@@ -5,15 +5,18 @@ most, the blocks and seats its end gives back, and the worker's step time
 (``worker.core.worker_load``). So from an ingress's copy of the view, a worker's room at a
 later time is its room now (free blocks less those committed and predicted; its seats) plus
 what the sequences ending by then give back. No ingress guesses what the others sent: their
-requests are in the workers' own numbers once taken in. The requests waiting in this
+requests are in the workers' own numbers once taken in. Requests this ingress routed that a
+worker has not reported yet count as its predictions do: their room is taken, and comes back
+their ``max_tokens`` steps after they were routed. The requests waiting in this
 ingress's queue take that room first come first served, each on the worker with room for it
 soonest; a request's forecast wait is when its turn comes.
 
 A release counts from when the batch announcing it reached this copy, plus ``lag_s``: room
 shows in the copy that long after it frees (a worker publishes at most every 200 ms, the copy
 follows the feed at most every 100 ms). A release whose time has passed without a batch
-reporting it is not counted: the worker runs slower than it said, and its next batch says
-when instead.
+reporting it (the worker or the feed runs late) is expected within one more lag, at every
+forecast until a batch reports it; so a waiting request that only such releases would
+admit is refused once less than the lag is left of its wait, not after it.
 
 Pure functions over the views (no clock: callers pass ``now``).
 """
@@ -26,6 +29,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from pagefleet.router.global_scheduler.core import WorkerView
+from pagefleet.router.global_scheduler.predictions import Prediction
 from pagefleet.worker.core.kv_events import unpack_releases
 
 
@@ -49,18 +53,22 @@ class Outlook:
     seats_by: list[int] = field(default_factory=list)
 
 
-def outlook(view: WorkerView, now: float, lag_s: float) -> Outlook:
-    """``view``'s room now and its releases still due, in seconds from ``now``."""
+def outlook(view: WorkerView, now: float, lag_s: float, routed: Iterable[Prediction] = ()) -> Outlook:
+    """``view``'s room now and its releases still due, in seconds from ``now``. ``routed``: the
+    requests this ingress routed there that the worker has not reported yet (their room is
+    predicted taken): each gives it back ``steps`` steps after it was routed, plus the lag."""
     out = Outlook(view.room_blocks, view.seats)
     if view.step_time_s <= 0:
         return out  # no step measured yet: when its sequences end is unknown, so nothing is counted
+    step = view.step_time_s
+    due = [(view.releases_at + r.steps * step + lag_s - now, r.seqs, r.blocks) for r in unpack_releases(view.releases)]
+    due += [(p.made_at + p.steps * step + lag_s - now, p.seqs, p.blocks) for p in routed if p.steps > 0]
     blocks = seats = 0
-    for release in unpack_releases(view.releases):
-        at = view.releases_at + release.steps * view.step_time_s + lag_s - now
-        if at < 0:
-            continue  # overdue: not reported when it should have been
-        blocks += release.blocks
-        seats += release.seqs
+    # Overdue (not shown when it should have been: the worker or the feed runs late): expected
+    # within one more lag, and so on at every forecast until a batch reports it.
+    for at, seqs, freed in sorted((at if at >= 0 else lag_s, seqs, freed) for at, seqs, freed in due):
+        blocks += freed
+        seats += seqs
         out.at.append(at)
         out.blocks_by.append(blocks)
         out.seats_by.append(seats)

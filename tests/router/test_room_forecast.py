@@ -8,6 +8,7 @@ import math
 import pytest
 
 from pagefleet.router.global_scheduler.core import GlobalScheduler, WorkerView
+from pagefleet.router.global_scheduler.predictions import Prediction
 from pagefleet.router.routing.room_forecast import Need, Outlook, forecast_waits, outlook
 from pagefleet.worker.core.kv_events import KVEventBatch, Release, pack_releases
 
@@ -25,9 +26,10 @@ def test_an_outlook_times_each_release_from_when_the_view_heard_it_plus_the_lag(
     # 4 steps x 50 ms + 0.3 s after 100.0 is 0.4 s from now; 10 steps: 0.7 s; running sums
     assert (got.room_blocks, got.seats, got.blocks_by, got.seats_by) == (2, 5, [3, 9], [1, 3])
     assert got.at == pytest.approx([0.4, 0.7])
-    # at 100.6 the first was due 0.1 s ago and no batch reported it: it no longer counts
+    # at 100.6 the first was due 0.1 s ago and no batch reported it: it is expected within one
+    # more lag, after the second
     late = outlook(v, now=100.6, lag_s=0.3)
-    assert (late.blocks_by, late.seats_by, late.at) == ([6], [2], [pytest.approx(0.2)])
+    assert (late.blocks_by, late.seats_by, late.at) == ([6, 9], [2, 3], [pytest.approx(0.2), 0.3])
     # a worker that has not timed a step yet: its room now only
     assert outlook(view(2, 5, [Release(4, 1, 3)], 0.0, 100.0), 100.1, 0.3) == Outlook(2, 5)
 
@@ -58,3 +60,12 @@ def test_the_view_keeps_releases_and_step_time_and_a_restored_copy_hears_them_wh
     copy.restore(core.worker_states(), now=6.0)
     c = copy.workers["w0"]
     assert (c.releases, c.step_time_s, c.releases_at) == (releases, 0.025, 6.0)
+
+
+def test_requests_routed_there_and_not_yet_reported_give_their_room_back_after_their_steps():
+    v = view(0, 5, [Release(10, 1, 6)], step_time_s=0.05, releases_at=100.0)
+    routed = [Prediction("a", "w", 0, 102.0, [], blocks=4, seqs=1, steps=4, made_at=100.0),
+              Prediction("b", "w", 0, 102.0, [], blocks=3, seqs=2, made_at=100.0)]  # its steps are not known
+    got = outlook(v, now=100.1, lag_s=0.3, routed=routed)
+    # a's 4 steps from when it was routed, plus the lag: 0.4 s from now, before the worker's own 0.7 s
+    assert (got.blocks_by, got.seats_by, got.at) == ([4, 10], [1, 2], [pytest.approx(0.4), pytest.approx(0.7)])
