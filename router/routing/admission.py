@@ -14,7 +14,8 @@ is turned away at once instead of after waiting out its time. Where a
 give room back, ``room_forecast``), it says each waiting request's wait: a
 newcomer is refused when its own is too long, and a request already waiting
 when its forecast, redone every ``review_s`` while the queue moves, passes the
-time it has left. Without one (or while it knows nothing), the queue goes by
+time it has left (less one review and one retry: room it counts on that does
+not come must be noticed while it may still wait). Without one (or while it knows nothing), the queue goes by
 the rate requests have recently left it: a newcomer is refused when the queue
 ahead would take longer than ``max_wait_s`` to clear at that rate.
 ``check_room`` makes the same checks for the queue as it stands, without
@@ -89,6 +90,10 @@ class AdmissionQueue:
         self.clock = clock
         self.forecast = forecast
         self.review_s = review_s
+        # A forecast must leave this much of a request's wait: a release it counts on that does not
+        # come is seen at the next review, and that review, with the head's next try, must come
+        # before the request's time is up.
+        self.margin_s = review_s + retry_s
         self.counters = AdmissionCounters()
         self.on_length = on_length or (lambda n: None)
         self.on_wait = on_wait or (lambda s: None)
@@ -125,7 +130,7 @@ class AdmissionQueue:
         if self.forecast is not None and (need is not None or self._waiting):
             waits = self.forecast([w.need for w in self._waiting] + ([need] if need is not None else []))
         if waits is not None:
-            if waits[-1] > self.max_wait_s:
+            if waits[-1] > self.max_wait_s - self.margin_s:
                 self.counters.rejected_expected_wait += 1
                 raise self._too_long(waits[-1], self.max_wait_s)
             return
@@ -203,8 +208,8 @@ class AdmissionQueue:
             self.on_wait(waited)
 
     def _review(self) -> None:
-        """At most every ``review_s``: refuse each waiter whose forecast wait passes its time left
-        (and wake it to say so)."""
+        """At most every ``review_s``: refuse each waiter whose forecast wait passes its time left,
+        less ``margin_s`` (and wake it to say so)."""
         now = self.clock()
         if self.forecast is None or now - self._last_review < self.review_s:
             return
@@ -213,7 +218,7 @@ class AdmissionQueue:
         if waits is None:
             return
         for waiter, wait in zip(self._waiting, waits):
-            if waiter.refusal is None and wait > waiter.deadline - now:
+            if waiter.refusal is None and wait > waiter.deadline - now - self.margin_s:
                 waiter.refusal = self._too_long(wait, waiter.deadline - now)
                 self.counters.rejected_expected_wait += 1
                 self.counters.refused_while_waiting += 1
