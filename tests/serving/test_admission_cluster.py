@@ -22,6 +22,9 @@ from pagefleet.router.routing.admission import WAITED_OUT
 from cluster_app import assert_views_equal_pools, ingress, start_app, wait_idle
 
 MODEL = "llama-3-8b"
+# Served under a name of its own: the session's cluster keeps every app's series, and another module
+# counts this model's.
+SERVED = "llama-3-8b-admission"
 MAX_WAIT_S = 1.0
 MAX_TOKENS = 100  # with a 16-token prompt: 116 tokens, 8 blocks
 CLIENTS = 16  # twice what the two workers' 32 blocks hold at once
@@ -42,7 +45,7 @@ def server(ray_cluster, serve_http_port, tmp_path_factory):
     # a step of 4 sequences is about 13 ms at a quarter of the roofline: a request runs 1-2 s
     yield start_app(ray_cluster, serve_http_port, MODEL, tmp_path_factory.mktemp("serve"), simulate="h200",
                     simulate_efficiency=0.25, kv_cache_bytes="64MiB", ingress_replicas=2,
-                    admission_max_wait_s=MAX_WAIT_S)
+                    admission_max_wait_s=MAX_WAIT_S, served_model_name=SERVED)
     serve.delete(APP)
     stop_scheduler()
 
@@ -55,7 +58,7 @@ async def overload(base: str) -> list[tuple[int, dict, str | None, float]]:
 
     async def client(http: httpx.AsyncClient) -> None:
         while sum(status == 200 for status, *_ in answers) < COMPLETIONS:
-            body = {"model": MODEL, "prompt": [rng.randrange(5, 30_000) for _ in range(16)],
+            body = {"model": SERVED, "prompt": [rng.randrange(5, 30_000) for _ in range(16)],
                     "max_tokens": MAX_TOKENS, "ignore_eos": True}
             started = time.monotonic()
             r = await http.post(f"{base}/v1/completions", json=body)
@@ -73,7 +76,7 @@ async def warm_up(base: str) -> None:
     ingress has no forecast and a request may wait out its time (routing.md)."""
     async with httpx.AsyncClient(timeout=60) as http:
         rs = await asyncio.gather(*(http.post(f"{base}/v1/completions", json={
-            "model": MODEL, "prompt": [5 + i] * 16, "max_tokens": 4, "ignore_eos": True}) for i in range(4)))
+            "model": SERVED, "prompt": [5 + i] * 16, "max_tokens": 4, "ignore_eos": True}) for i in range(4)))
     assert [r.status_code for r in rs] == [200] * 4
 
 
