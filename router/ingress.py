@@ -37,6 +37,7 @@ from pagefleet.router.openai.node_metrics import NodeMetricsReader
 from pagefleet.router.openai.preprocess import ModelInfo, ServingLimits, longest_token_chars
 from pagefleet.router.openai.service import Job, OpenAIService
 from pagefleet.router.openai.tool_choice import ToolCallOptions
+from pagefleet.router.routing.admission import AdmissionCounters
 from pagefleet.router.routing.kv_routing import KVRoutingClient, KVRoutingOptions, RoutingCounters
 from pagefleet.router.worker_client.delta_mux import ChannelMux, read_deltas, watch
 from pagefleet.router.worker_client.failover import StreamProgress
@@ -64,6 +65,14 @@ class ReplicaInFlight(NamedTuple):
 
     replica_id: str
     num_in_flight: int
+
+
+class ReplicaView(NamedTuple):
+    """One ingress replica's answer to ``OpenAIIngress.replica_view``."""
+
+    replica_id: str
+    view: WorkerKVView | None
+    admission: AdmissionCounters | None
 
 
 # How often a draining replica tells the drain board how many requests it still has in flight.
@@ -312,6 +321,11 @@ class OpenAIIngress:
     async def admission_counters(self):
         kv = self._client.kv
         return None if kv is None or kv.admission is None else kv.admission.counters
+
+    async def replica_view(self, worker_id: str) -> ReplicaView:
+        """This replica's id with its copy's view of a worker and its admission counters: a Serve
+        handle calls one replica, so tests that check every replica call until each answered."""
+        return ReplicaView(_replica_id(), await self.mirror_view(worker_id), await self.admission_counters())
 
 
 def _replica_id() -> str:

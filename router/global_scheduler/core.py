@@ -62,6 +62,7 @@ class RouteRequest:
     block_hashes: bytes  # the prompt's full blocks, packed, as the ingress hashed them
     num_blocks: int  # blocks the request takes over its life on a worker that has none of it cached
     num_seqs: int = 1  # sequences (n)
+    max_steps: int = 0  # engine steps it runs at most once started (its max_tokens); 0: not known
 
 
 @dataclass(slots=True)
@@ -101,6 +102,11 @@ class WorkerView:
     predicted_blocks: int = 0
     predicted_seqs: int = 0  # sequences of requests routed to it that it has not reported yet
     max_seqs: int = sys.maxsize  # sequences it holds at most, running and waiting (its request queue)
+    # When its running sequences end (packed ``Release``s), its step time, and when this view heard
+    # them (admission control's forecast of room: ``routing.room_forecast``).
+    releases: bytes = b""
+    step_time_s: float = 0.0
+    releases_at: float = 0.0
     # Derived from the numbers above by ``refresh`` whenever they change (read once per decision):
     load_blocks: int = 0  # committed: in use + reserved by unfinished sequences + predicted
     room_blocks: int = sys.maxsize  # free - reserved - predicted; no bound until the worker reports
@@ -133,6 +139,8 @@ class WorkerState:
     num_waiting: int
     num_reserved_blocks: int
     in_use_keys: bytes = b""  # packed, as routing_keys
+    releases: bytes = b""
+    step_time_s: float = 0.0
 
 
 @dataclass(slots=True)
@@ -244,6 +252,7 @@ class GlobalScheduler:
         view.num_running = b.num_running
         view.num_waiting = b.num_waiting
         view.num_reserved_blocks = b.num_reserved_blocks
+        view.releases, view.step_time_s, view.releases_at = b.releases, b.step_time_s, now
         for request_id in b.added:
             pred = self.predictions.by_request.get(request_id)
             if pred is not None and pred.slot == view.slot and not pred.confirmed:
@@ -297,7 +306,7 @@ class GlobalScheduler:
         """Every worker's view as plain data, for a new copy of the view to ``restore``."""
         return [WorkerState(v.worker_id, v.seq, v.synced, self.index.packed_keys_of(v.slot), v.num_free_blocks,
                             v.num_total_blocks, v.num_running, v.num_waiting, v.num_reserved_blocks,
-                            self.index.packed_in_use_of(v.slot))
+                            self.index.packed_in_use_of(v.slot), v.releases, v.step_time_s)
                 for v in self.workers.values()]
 
     def restore(self, states: list[WorkerState], now: float) -> None:
@@ -315,6 +324,7 @@ class GlobalScheduler:
             view.num_free_blocks, view.num_total_blocks = state.num_free_blocks, state.num_total_blocks
             view.num_running, view.num_waiting = state.num_running, state.num_waiting
             view.num_reserved_blocks = state.num_reserved_blocks
+            view.releases, view.step_time_s, view.releases_at = state.releases, state.step_time_s, now
             view.refresh()
             self.predictions.stop_sharing(view, self.index)
 
@@ -364,7 +374,7 @@ class GlobalScheduler:
             idle, shared = self.predictions.cached_keys(view, keys, first.cached_blocks, self.index)
             self.predictions.add(Prediction(req.request_id, view.worker_id, view.slot, now + self.prediction_ttl_s,
                                             keys[first.cached_blocks:], max(need - first.cached_blocks, 0) + len(idle),
-                                            seqs, idle, shared), view)
+                                            seqs, idle, shared, steps=req.max_steps, made_at=now), view)
         return RouteDecision([s.worker_id for s in scores], admitted, reason, first.cached_blocks, scores)
 
     def _idle_count(self, view: WorkerView, keys: list[int], cached: int) -> int:

@@ -48,6 +48,8 @@ class Prediction:
     seqs: int  # its sequences (n); 0 once confirmed
     idle_keys: list[int] = field(default_factory=list)  # idle cached keys it will take; [] once confirmed
     shared_keys: list[int] = field(default_factory=list)  # cached keys in use it shares; [] once confirmed
+    steps: int = 0  # engine steps the request runs at most once started (0: not known)
+    made_at: float = 0.0  # when it was routed
 
     @property
     def confirmed(self) -> bool:

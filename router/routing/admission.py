@@ -7,12 +7,20 @@ request waits here: first come, first served, only the head asks again (every
 A request that finds the queue full, or waits out its time, is refused with
 ``AdmissionRejected`` (the ingress answers 429 with Retry-After).
 
-Refusals should be fast, so a request is also refused on arrival when the
-queue ahead of it would take longer than ``max_wait_s`` to clear at the rate
-requests have recently left it (``expected_wait``): under sustained overload
-the excess is turned away at once instead of after waiting out its time.
-``check_room`` makes the same two checks without queueing, so the ingress can
-refuse before it reads and tokenizes a request it could not admit.
+Refusals should be fast, so a request is also refused as soon as its wait is
+expected to pass ``max_wait_s`` (``expected_wait``): under overload the excess
+is turned away at once instead of after waiting out its time. Where a
+``forecast`` is given (kv routing: when the workers' running sequences will
+give room back, ``room_forecast``), it says each waiting request's wait: a
+newcomer is refused when its own is too long, and a request already waiting
+when its forecast, redone every ``review_s`` while the queue moves, passes the
+time it has left (less one review and one retry: room it counts on that does
+not come must be noticed while it may still wait). Without one (or while it knows nothing), the queue goes by
+the rate requests have recently left it: a newcomer is refused when the queue
+ahead would take longer than ``max_wait_s`` to clear at that rate.
+``check_room`` makes the same checks for the queue as it stands, without
+queueing, so the ingress can refuse before it reads and tokenizes a request it
+could not admit.
 """
 
 from __future__ import annotations
@@ -21,10 +29,14 @@ import asyncio
 import math
 import time
 from collections import deque
-from dataclasses import dataclass
-from typing import Awaitable, Callable, TypeVar
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable, Sequence, TypeVar
 
 T = TypeVar("T")
+
+# Each waiting request's wait in seconds, in queue order, given what each needs (``inf``: no
+# room is known to come); None: nothing is known (the queue goes by its departure rate).
+Forecast = Callable[[Sequence[Any]], "list[float] | None"]
 
 # How the message of a request refused after waiting out its time begins (clients and benchmarks
 # tell it from a refusal on arrival by it).
@@ -48,27 +60,45 @@ class AdmissionCounters:
     rejected_queue_full: int = 0
     rejected_expected_wait: int = 0
     rejected_waited_too_long: int = 0
+    refused_while_waiting: int = 0  # of rejected_expected_wait: forecast past its time after joining the queue
     wait_s_total: float = 0.0  # of the requests that waited, admitted or not
     longest_queue: int = 0
+
+
+@dataclass(slots=True, eq=False)
+class _Waiter:
+    need: Any  # what the forecast is given for it
+    deadline: float
+    turn: asyncio.Event = field(default_factory=asyncio.Event)  # set: its turn, or its refusal
+    refusal: AdmissionRejected | None = None
 
 
 class AdmissionQueue:
     def __init__(self, max_size: int, max_wait_s: float, retry_s: float = 0.02,
                  clock: Callable[[], float] = time.monotonic,
                  on_length: Callable[[int], None] | None = None,
-                 on_wait: Callable[[float], None] | None = None) -> None:
+                 on_wait: Callable[[float], None] | None = None,
+                 forecast: Forecast | None = None, review_s: float = 0.05) -> None:
         """``on_length`` hears the queue's length whenever it changes, ``on_wait`` each waiter's
-        time in the queue (for metrics)."""
+        time in the queue (for metrics). ``forecast``: the waits of requests needing what
+        ``admit`` is given, in queue order (module docstring)."""
         if max_size < 1 or max_wait_s <= 0 or retry_s <= 0:
             raise ValueError("an admission queue needs max_size >= 1, max_wait_s > 0 and retry_s > 0")
         self.max_size = max_size
         self.max_wait_s = max_wait_s
         self.retry_s = retry_s
         self.clock = clock
+        self.forecast = forecast
+        self.review_s = review_s
+        # A forecast must leave this much of a request's wait: a release it counts on that does not
+        # come is seen at the next review, and that review, with the head's next try, must come
+        # before the request's time is up.
+        self.margin_s = review_s + retry_s
         self.counters = AdmissionCounters()
         self.on_length = on_length or (lambda n: None)
         self.on_wait = on_wait or (lambda s: None)
-        self._waiting: deque[asyncio.Event] = deque()  # one per waiting request; set = its turn
+        self._waiting: deque[_Waiter] = deque()  # first come first served
+        self._last_review = -math.inf
         # Seconds between admissions from the queue while it stays non-empty (moving average;
         # None until two have been seen in one such period).
         self.departure_interval_s: float | None = None
@@ -88,12 +118,22 @@ class AdmissionQueue:
             return None
         return (len(self._waiting) + 1) * self.departure_interval_s
 
-    def check_room(self) -> None:
-        """Raises AdmissionRejected when a request arriving now would be refused without waiting."""
+    def check_room(self, need: Any = None) -> None:
+        """Raises AdmissionRejected when a request arriving now would be refused without waiting.
+        With ``need`` (what the forecast takes) its own forecast wait decides; without, the last
+        waiter's (the newcomer would wait longer)."""
         if len(self._waiting) >= self.max_size:
             self.counters.rejected_queue_full += 1
             raise AdmissionRejected(f"all workers are full and {len(self._waiting)} requests are already "
                                     "waiting for one; retry later", "queue_full", self.retry_after_s)
+        waits = None
+        if self.forecast is not None and (need is not None or self._waiting):
+            waits = self.forecast([w.need for w in self._waiting] + ([need] if need is not None else []))
+        if waits is not None:
+            if waits[-1] > self.max_wait_s - self.margin_s:
+                self.counters.rejected_expected_wait += 1
+                raise self._too_long(waits[-1], self.max_wait_s)
+            return
         expected = self.expected_wait_s()
         if expected is not None and expected > self.max_wait_s:
             self.counters.rejected_expected_wait += 1
@@ -101,39 +141,54 @@ class AdmissionQueue:
                                     f"take about {expected:.1f} s to admit, more than the {self.max_wait_s:g} s a "
                                     "request may wait; retry later", "expected_wait", self.retry_after_s)
 
-    async def admit(self, attempt: Callable[[], Awaitable[T]], admitted: Callable[[T], bool]) -> T:
+    def _too_long(self, wait: float, left: float) -> AdmissionRejected:
+        """The refusal of a request whose forecast ``wait`` passes the ``left`` seconds it may wait."""
+        if math.isinf(wait):
+            return AdmissionRejected("all workers are full, and the room their running requests free when they "
+                                     "end is not enough for this request and those ahead of it; retry later",
+                                     "expected_wait", self.retry_after_s)
+        return AdmissionRejected(f"all workers are full; room for this request is expected in about {wait:.1f} s "
+                                 f"(when their running requests end), more than the {left:.1f} s it may wait; "
+                                 "retry later", "expected_wait", max(1, math.ceil(wait)))
+
+    async def admit(self, attempt: Callable[[], Awaitable[T]], admitted: Callable[[T], bool], need: Any = None) -> T:
         """Run ``attempt`` until ``admitted`` says its result is a yes, keeping FIFO order;
-        the first yes is returned. Raises AdmissionRejected."""
+        the first yes is returned. ``need``: what the forecast is given for this request.
+        Raises AdmissionRejected."""
         if not self._waiting:  # nobody ahead: ask at once
             result = await attempt()
             if admitted(result):
                 self.counters.admitted_at_once += 1
                 return result
-        self.check_room()
-        turn = asyncio.Event()
-        self._waiting.append(turn)
+        self.check_room(need)
+        started = self.clock()
+        me = _Waiter(need, started + self.max_wait_s)
+        self._waiting.append(me)
         self.on_length(len(self._waiting))
         self.counters.longest_queue = max(self.counters.longest_queue, len(self._waiting))
-        if self._waiting[0] is turn:
-            turn.set()
-        started = self.clock()
-        deadline = started + self.max_wait_s
+        if self._waiting[0] is me:
+            me.turn.set()
         try:
             while True:
-                left = deadline - self.clock()
+                left = me.deadline - self.clock()
                 if left <= 0:
                     break
-                if not turn.is_set():
+                if not me.turn.is_set():
                     try:
-                        await asyncio.wait_for(turn.wait(), left)
+                        await asyncio.wait_for(me.turn.wait(), left)
                     except asyncio.TimeoutError:
                         continue  # the clock has the last word
+                if me.refusal is not None:
+                    raise me.refusal
                 result = await attempt()
                 if admitted(result):
                     self.counters.admitted_after_waiting += 1
                     self._departed(self.clock())
                     return result
-                left = deadline - self.clock()
+                self._review()
+                if me.refusal is not None:
+                    raise me.refusal
+                left = me.deadline - self.clock()
                 if left <= 0:
                     break
                 await asyncio.sleep(min(self.retry_s, left))
@@ -143,14 +198,31 @@ class AdmissionQueue:
         finally:
             waited = self.clock() - started
             self.counters.wait_s_total += waited
-            head = self._waiting[0] is turn
-            self._waiting.remove(turn)
+            head = self._waiting[0] is me
+            self._waiting.remove(me)
             if head and self._waiting:
-                self._waiting[0].set()
+                self._waiting[0].turn.set()
             if not self._waiting:
                 self._last_departure = None  # the busy period is over; the next one measures afresh
             self.on_length(len(self._waiting))
             self.on_wait(waited)
+
+    def _review(self) -> None:
+        """At most every ``review_s``: refuse each waiter whose forecast wait passes its time left,
+        less ``margin_s`` (and wake it to say so)."""
+        now = self.clock()
+        if self.forecast is None or now - self._last_review < self.review_s:
+            return
+        self._last_review = now
+        waits = self.forecast([w.need for w in self._waiting])
+        if waits is None:
+            return
+        for waiter, wait in zip(self._waiting, waits):
+            if waiter.refusal is None and wait > waiter.deadline - now - self.margin_s:
+                waiter.refusal = self._too_long(wait, waiter.deadline - now)
+                self.counters.rejected_expected_wait += 1
+                self.counters.refused_while_waiting += 1
+                waiter.turn.set()
 
     def _departed(self, now: float) -> None:
         if self._last_departure is not None:

@@ -14,7 +14,10 @@ to one poll wait later), requests are routed by load instead
 (``route_by_inflight``: the workers the view last knew, ranked by the blocks
 this ingress's own requests hold on them), counted as fallbacks. Admission
 control applies either way: when no worker has room, the request waits in the
-``AdmissionQueue``, or is refused (429) past its bound or wait. Only before the
+``AdmissionQueue``, or is refused (429) past its bound or as soon as its wait
+is forecast past the maximum (``room_forecast``: from when the workers report
+their running sequences will end; with a stale view the queue goes by its own
+departure rate). Only before the
 copy has ever heard of a worker (the first moments of an app) does a request
 go out unranked, to the request router's power of two choices, bounded by
 Serve's queue (``max_queued_requests``).
@@ -34,9 +37,16 @@ from typing import Callable, Mapping
 
 from pagefleet.router.global_scheduler.core import RouteDecision, RouteRequest
 from pagefleet.router.global_scheduler.kv_mirror import SchedulerMirror
+from pagefleet.router.global_scheduler.predictions import Prediction
 from pagefleet.router.metrics import RouterMetrics
 from pagefleet.router.openai.errors import too_many_requests
 from pagefleet.router.routing.admission import REJECTION_REASONS, AdmissionQueue, AdmissionRejected
+from pagefleet.router.routing.room_forecast import Need, forecast_waits, outlook
+from pagefleet.worker.replica.kv_publisher import PUBLISH_INTERVAL_S
+
+# How long after a worker frees room this ingress's copy of the view shows it: one publish period
+# and one follower interval (``kv_mirror.ViewFollower``'s, 100 ms).
+VIEW_LAG_S = PUBLISH_INTERVAL_S + 0.1
 
 # Every reason a kv decision is counted by: the global scheduler's (prefix, load, no_room) and the
 # fallbacks without a current view.
@@ -96,7 +106,8 @@ class KVRoutingClient:
         self.metrics.start_at_zero("prefix_hit_blocks_realised")
         self.admission = (AdmissionQueue(options.admission_queue_size, options.admission_max_wait_s, clock=clock,
                                          on_length=lambda n: self.metrics.set("admission_queue_length", n),
-                                         on_wait=lambda s: self.metrics.observe("admission_wait_seconds", s))
+                                         on_wait=lambda s: self.metrics.observe("admission_wait_seconds", s),
+                                         forecast=self.forecast_waits)
                           if options.admission_queue_size > 0 else None)
         self.counters = RoutingCounters()
         self._inflight: Counter = Counter()  # worker -> blocks this ingress's routed requests may hold there
@@ -107,7 +118,8 @@ class KVRoutingClient:
                     n: int) -> RouteDecision | None:
         """Where the request goes (None: no worker known yet, route without a ranking).
         Raises OpenAIError 429."""
-        req = RouteRequest(request_id, block_hashes, request_blocks(prompt_len, max_tokens, n, self.block_size), n)
+        req = RouteRequest(request_id, block_hashes, request_blocks(prompt_len, max_tokens, n, self.block_size), n,
+                           max_tokens)
         if self.admission is None:
             decision = self._decide(req, force=True)
         else:
@@ -142,12 +154,29 @@ class KVRoutingClient:
             except AdmissionRejected as exc:
                 raise self._refused(exc) from exc
 
+    def forecast_waits(self, needs: list[Need]) -> list[float] | None:
+        """The admission queue's forecast (``room_forecast``) over this ingress's copy of the view;
+        None while it cannot say (a stale copy, or no worker has measured a step yet)."""
+        now = self.clock()
+        if self.mirror.age(now) > self.options.max_staleness_s:
+            return None
+        core = self.mirror.core
+        views = [v for v in core.workers.values() if v.reported]
+        if not any(v.step_time_s > 0 for v in views):
+            return None
+        routed: dict[int, list[Prediction]] = {}  # slot -> this ingress's requests it has not reported yet
+        for pred in core.predictions.by_request.values():
+            if not pred.confirmed:
+                routed.setdefault(pred.slot, []).append(pred)
+        return forecast_waits([outlook(v, now, VIEW_LAG_S, routed.get(v.slot, ())) for v in views], needs)
+
     async def _admit(self, req: RouteRequest) -> RouteDecision | None:
         async def attempt() -> RouteDecision | None:
             return self._decide(req, force=False)
 
         try:
-            return await self.admission.admit(attempt, lambda d: d is None or d.admitted)
+            return await self.admission.admit(attempt, lambda d: d is None or d.admitted,
+                                              Need(req.num_blocks, req.num_seqs))
         except AdmissionRejected as exc:
             raise self._refused(exc) from exc
 

@@ -90,31 +90,48 @@ def wait_idle(timeout_s: float = 60.0) -> None:
         time.sleep(0.05)
 
 
-def assert_views_equal_pools(scheduler) -> dict:
-    """The scheduler actor's view of each worker, and the ingress's copy of it (what requests are
-    routed with), each equal to the worker's own pool; returns the actor's views."""
+def assert_views_equal_pools(scheduler, ingress_replicas: int = 1) -> dict:
+    """The scheduler actor's view of each worker, and every ingress replica's copy of it (what
+    requests are routed with), each equal to the worker's own pool; returns the actor's views."""
     import ray
 
     snaps = worker_snapshots()
     views = {}
     for worker_id, snap in snaps.items():
-        for name, read in (("actor", lambda: ray.get(scheduler.worker_view.remote(worker_id))),
-                           ("ingress copy", lambda: ingress().mirror_view.remote(worker_id).result())):
-            deadline = time.monotonic() + 10
-            while True:  # the batch the snapshot was taken at has to reach the view first
-                view = read()
-                if view is not None and view.seq >= snap.seq:
-                    break
-                assert time.monotonic() < deadline, (name, worker_id, view, snap.seq)
-                time.sleep(0.05)
-            assert view.synced, name
-            assert view.routing_keys == set(routing_keys(snap.block_hashes)), (name, worker_id)
-            assert view.in_use_keys == set(routing_keys(snap.in_use_hashes)) == set(), (name, worker_id)
-            assert (view.num_free_blocks, view.num_total_blocks) == (snap.num_free_blocks, snap.num_total_blocks)
-            assert snap.num_free_blocks == snap.num_total_blocks  # idle: every block is free (cached or not)
-            if name == "actor":
-                views[worker_id] = view
+        view = _caught_up("actor", worker_id, snap.seq, lambda: ray.get(scheduler.worker_view.remote(worker_id)))
+        _assert_view_equals_pool("actor", view, snap)
+        views[worker_id] = view
+        # the handle calls one replica at a time: call until each has answered with its copy caught up
+        copies: dict[str, object] = {}
+        deadline = time.monotonic() + 30
+        while len(copies) < ingress_replicas:
+            answer = ingress().replica_view.remote(worker_id).result()
+            if answer.view is not None and answer.view.seq >= snap.seq:
+                copies[answer.replica_id] = answer.view
+            assert time.monotonic() < deadline, ("ingress copies", worker_id, sorted(copies), snap.seq)
+            time.sleep(0.02)
+        for replica_id, copy in copies.items():
+            _assert_view_equals_pool(f"ingress copy {replica_id}", copy, snap)
     return views
+
+
+def _caught_up(name: str, worker_id: str, seq: int, read):
+    """``read()``'s view once it has applied the batch numbered ``seq`` (the snapshot's)."""
+    deadline = time.monotonic() + 10
+    while True:
+        view = read()
+        if view is not None and view.seq >= seq:
+            return view
+        assert time.monotonic() < deadline, (name, worker_id, view, seq)
+        time.sleep(0.05)
+
+
+def _assert_view_equals_pool(name: str, view, snap) -> None:
+    assert view.synced, name
+    assert view.routing_keys == set(routing_keys(snap.block_hashes)), (name, snap.worker_id)
+    assert view.in_use_keys == set(routing_keys(snap.in_use_hashes)) == set(), (name, snap.worker_id)
+    assert (view.num_free_blocks, view.num_total_blocks) == (snap.num_free_blocks, snap.num_total_blocks), name
+    assert snap.num_free_blocks == snap.num_total_blocks  # idle: every block is free (cached or not)
 
 
 async def traffic(base: str, model: str, n: int, seed: int, concurrency: int = 12,

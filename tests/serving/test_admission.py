@@ -4,6 +4,7 @@ without Ray: exact orders and counts."""
 from __future__ import annotations
 
 import asyncio
+import math
 
 import pytest
 
@@ -13,8 +14,15 @@ from pagefleet.router.global_scheduler.view_feed import ViewFeed
 from pagefleet.router.metrics import RouterMetrics
 from pagefleet.router.openai.errors import OpenAIError
 from pagefleet.router.routing.admission import WAITED_OUT, AdmissionQueue, AdmissionRejected
-from pagefleet.router.routing.kv_routing import KVRoutingClient, KVRoutingOptions, request_blocks, route_by_inflight
-from pagefleet.worker.core.kv_events import KVEventBatch
+from pagefleet.router.routing.kv_routing import (
+    VIEW_LAG_S,
+    KVRoutingClient,
+    KVRoutingOptions,
+    request_blocks,
+    route_by_inflight,
+)
+from pagefleet.router.routing.room_forecast import Need
+from pagefleet.worker.core.kv_events import KVEventBatch, Release, pack_releases
 
 
 class Room:
@@ -220,5 +228,106 @@ def test_a_view_with_no_worker_yet_routes_without_a_ranking_and_admission_off_fo
         got = await client.route("r2", b"", 40, 24, 1)  # no admission control: routed anyway
         assert (got.ranking, got.admitted) == (["w0", "w1"], False)
         assert client.mirror.core.workers["w0"].predicted_blocks == 4  # forced: counted where it went
+
+    asyncio.run(run())
+
+
+class Forecast:
+    """A forecast of each waiter's wait, by its name (the ``need`` it was admitted with)."""
+
+    def __init__(self, **waits: float) -> None:
+        self.waits = waits
+        self.asked: list[list[str]] = []
+
+    def __call__(self, needs):
+        self.asked.append(list(needs))
+        return [self.waits[n] for n in needs]
+
+
+def test_a_forecast_past_the_limit_refuses_a_newcomer_at_once_with_its_wait():
+    async def run():
+        forecast = Forecast(a=1.5, b=math.inf)
+        q, room = AdmissionQueue(max_size=10, max_wait_s=1.0, clock=lambda: 0.0, forecast=forecast), Room()
+        with pytest.raises(AdmissionRejected, match="expected in about 1.5 s") as info:
+            await q.admit(room.attempt("a"), bool, need="a")
+        assert (info.value.reason, info.value.retry_after_s) == ("expected_wait", 2)  # its wait, rounded up
+        with pytest.raises(AdmissionRejected, match="not enough for this request and those ahead of it") as info:
+            await q.admit(room.attempt("b"), bool, need="b")
+        assert (info.value.reason, info.value.retry_after_s) == ("expected_wait", 1)  # the maximum wait
+        # a forecast must leave one review and one retry (70 ms) of the wait: 0.96 s of 1 s does not
+        forecast.waits["c"] = 0.96
+        with pytest.raises(AdmissionRejected):
+            await q.admit(room.attempt("c"), bool, need="c")
+        # each asked once on arrival and never queued; the forecast saw each alone
+        assert (room.asked, forecast.asked, len(q)) == (["a", "b", "c"], [["a"], ["b"], ["c"]], 0)
+        c = q.counters
+        assert (c.rejected_expected_wait, c.refused_while_waiting, c.rejected_waited_too_long) == (3, 0, 0)
+
+    asyncio.run(run())
+
+
+def test_a_waiting_request_is_refused_as_soon_as_its_forecast_passes_its_time_left():
+    async def run():
+        now = [0.0]  # still: nobody's wait runs out
+        forecast = Forecast(a=0.5, b=0.8)
+        q = AdmissionQueue(max_size=10, max_wait_s=1.0, retry_s=0.001, review_s=0.0, clock=lambda: now[0],
+                           forecast=forecast)
+        room = Room()
+        a = asyncio.create_task(q.admit(room.attempt("a"), bool, need="a"))
+        b = asyncio.create_task(q.admit(room.attempt("b"), bool, need="b"))
+        while len(q) < 2:
+            await asyncio.sleep(0.001)
+        await asyncio.sleep(0.01)
+        assert forecast.asked[-1] == ["a", "b"] and not b.done()  # the head's reviews forecast both, in order
+        forecast.waits["b"] = 1.2  # the workers now say b's room comes after its 1 s is up
+        with pytest.raises(AdmissionRejected, match=r"about 1.2 s .*, more than the 1.0 s it may wait") as info:
+            await b
+        assert info.value.reason == "expected_wait" and not a.done()
+        room.free = True
+        assert await a is True
+        c = q.counters
+        assert (c.admitted_after_waiting, c.rejected_expected_wait, c.refused_while_waiting,
+                c.rejected_waited_too_long) == (1, 1, 1, 0)
+        assert set(room.asked) == {"a"}  # b never reached the head
+
+    asyncio.run(run())
+
+
+def test_without_a_forecast_to_go_by_a_newcomer_waits_as_before():
+    async def run():
+        q, room = AdmissionQueue(max_size=10, max_wait_s=1.0, retry_s=0.001, forecast=lambda needs: None), Room()
+        a = asyncio.create_task(q.admit(room.attempt("a"), bool, need="a"))
+        while len(q) < 1:
+            await asyncio.sleep(0.001)
+        room.free = True
+        assert await a is True and q.counters.admitted_after_waiting == 1
+
+    asyncio.run(run())
+
+
+def test_the_routing_clients_forecast_reads_the_workers_releases_in_its_copy_of_the_view():
+    async def run():
+        actor_core, feed = GlobalScheduler(), ViewFeed("e1")
+        # both full (no block free); w0's running sequences end within 10 steps of 50 ms and free 8
+        # blocks, w1's within 30 steps
+        for w, steps in (("w0", 10), ("w1", 30)):
+            b = KVEventBatch(w, 0, 0, False, num_free_blocks=0, num_total_blocks=64, num_running=1,
+                             releases=pack_releases([Release(steps, 1, 8)]), step_time_s=0.05)
+            actor_core.apply_batch(b, 0.0)
+            feed.append(b)
+        mirror = SchedulerMirror(weight=4.0)
+        mirror.apply(feed.update_since(None, -1, actor_core), now=0.0)
+        clock = [0.0]
+        client = KVRoutingClient(mirror, KVRoutingOptions(admission_max_wait_s=0.5), block_size=16,
+                                 clock=lambda: clock[0])
+        # room shows 0.5 s (w0) and 1.5 s (w1) from now, plus the view's lag: two 4-block requests
+        # fit w0's 8 blocks, the third waits for w1
+        assert client.forecast_waits([Need(4)] * 3) == pytest.approx([0.5 + VIEW_LAG_S] * 2 + [1.5 + VIEW_LAG_S])
+        with pytest.raises(OpenAIError, match=f"expected in about {0.5 + VIEW_LAG_S:.1f} s") as info:
+            await client.route("r1", b"", 40, 24, 1)  # 4 blocks; the wait passes 0.5 s: refused at once
+        assert (info.value.status_code, info.value.retry_after_s) == (429, 1)
+        assert client.admission.counters.rejected_expected_wait == 1 and len(client.admission) == 0
+        clock[0] = 1.5  # no update for 1.5 s: a stale copy forecasts nothing
+        assert client.forecast_waits([Need(4)]) is None
 
     asyncio.run(run())

@@ -15,7 +15,7 @@ from pagefleet.worker.core.block_hash import (
     pack_hashes,
     unpack_hashes,
 )
-from pagefleet.worker.core.kv_events import KVLoad
+from pagefleet.worker.core.kv_events import KVLoad, Release, unpack_releases
 from pagefleet.worker.engine.llm_engine import LLMEngine
 
 PROMPT = list(range(10, 50))  # 40 tokens: 2 full blocks of 16
@@ -41,6 +41,9 @@ def test_the_engine_publishes_the_hashes_it_was_given_and_counts_its_load(args):
     assert unpack_hashes(batch.stored) == given and unpack_hashes(batch.stored_parents) == [ROOT_HASH, given[0]]
     assert (batch.num_running, batch.num_waiting, batch.num_reserved_blocks) == (1, 0, 1)
     assert batch.num_free_blocks == batch.num_total_blocks - 3
+    # it ends within 9 more steps (1 of its 10 tokens is out) and then frees its 4 blocks; the
+    # step it took is timed
+    assert unpack_releases(batch.releases) == [Release(steps=9, seqs=1, blocks=4)] and batch.step_time_s > 0
     later = []
     while engine.has_unfinished():
         out += [t for d in engine.step() for c in d.sequences for t in c.token_ids]

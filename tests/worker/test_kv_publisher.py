@@ -9,7 +9,7 @@ from pagefleet.router.global_scheduler.kv_index import routing_keys
 from pagefleet.worker.core.block_hash import pack_hashes
 from pagefleet.worker.core.block_pool import BlockPool
 from pagefleet.worker.core.kv_cache_manager import KVCacheManager
-from pagefleet.worker.core.kv_events import KVEventLog, KVEventSource, KVLoad
+from pagefleet.worker.core.kv_events import KVEventLog, KVEventSource, KVLoad, Release, pack_releases
 from pagefleet.worker.core.sequence import Sequence
 from pagefleet.worker.replica.kv_publisher import KVEventPublisher
 from pagefleet.worker.sampling_params import SamplingParams
@@ -192,8 +192,11 @@ def test_batches_that_change_nothing_wait_for_one_that_does():
         pub.put(worker.source.drain(KVLoad(num_running=1)))  # batch 1: the load changed
         await settle(pub)
         assert link.calls == [(0, 0), (1, 1)]
-        for _ in range(5):  # batches 2-6: decode steps between two block boundaries change nothing
-            pub.put(worker.source.drain(KVLoad(num_running=1)))
+        # batches 2-6: decode steps between two block boundaries change nothing the view must hear
+        # at once; their sequence's steps left count down, which a view's copy follows by the clock
+        for left in range(5, 0, -1):
+            pub.put(worker.source.drain(KVLoad(num_running=1, releases=pack_releases([Release(left, 1, 2)]),
+                                               step_time_s=0.01)))
         for _ in range(50):
             await asyncio.sleep(0)
         assert link.calls == [(0, 0), (1, 1)] and pub.counters.quiet == 5

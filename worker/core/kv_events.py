@@ -18,13 +18,19 @@ that, as the state each hash was last left in.
 
 Hashes travel packed (16 bytes each, concatenated): one bytes object per
 batch instead of one per block, so a batch pickles and unpickles at C speed.
+
+Each batch also says when the worker's running sequences will give their blocks
+back (``releases``: how many steps each has left at most, and the blocks and
+seats its end frees) and how long a step takes: from those, every ingress
+replica estimates when a full worker will have room (admission control), with
+no guess about requests other ingress replicas sent.
 """
 
 from __future__ import annotations
 
 import struct
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Iterable, NamedTuple, Sequence
 
 from pagefleet.worker.core.block_hash import HASH_SIZE, ROOT_HASH, BlockHash, pack_hashes, unpack_hashes
 
@@ -52,6 +58,8 @@ class KVEventBatch:
     added: list[str] = field(default_factory=list)  # requests taken in since the previous batch
     acquired: bytes = b""  # cached hashes now in use again (idle before), packed
     released: bytes = b""  # cached hashes now idle (no sequence holds them), packed
+    releases: bytes = b""  # when running sequences end and what that frees (``pack_releases``)
+    step_time_s: float = 0.0  # the engine's recent step time (0: none measured yet)
 
     @property
     def num_stored(self) -> int:
@@ -76,6 +84,8 @@ class KVSnapshot:
     num_reserved_blocks: int
     added: list[str] = field(default_factory=list)  # as in a batch: requests taken in since the previous one
     in_use_hashes: bytes = b""  # the cached hashes a running sequence holds (the rest are idle)
+    releases: bytes = b""  # as in a batch
+    step_time_s: float = 0.0
 
 
 @dataclass(slots=True)
@@ -85,6 +95,29 @@ class KVLoad:
     num_running: int = 0
     num_waiting: int = 0
     num_reserved_blocks: int = 0
+    releases: bytes = b""  # ``pack_releases``
+    step_time_s: float = 0.0
+
+
+class Release(NamedTuple):
+    """Running sequences that end within ``steps`` more engine steps (at most: a stop string or
+    EOS may end one sooner), the seats they hold and the blocks their end gives back."""
+
+    steps: int
+    seqs: int
+    blocks: int
+
+
+_RELEASE = struct.Struct("<III")
+
+
+def pack_releases(releases: Iterable[Release]) -> bytes:
+    """Releases as little-endian uint32 triples (steps, seqs, blocks), in the order given."""
+    return b"".join(_RELEASE.pack(*r) for r in releases)
+
+
+def unpack_releases(packed: bytes) -> list[Release]:
+    return [Release(*r) for r in _RELEASE.iter_unpack(packed)]
 
 
 def pack_token_ids(token_ids: Sequence[int]) -> bytes:
@@ -155,6 +188,7 @@ class KVEventLog:
             removed=pack_hashes(self._removed),
             num_free_blocks=num_free_blocks, num_total_blocks=num_total_blocks, num_running=load.num_running,
             num_waiting=load.num_waiting, num_reserved_blocks=load.num_reserved_blocks,
+            releases=load.releases, step_time_s=load.step_time_s,
             acquired=pack_hashes(h for h, in_use in self._in_use.items() if in_use),
             released=pack_hashes(h for h, in_use in self._in_use.items() if not in_use))
         self._stored = {}
@@ -195,7 +229,8 @@ def merge_batches(batches: Sequence[KVEventBatch]) -> KVEventBatch:
             log.released(h)
     last = batches[-1]
     merged = log.drain(first.worker_id, last.seq, last.num_free_blocks, last.num_total_blocks,
-                       KVLoad(last.num_running, last.num_waiting, last.num_reserved_blocks))
+                       KVLoad(last.num_running, last.num_waiting, last.num_reserved_blocks, last.releases,
+                              last.step_time_s))
     merged.first_seq = first.first_seq
     merged.added = [rid for batch in batches for rid in batch.added]
     return merged
@@ -234,4 +269,5 @@ class KVEventSource:
         return batch, KVSnapshot(self.worker_id, batch.seq, pack_hashes(cached), self.pool.num_free,
                                  self.pool.num_blocks, load.num_running, load.num_waiting,
                                  load.num_reserved_blocks, batch.added,
-                                 pack_hashes(h for h, block in cached.items() if block.ref_cnt > 0))
+                                 pack_hashes(h for h, block in cached.items() if block.ref_cnt > 0),
+                                 load.releases, load.step_time_s)

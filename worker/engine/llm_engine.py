@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from itertools import count
 from typing import TYPE_CHECKING
 
@@ -17,6 +18,7 @@ from pagefleet.worker.core.kv_events import KVEventBatch, KVEventLog, KVEventSou
 from pagefleet.worker.core.resume import ResumeState, check_resume
 from pagefleet.worker.core.scheduler import Scheduler
 from pagefleet.worker.core.sequence import Sequence, finish_reason
+from pagefleet.worker.core.worker_load import worker_load
 from pagefleet.worker.engine.detokenizer import IncrementalDetokenizer
 from pagefleet.worker.engine.engine_args import EngineArgs
 from pagefleet.worker.engine.resumed import ResumedStart, new_detokenizer, resumed_start
@@ -84,6 +86,9 @@ class LLMEngine:
         self._seq_ids = count()
         self.kv_events: KVEventSource | None = None  # set by enable_kv_events
         self.num_steps = 0
+        # Recent seconds per step that ran something (moving average; 0 until one ran): the KV
+        # events publish it, so admission control can tell when running sequences will end.
+        self.step_time_s = 0.0
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
 
@@ -190,6 +195,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutputDelta]:
         """Schedule, execute, update, collect: one forward pass over the scheduled sequences."""
         arrived_done, self._finished_on_arrival = self._finished_on_arrival, set()
+        started = time.monotonic()
         out = self.scheduler.schedule()
         if not out.scheduled:
             return self._collect(arrived_done)
@@ -205,6 +211,8 @@ class LLMEngine:
         for seq in self.scheduler.update_from_output(out, sampled):
             self._postprocess(seq)
         self.num_steps += 1
+        took = time.monotonic() - started
+        self.step_time_s = took if not self.step_time_s else 0.8 * self.step_time_s + 0.2 * took
         return self._collect({item.seq.request_id for item in out.scheduled} | arrived_done)
 
     def _postprocess(self, seq: Sequence) -> None:
@@ -265,15 +273,11 @@ class LLMEngine:
         return self.kv_events.snapshot(self.kv_load())
 
     def kv_load(self) -> KVLoad:
-        """Sequences running and waiting, and the blocks they will still take: each grows to its
-        prompt plus max_tokens (within max_model_len), less the blocks it holds now."""
-        sched, bs, max_len = self.scheduler, self.args.block_size, self.model_config.max_model_len
-        tables = self.kv.block_tables
-        reserved = 0
-        for seq in (*sched.running, *sched.waiting):
-            final = min(max_len, seq.num_prompt_tokens + (seq.params.max_tokens or max_len))
-            reserved += max(-(-final // bs) - len(tables.get(seq.seq_id, ())), 0)
-        return KVLoad(len(sched.running), len(sched.waiting), reserved)
+        """Sequences running and waiting, the blocks they will still take, and when the running
+        ones end (``core.worker_load``)."""
+        sched, args = self.scheduler, self.args
+        return worker_load(sched.running, sched.waiting, self.kv.block_tables, args.block_size,
+                           self.model_config.max_model_len, args.max_num_batched_tokens, self.step_time_s)
 
     def stats(self) -> EngineStats:
         return EngineStats(
