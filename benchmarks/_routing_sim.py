@@ -153,7 +153,9 @@ def phase_line(policy: str, variant: str, load: float, rate: float, phase, shape
         "choose_ms": None, "blocks_per_worker": phase.counters_after["blocks_per_worker"],
     }
     if routing is not None:  # kv: the ingress's own decisions, this phase's only
-        line["choose_ms"] = {"p50": ms(pct(routing, 0.5)), "p99": ms(pct(routing, 0.99)), "samples": len(routing)}
+        choose = routing["choose_s"]
+        line["choose_ms"] = {"p50": ms(pct(choose, 0.5)), "p99": ms(pct(choose, 0.99)), "samples": len(choose)}
+        line["decisions"] = {**routing["reasons"], "fallbacks": routing["fallbacks"]}
     return line
 
 
@@ -203,11 +205,11 @@ def main(args) -> None:
                 for load in loads:
                     phase_no += 1  # each phase its own tenants: it starts cold, as the oracle does
                     work = ChatWorkload(shape, args.seed + phase_no, first_tenant=phase_no * args.tenants)
-                    choose_before = len(routing_choices(app, policy))
+                    before = routing_counters(app, policy)
                     phase = run_phase(app, base, model, work, load * capacity, args.phase_s, args.timeout_s,
                                       shape.answer_tokens)
-                    choices = routing_choices(app, policy)[choose_before:] if policy == "kv" else None
-                    line = phase_line(policy, variant, load, load * capacity, phase, shape, choices)
+                    line = phase_line(policy, variant, load, load * capacity, phase, shape,
+                                      kv_phase(before, routing_counters(app, policy)))
                     line.update(deploy_s=round(deploy_s, 1), loadavg_1m=round(os.getloadavg()[0], 2))
                     print(json.dumps(line), flush=True)
                     lines.append(line)
@@ -265,15 +267,22 @@ def build_sim_app(ckpt: str, policy: str, kv_bytes: int | None, args):
         **({"kv_cache_bytes": kv_bytes} if kv_bytes else {})})
 
 
-def routing_choices(app: str, policy: str) -> list[float]:
-    """kv's decision times so far (seconds), from the ingress; none for the other policies (they
-    decide inside Serve's router)."""
+def routing_counters(app: str, policy: str):
+    """kv's decision counters so far, from the ingress; None for the other policies (they decide
+    inside Serve's router)."""
     if policy != "kv":
-        return []
+        return None
     from ray import serve
 
-    ingress = serve.get_deployment_handle("OpenAIIngress", app)
-    return list(ingress.routing_counters.remote().result().choose_s)
+    return serve.get_deployment_handle("OpenAIIngress", app).routing_counters.remote().result()
+
+
+def kv_phase(before, after) -> dict | None:
+    """One phase's kv decisions: their times (seconds), reasons and fallbacks."""
+    if after is None:
+        return None
+    return {"choose_s": list(after.choose_s)[len(before.choose_s):],
+            "reasons": dict(after.decisions - before.decisions), "fallbacks": after.fallbacks - before.fallbacks}
 
 
 def ratios(lines: list[dict]) -> dict:
