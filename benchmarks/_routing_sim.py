@@ -184,7 +184,7 @@ def main(args) -> None:
             "hit_step_s": round(roofline.cost(step_work_of_turn(shape)).seconds / args.simulate_efficiency, 4),
             "pressure_kv_blocks": pressure_bytes // (BLOCK * kv_per_token), "pressure_prefixes": prefixes}
     print(json.dumps(info), flush=True)
-    variants = [("full_pool", None, args.loads, args.policies)]
+    variants = [("full_pool", None, args.loads, args.policies)] if args.loads else []
     if args.pressure_load:
         variants.append(("memory_pressure", pressure_bytes, [args.pressure_load],
                          [p for p in args.policies if p in args.pressure_policies]))

@@ -256,7 +256,8 @@ def main() -> None:
     sim.add_argument("--system-tokens", type=int, default=6144)
     sim.add_argument("--turn-tokens", type=int, default=128)
     sim.add_argument("--answer-tokens", type=int, default=16)
-    sim.add_argument("--loads", type=float, nargs="+", default=[0.5, 1.0, 2.0], help="fractions of capacity")
+    sim.add_argument("--loads", type=float, nargs="*", default=[0.5, 1.0, 2.0],
+                     help="fractions of capacity (none: the memory-pressure variant alone)")
     sim.add_argument("--phase-s", type=float, default=20.0, help="arrivals per load, seconds")
     sim.add_argument("--pressure-load", type=float, default=1.0,
                      help="the memory-pressure variant's load (0: no such variant)")
