@@ -49,8 +49,13 @@ bare uvicorn app: p99 129-2,822 ms, raw asyncio sockets 6-10 ms); in this
 workload's spread-out arrivals it made little difference (kv's 429s at p99 158 ms
 with httpx and 167 ms with aiohttp in adjacent runs).
 
+``--simulate GPU`` runs the policies over a fleet of simulated GPU workers instead, with a
+multi-tenant chat workload at several fractions of the fleet's roofline capacity and a
+memory-pressure variant (``_routing_sim.py`` says how).
+
     python benchmarks/routing.py                      # all policies (about 15 minutes on 2 cores)
     python benchmarks/routing.py --policies kv round_robin --normal-s 20 --overload-s 10
+    python benchmarks/routing.py --simulate h200 --workers 16      # about 40 minutes on 2 cores
 """
 
 from __future__ import annotations
@@ -63,19 +68,28 @@ import random
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads, here and in the replicas
 os.environ.setdefault("RAY_AUTH_MODE", "token")  # as `pagefleet serve` runs its local Ray (read at `import ray`)
 
-import aiohttp  # noqa: E402
+import aiohttp
 
-from pagefleet.router.routing.admission import WAITED_OUT  # noqa: E402  (how a 429 after waiting reads)
+from _machine import machine_with_load as machine
+from _routing_client import (
+    NO_TIMEOUT,
+    Phase,
+    Result,
+    ms,
+    one_request,
+    pct,
+    run_phase as run_client_phase,
+    spread_ms,
+    wait_idle,
+)
 
-from _machine import machine_with_load as machine  # noqa: E402
-
-POLICIES = ("round_robin", "kv", "least_loaded", "pow2", "prefix")
+POLICIES = ("round_robin", "kv", "least_loaded", "pow2", "prefix", "ray_prefix")
+SIMULATED_POLICIES = ("kv", "ray_prefix", "round_robin", "least_loaded")
 TENANTS = 16
 SYSTEM_TOKENS = 512
 QUESTION_TOKENS = 32
@@ -85,39 +99,6 @@ WORKERS = 4
 KV_BLOCKS = 192  # per worker: about a third of the tenants' prefixes
 VOCAB = (5, 999)  # the demo tokenizer's ids, special ones excluded
 
-
-@dataclass
-class Result:
-    tenant: int
-    kind: str = "ok"  # ok | 429 | timeout | error
-    status: int = 0
-    ttft_s: float | None = None
-    latency_s: float = 0.0
-    output_tokens: int = 0
-    waited: bool = False  # a 429 after waiting out admission's maximum wait (not refused on arrival)
-
-
-@dataclass
-class Phase:
-    results: list[Result] = field(default_factory=list)
-    wall_s: float = 0.0
-    counters_before: dict = field(default_factory=dict)
-    counters_after: dict = field(default_factory=dict)
-
-
-def pct(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q * len(values)))]
-
-
-def spread_ms(values: list[float]) -> dict:
-    return {"p50": ms(pct(values, 0.5)), "p99": ms(pct(values, 0.99)), "max": ms(max(values)) if values else None}
-
-
-def ms(v: float | None) -> float | None:
-    return None if v is None else round(v * 1e3, 1)
 
 
 class Workload:
@@ -138,54 +119,6 @@ class Workload:
             out.append(t)
 
 
-NO_TIMEOUT = aiohttp.ClientTimeout(total=None)  # each request has its own asyncio.timeout
-
-
-async def one_request(http: aiohttp.ClientSession, base: str, model: str, tenant: int, prompt: list[int],
-                      timeout_s: float) -> Result:
-    body = {"model": model, "prompt": prompt, "max_tokens": ANSWER_TOKENS, "temperature": 0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}, "cache_salt": f"tenant-{tenant}"}
-    result = Result(tenant)
-    started = time.perf_counter()
-    try:
-        async with asyncio.timeout(timeout_s):
-            async with http.post(f"{base}/v1/completions", json=body) as r:
-                result.status = r.status
-                if r.status != 200:
-                    text = await r.text()
-                    result.kind = "429" if r.status == 429 else "error"
-                    result.waited = WAITED_OUT in text
-                else:
-                    async for raw in r.content:  # one SSE line at a time
-                        line = raw.decode().rstrip("\r\n")
-                        if not line.startswith("data: ") or line == "data: [DONE]":
-                            continue
-                        chunk = json.loads(line[6:])
-                        if chunk.get("choices") and result.ttft_s is None:
-                            result.ttft_s = time.perf_counter() - started
-                        if chunk.get("usage"):
-                            result.output_tokens = chunk["usage"]["completion_tokens"]
-    except TimeoutError:
-        result.kind = "timeout"
-    except aiohttp.ClientError:
-        result.kind = "error"
-    result.latency_s = time.perf_counter() - started
-    return result
-
-
-async def open_loop(base: str, model: str, work: Workload, rate: float, duration_s: float,
-                    timeout_s: float) -> tuple[list[Result], float]:
-    """Poisson arrivals: each request starts at its time whatever the others are doing."""
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=2000), timeout=NO_TIMEOUT) as http:
-        start = time.perf_counter()
-        tasks = []
-        for at in work.arrivals(rate, duration_s):
-            await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
-            tenant, prompt = work.request()
-            tasks.append(asyncio.create_task(one_request(http, base, model, tenant, prompt, timeout_s)))
-        results = await asyncio.gather(*tasks)
-        return list(results), time.perf_counter() - start
-
 
 async def closed_loop(base: str, model: str, work: Workload, clients: int, duration_s: float) -> float:
     """Requests completed per second with ``clients`` always busy (the capacity)."""
@@ -197,33 +130,12 @@ async def closed_loop(base: str, model: str, work: Workload, clients: int, durat
             nonlocal done
             while time.perf_counter() - start < duration_s:
                 tenant, prompt = work.request()
-                r = await one_request(http, base, model, tenant, prompt, 120)
+                r = await one_request(http, base, model, tenant, prompt, 120, ANSWER_TOKENS)
                 done += r.kind == "ok"
 
         await asyncio.gather(*(client() for _ in range(clients)))
         return done / (time.perf_counter() - start)
 
-
-def worker_counters(app: str) -> dict:
-    """The workers' own engine counters, summed (asked of every replica actor)."""
-    import ray
-
-    from pagefleet.worker.metrics.stats import ReplicaStats
-
-    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-             if a["namespace"] == "serve" and f"::{app}#PagefleetWorker#" in a["name"]]
-    stats = ray.get([ray.get_actor(n, namespace="serve").record_routing_stats.remote() for n in names], timeout=60)
-    engines = [ReplicaStats.from_routing_stats(s).engine for s in stats]
-    return {"replicas": len(engines), "queries": sum(e.prefix_cache_queries for e in engines),
-            "hits": sum(e.prefix_cache_hits for e in engines),
-            "preemptions": sum(e.num_preemptions for e in engines),
-            "busy": sum(e.num_running + e.num_waiting for e in engines)}
-
-
-def wait_idle(app: str, timeout_s: float = 300) -> None:
-    deadline = time.monotonic() + timeout_s
-    while worker_counters(app)["busy"] and time.monotonic() < deadline:
-        time.sleep(0.5)
 
 
 def oracle_hit_rate(results: list[Result], seen: set[int]) -> float:
@@ -238,13 +150,10 @@ def oracle_hit_rate(results: list[Result], seen: set[int]) -> float:
     return hits / queries if queries else 0.0
 
 
+
 def run_phase(app: str, base: str, model: str, work: Workload, rate: float, duration_s: float,
               timeout_s: float) -> Phase:
-    phase = Phase(counters_before=worker_counters(app))
-    phase.results, phase.wall_s = asyncio.run(open_loop(base, model, work, rate, duration_s, timeout_s))
-    wait_idle(app)
-    phase.counters_after = worker_counters(app)
-    return phase
+    return run_client_phase(app, base, model, work, rate, duration_s, timeout_s, ANSWER_TOKENS)
 
 
 def block_bytes(size: str) -> int:
@@ -324,7 +233,8 @@ def summarize(policy: str, normal: Phase, overload: Phase, oracle: float, routin
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
+    ap.add_argument("--policies", nargs="+", default=None, choices=POLICIES,
+                    help=f"default: {' '.join(POLICIES[:-1])}; with --simulate: {' '.join(SIMULATED_POLICIES)}")
     ap.add_argument("--load", type=float, default=0.6, help="normal phase arrival rate, as a fraction of capacity")
     ap.add_argument("--normal-s", type=float, default=60.0)
     ap.add_argument("--overload-s", type=float, default=20.0)
@@ -337,7 +247,33 @@ def main() -> None:
     ap.add_argument("--size", default="tiny", choices=("tiny", "small"),
                     help="demo checkpoint: tiny (128 x 2 layers) or small (512 x 8, vocab 32000: prefill costs more)")
     ap.add_argument("--out", default=None, help="also append the JSON lines to this file")
+    sim = ap.add_argument_group("--simulate: a fleet of simulated GPU workers (benchmarks/_routing_sim.py)")
+    sim.add_argument("--simulate", default=None, metavar="GPU", help="e.g. h200 (docs/simulator.md)")
+    sim.add_argument("--simulate-efficiency", type=float, default=0.1)
+    sim.add_argument("--model", default="llama-3-8b")
+    sim.add_argument("--workers", type=int, default=16)
+    sim.add_argument("--tenants", type=int, default=32)
+    sim.add_argument("--system-tokens", type=int, default=6144)
+    sim.add_argument("--turn-tokens", type=int, default=128)
+    sim.add_argument("--answer-tokens", type=int, default=16)
+    sim.add_argument("--loads", type=float, nargs="*", default=[0.5, 1.0, 2.0],
+                     help="fractions of capacity (none: the memory-pressure variant alone)")
+    sim.add_argument("--phase-s", type=float, default=20.0, help="arrivals per load, seconds")
+    sim.add_argument("--pressure-load", type=float, default=1.0,
+                     help="the memory-pressure variant's load (0: no such variant)")
+    sim.add_argument("--pressure-policies", nargs="+", default=["kv", "ray_prefix", "round_robin"], choices=POLICIES)
+    sim.add_argument("--pressure-prefixes", type=int, default=None,
+                     help="system prompts each pool holds beside its running requests (default: half the tenants)")
+    sim.add_argument("--max-num-seqs", type=int, default=32)
+    sim.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    sim.add_argument("--max-model-len", type=int, default=8192)
     args = ap.parse_args()
+    if args.simulate:
+        from _routing_sim import main as simulated_main
+
+        args.policies = args.policies or list(SIMULATED_POLICIES)
+        return simulated_main(args)
+    args.policies = args.policies or list(POLICIES[:-1])
 
     import ray
     from ray import serve

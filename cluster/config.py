@@ -63,7 +63,8 @@ class ServeArgs:
     routing: str = option("kv", choices=POLICIES,
                           help="how requests pick a worker: kv (the global scheduler's view of every worker's KV "
                                "blocks: cached prefix, load and room, with admission control), least_loaded, pow2 "
-                               "(power of two choices), round_robin, prefix (a router-local guess of the caches)")
+                               "(power of two choices), round_robin, prefix (a router-local guess of the caches), "
+                               "ray_prefix (Ray Serve LLM's PrefixCacheAffinityRouter)")
     routing_cost_weight: float = option(4.0, help="kv: cost of one prompt block a worker must compute, against one "
                                                   "block of load it already holds (higher: follow cached prefixes "
                                                   "harder)")

@@ -35,8 +35,12 @@ only wait in Serve's queue for it. Workers without room rank only when no
 worker has room, and then the request is not admitted (admission control
 holds it at the router, and refuses at once what its queue cannot hold).
 Predicted blocks end when the worker reports the request taken in; predicted
-prefix entries (so a burst with one prefix keeps to one worker) end after
-``prediction_ttl_s`` (``predictions.py`` keeps them).
+prefix entries (so a burst with one prefix keeps to one worker) end
+``prediction_ttl_s`` after the decision when the worker never reports the
+request, else ``prefix_hold_s`` after it does: a long prompt can wait in the
+worker's queue and take seconds to compute before its blocks are reported
+stored, and a request of the same prefix meanwhile belongs there too
+(``predictions.py`` keeps them).
 """
 
 from __future__ import annotations
@@ -159,7 +163,8 @@ class SchedulerCounters:
 
 
 class GlobalScheduler:
-    def __init__(self, *, weight: float = 4.0, prediction_ttl_s: float = 2.0, liveness_timeout_s: float = 10.0,
+    def __init__(self, *, weight: float = 4.0, prediction_ttl_s: float = 2.0, prefix_hold_s: float = 10.0,
+                 liveness_timeout_s: float = 10.0,
                  snapshot_retry_s: float = 2.0, max_ranked: int = 8, max_seqs_per_worker: int | None = None,
                  index_kind: str | None = None) -> None:
         """``max_seqs_per_worker``: how many sequences a worker holds, running and waiting, before
@@ -173,7 +178,10 @@ class GlobalScheduler:
         self.weight = weight
         self.max_ranked = max_ranked
         self.max_seqs_per_worker = sys.maxsize if max_seqs_per_worker is None else max_seqs_per_worker
+        if prefix_hold_s < prediction_ttl_s:  # a held entry must not end before an unconfirmed one would
+            raise ValueError(f"prefix_hold_s ({prefix_hold_s}) must be >= prediction_ttl_s ({prediction_ttl_s})")
         self.prediction_ttl_s = prediction_ttl_s
+        self.prefix_hold_s = prefix_hold_s
         self.liveness_timeout_s = liveness_timeout_s
         self.snapshot_retry_s = snapshot_retry_s
         self.index = new_kv_index(index_kind)
@@ -234,11 +242,7 @@ class GlobalScheduler:
             for view in [v for v in self.workers.values() if now - v.last_seen > self.liveness_timeout_s]:
                 self.drop_worker(view.worker_id)
                 dropped.append(view.worker_id)
-        by_request = self.predictions.by_request
-        while by_request:
-            pred = next(iter(by_request.values()))
-            if pred.expires > now:
-                break
+        for pred in self.predictions.expired(now):
             if not pred.confirmed:  # the worker never reported the request
                 self.counters.predictions_expired += 1
             self.predictions.end(pred, self._view_of(pred))
@@ -257,6 +261,7 @@ class GlobalScheduler:
             pred = self.predictions.by_request.get(request_id)
             if pred is not None and pred.slot == view.slot and not pred.confirmed:
                 self.predictions.confirm(pred, view)
+                self.predictions.hold_until(pred, now + self.prefix_hold_s)
                 self.counters.predictions_confirmed += 1
         view.refresh()
 

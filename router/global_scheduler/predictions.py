@@ -61,7 +61,11 @@ class Predictions:
         """``held_index``: an empty compiled index to hold the predicted (slot, key) pairs in, for the
         compiled index's prefix match, instead of ``held`` (a dict of hundreds of thousands of keys
         is slow to probe from Python: each probe misses the CPU caches)."""
-        self.by_request: dict[str, Prediction] = {}  # in expiry order
+        self.by_request: dict[str, Prediction] = {}
+        # (expires, prediction) in expiry order: one queue of the decisions' ttl, one of the
+        # holds that confirmations start (each a constant time, so each queue stays sorted). An
+        # entry whose prediction ended, or moved to the hold queue, is skipped when it comes up.
+        self._queues: tuple[deque, deque] = (deque(), deque())
         # Routing key -> the slots predicted to hold it, encoded as the index's own holders
         # (``kv_index``): the slot when one prediction says so (nearly every key: a prompt's
         # keys chain), else the complement of the slots' bit mask, with the predictions per
@@ -90,6 +94,7 @@ class Predictions:
     def add(self, pred: Prediction, view: WorkerView) -> None:
         """Record ``pred`` on ``view`` (end the request's earlier prediction first, if any)."""
         self.by_request[pred.request_id] = pred
+        self._queues[0].append((pred.expires, pred))
         view.predicted_blocks += pred.blocks
         view.predicted_seqs += pred.seqs
         view.refresh()
@@ -120,6 +125,21 @@ class Predictions:
                 if not sharers:
                     del sharing[key]
             pred.shared_keys = []
+
+    def hold_until(self, pred: Prediction, expires: float) -> None:
+        """Keep ``pred``'s prompt keys until ``expires`` (no earlier than any hold before it)."""
+        pred.expires = expires
+        self._queues[1].append((expires, pred))
+
+    def expired(self, now: float) -> list[Prediction]:
+        """The predictions whose time ran out by ``now`` (ending them is the caller's)."""
+        out = []
+        for queue in self._queues:
+            while queue and queue[0][0] <= now:
+                _, pred = queue.popleft()
+                if self.by_request.get(pred.request_id) is pred and pred.expires <= now:
+                    out.append(pred)
+        return out
 
     def end(self, pred: Prediction, view: WorkerView | None) -> None:
         """Forget ``pred`` entirely (its time ran out, or its worker is gone: ``view`` None)."""

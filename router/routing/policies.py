@@ -19,7 +19,7 @@ from typing import Sequence
 
 from pagefleet.worker.metrics.stats import ReplicaStats
 
-POLICIES = ("kv", "least_loaded", "pow2", "round_robin", "prefix")
+POLICIES = ("kv", "least_loaded", "pow2", "round_robin", "prefix", "ray_prefix")
 
 
 @dataclass(slots=True, frozen=True)

@@ -222,4 +222,6 @@ ROUTER_CLASSES = {
     "pow2": f"{_MODULE}:PowerOfTwoRouter",
     "round_robin": f"{_MODULE}:RoundRobinRouter",
     "prefix": f"{_MODULE}:PrefixRouter",
+    # Ray Serve LLM's own, imported only when picked
+    "ray_prefix": "pagefleet.router.routing.ray_prefix_router:RayPrefixCacheRouter",
 }

@@ -101,20 +101,40 @@ def test_no_worker_with_room_is_not_admitted_and_predicts_nothing():
     assert forced.ranking[0] == "b" and gs.workers["b"].predicted_blocks == 7
 
 
-def test_prediction_ends_when_the_worker_reports_the_request_or_after_its_ttl():
-    gs = scheduler(prediction_ttl_s=2.0)
+def test_prediction_ends_when_the_worker_reports_the_request_and_its_prefix_after_the_hold():
+    gs = scheduler(prediction_ttl_s=2.0, prefix_hold_s=5.0)
     gs.apply_batch(batch("a", 0), now=0.0)
     gs.route(request("r1", num_blocks=6), now=0.0)
     assert gs.workers["a"].predicted_blocks == 6
     gs.apply_batch(batch("a", 1, free=94, reserved=2, added=["r1"]), now=0.5)  # took it in: 4 held, 2 to come
     assert gs.workers["a"].predicted_blocks == 0 and gs.workers["a"].load_blocks == 8
     assert gs.counters.predictions_confirmed == 1
-    # the predicted prefix entries stay until the ttl, so a twin still goes to a ...
+    # the predicted prefix entries stay while a computes the prompt, past the ttl, so a twin
+    # still goes to a ...
     assert gs.route(request("r2"), now=1.0, candidates=["a"]).predicted_hit_blocks == 4
-    # ... and are gone after it (a never stored the blocks: say r1 was aborted)
     gs.apply_batch(batch("a", 2), now=2.9)
-    assert gs.route(request("r3"), now=3.1, candidates=["a"]).predicted_hit_blocks == 0
+    assert gs.route(request("r3"), now=3.1, candidates=["a"]).predicted_hit_blocks == 4
     assert gs.counters.predictions_expired == 1  # r2 at 3.0, never reported (r1's was confirmed)
+    # ... and are gone after the hold (a never stored the blocks: say r1 was aborted)
+    assert gs.route(request("r4"), now=5.6, candidates=["a"]).predicted_hit_blocks == 0
+
+
+def test_a_prefix_still_computing_after_the_ttl_keeps_its_tenant_on_its_worker():
+    gs = scheduler(prediction_ttl_s=2.0, prefix_hold_s=10.0)
+    for w in ("a", "b", "c"):
+        gs.apply_batch(batch(w, 0), now=0.0)
+    assert gs.route(request("r1"), now=0.0).ranking[0] == "a"
+    # a took r1 in but has stored none of its blocks yet (a long prompt, computing)
+    gs.apply_batch(batch("a", 1, free=94, running=1, added=["r1"]), now=0.3)
+    later = gs.route(request("r2"), now=2.5)
+    # a: 4 x 0 + 6 in use = 6 beats an idle worker's 4 x 4 = 16
+    assert later.ranking[0] == "a" and later.reason == "prefix" and later.predicted_hit_blocks == 4
+    assert [s.cost for s in later.scores][:2] == [6.0, 16.0]
+
+
+def test_the_prefix_hold_cannot_end_before_the_ttl():
+    with pytest.raises(ValueError, match="prefix_hold_s"):
+        scheduler(prediction_ttl_s=2.0, prefix_hold_s=1.0)
 
 
 def test_a_sequence_gap_is_answered_by_a_snapshot():

@@ -186,7 +186,7 @@ def test_build_app_accepts_the_yaml_args_and_refuses_unknown_ones(tiny_checkpoin
     assert "runtime_env" not in worker.ray_actor_options  # two replicas share this machine's cores
     with pytest.raises(ValueError, match="unknown option"):
         build_app({"replicas": 3})
-    with pytest.raises(ValueError, match="routing must be one of kv, least_loaded, pow2, round_robin, prefix"):
+    with pytest.raises(ValueError, match="routing must be one of kv, least_loaded, pow2, round_robin, prefix, ray_prefix"):
         build_app({"routing": "random"})
 
 
