@@ -11,6 +11,8 @@ import pytest
 import torch
 
 from pagefleet.worker import LLM, AsyncLLMEngine, EngineArgs, SamplingParams
+from pagefleet.worker.engine.async_engine import HeldDeltas
+from pagefleet.worker.outputs import CompletionOutput, RequestOutputDelta
 
 
 @pytest.fixture(scope="module")
@@ -301,3 +303,47 @@ def test_a_constructor_that_fails_after_the_build_frees_the_engine_and_ends_its_
     assert len(built) == 1
     with pytest.raises(RuntimeError, match="shut down"):
         built[0].executor.execute(None)
+
+
+def _delta(rid: str, tokens: list[int], finished: bool = False, text: str = "") -> RequestOutputDelta:
+    seq = CompletionOutput(index=0, text=text, token_ids=list(tokens), logprobs=None,
+                           finish_reason="length" if finished else None)
+    return RequestOutputDelta(rid, [seq], num_prompt_tokens=3, num_cached_tokens=0, finished=finished)
+
+
+def test_held_deltas_send_the_first_at_once_then_every_n_tokens_and_the_last_at_once():
+    hold = HeldDeltas(3)
+    out = [hold.release(_delta("a", [t], finished=t == 8, text=str(t))) for t in range(1, 9)]
+    sent = [d for d in out if d is not None]
+    assert [d.sequences[0].token_ids for d in sent] == [[1], [2, 3, 4], [5, 6, 7], [8]]
+    assert [d.sequences[0].text for d in sent] == ["1", "234", "567", "8"]
+    assert [d.finished for d in sent] == [False, False, False, True]
+    assert len(hold) == 0  # nothing kept once the request finished
+    # A step without a token (a prompt chunk) counts nothing; an abort's final delta takes what is held.
+    hold.release(_delta("b", [1]))
+    assert hold.release(_delta("b", [])) is None and hold.release(_delta("b", [2])) is None
+    last = hold.release(_delta("b", [], finished=True))
+    assert (last.sequences[0].token_ids, last.finished, len(hold)) == ([2], True, 0)
+    # One delta that finishes at once goes out as it is.
+    only = _delta("c", [1, 2], finished=True)
+    assert hold.release(only) is only and len(hold) == 0
+
+
+def test_stream_interval_streams_the_same_tokens_in_fewer_deltas(tiny_checkpoint):
+    eng = AsyncLLMEngine(EngineArgs(model=str(tiny_checkpoint(arch="llama")), dtype="float32",
+                                    kv_cache_bytes=16 << 20, stream_interval=4))
+    try:
+        ids = eng.tokenizer.encode("streaming test prompt")
+        params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+        deltas = asyncio.run(collect(eng, "a", ids, params))
+    finally:
+        eng.shutdown()
+    sizes = [len(d.sequences[0].token_ids) for d in deltas]
+    # The first token alone (time to first token is never held), then at least 4 a delta (a
+    # consumer that lags merges more) but for the last.
+    assert sizes[0] == 1 and sum(sizes) == 10 and all(n >= 4 for n in sizes[1:-1])
+    assert len(deltas) <= 4 and [d.finished for d in deltas][-1]
+    with LLM(model=str(tiny_checkpoint(arch="llama")), dtype="float32", kv_cache_bytes=16 << 20) as offline:
+        want = offline.generate({"prompt_token_ids": ids}, params)[0].outputs[0]
+    assert [t for d in deltas for t in d.sequences[0].token_ids] == want.token_ids
+    assert "".join(d.sequences[0].text for d in deltas) == want.text
