@@ -166,8 +166,8 @@ def start_pagefleet(ckpt: str, workdir: Path, log_name: str = "pagefleet-serve",
 
 
 def serve_flags(args) -> list[str]:
-    """The `pagefleet serve` flags of ``--simulate`` and ``--workers``."""
-    flags = ["--workers", str(args.workers)]
+    """The `pagefleet serve` flags of ``--simulate``, ``--workers`` and ``--stream-interval``."""
+    flags = ["--workers", str(args.workers), "--stream-interval", str(args.stream_interval)]
     if args.simulate:
         flags += ["--simulate", args.simulate, "--simulate-efficiency", str(args.simulate_efficiency)]
     return flags
@@ -419,6 +419,7 @@ def main() -> None:
                         "llama-3-8b")
     p.add_argument("--simulate-efficiency", type=float, default=1.0)
     p.add_argument("--workers", type=int, default=1, help="pagefleet serve's worker replicas")
+    p.add_argument("--stream-interval", type=int, default=1, help="pagefleet serve's tokens per streamed chunk")
     args = p.parse_args()
     if args.rounds < 1:
         p.error("--rounds must be at least 1")
@@ -428,6 +429,7 @@ def main() -> None:
     info = {"machine": machine(), "input_len": args.input_len, "output_len": args.output_len,
             **({"simulate": args.simulate, "simulate_efficiency": args.simulate_efficiency} if args.simulate else {}),
             **({"workers": args.workers} if args.workers > 1 else {}),
+            **({"stream_interval": args.stream_interval} if args.stream_interval > 1 else {}),
             **({"label": args.label} if args.label else {})}
     have_vllm = (Path(args.vllm_venv) / "bin" / "python").is_file()
     workdir = Path(tempfile.mkdtemp(prefix="pf-serving-bench-"))
