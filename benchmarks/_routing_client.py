@@ -9,12 +9,23 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import time
 from dataclasses import dataclass, field
 
 import aiohttp
 
 from pagefleet.router.routing.admission import WAITED_OUT  # how a 429 after waiting reads
+
+
+def poisson_arrivals(rng: random.Random, rate: float, duration_s: float) -> list[float]:
+    """Arrival times in [0, duration_s) of a Poisson process of ``rate`` per second."""
+    t, out = 0.0, []
+    while True:
+        t += rng.expovariate(rate)
+        if t >= duration_s:
+            return out
+        out.append(t)
 
 
 @dataclass

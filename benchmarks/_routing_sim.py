@@ -24,6 +24,8 @@ import random
 import time
 from dataclasses import dataclass
 
+from _routing_client import poisson_arrivals
+
 BLOCK = 16
 VOCAB = (5, 31_999)  # the simulated checkpoint's demo tokenizer, special ids excluded
 
@@ -59,12 +61,7 @@ class ChatWorkload:
         return self.first_tenant + i, self.prefixes[i] + turn
 
     def arrivals(self, rate: float, duration_s: float) -> list[float]:
-        t, out = 0.0, []
-        while True:
-            t += self.rng.expovariate(rate)
-            if t >= duration_s:
-                return out
-            out.append(t)
+        return poisson_arrivals(self.rng, rate, duration_s)
 
 
 def oracle_hit_rate(tenants: list[int], shape: ChatShape) -> float:

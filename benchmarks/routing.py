@@ -83,6 +83,7 @@ from _routing_client import (
     ms,
     one_request,
     pct,
+    poisson_arrivals,
     run_phase as run_client_phase,
     spread_ms,
     wait_idle,
@@ -111,12 +112,7 @@ class Workload:
         return tenant, self.prefixes[tenant] + [self.rng.randint(*VOCAB) for _ in range(QUESTION_TOKENS)]
 
     def arrivals(self, rate: float, duration_s: float) -> list[float]:
-        t, out = 0.0, []
-        while True:
-            t += self.rng.expovariate(rate)
-            if t >= duration_s:
-                return out
-            out.append(t)
+        return poisson_arrivals(self.rng, rate, duration_s)
 
 
 
