@@ -82,9 +82,9 @@ KEYS = ("completed", "failed", "duration_s", "output_tok_s", "ttft_p50_ms", "ttf
         "itl_p50_ms")
 
 
-def num_prompts(concurrency: int) -> int:
-    """Enough requests for three rounds at C (and 8 at C=1), so each percentile has samples."""
-    return max(8, 3 * concurrency)
+def num_prompts(concurrency: int, per_stream: int = 3) -> int:
+    """Enough requests for ``per_stream`` rounds at C (and 8 at C=1), so each percentile has samples."""
+    return max(8, per_stream * concurrency)
 
 
 def free_port() -> int:
@@ -237,8 +237,9 @@ def drive(system: str, server: Server, ckpt: str, args, workdir: Path, out: Path
     lines = {}
     for c in args.concurrency:
         before = load()
-        line = {"system": system, "concurrency": c, "num_prompts": num_prompts(c),
-                **bench(server.base, ckpt, c, num_prompts(c), args, workdir, system, server.proc.pid),
+        n = num_prompts(c, args.prompts_per_stream)
+        line = {"system": system, "concurrency": c, "num_prompts": n,
+                **bench(server.base, ckpt, c, n, args, workdir, system, server.proc.pid),
                 "ready_s": round(ready_s, 1), "load_1m_before": before, "load_1m_after": load(), **info}
         emit(line, out)
         lines[c] = line
@@ -276,7 +277,8 @@ def engine_alone(ckpt: str, args, out: Path | None, info: dict, as_served: bool 
     ``system``: the name its lines carry (default: the script's)."""
     # N engines alone (fewer below C = N), each at C/N in flight: one runs, the others alike
     engines = [min(getattr(args, "workers", 1), c) for c in args.concurrency]
-    plan = [f"{c // k}:{max(num_prompts(c) // k, 1)}" for c, k in zip(args.concurrency, engines)]
+    plan = [f"{c // k}:{max(num_prompts(c, args.prompts_per_stream) // k, 1)}"
+            for c, k in zip(args.concurrency, engines)]
     before = load()
     simulated = getattr(args, "simulate", None)
     simulate = ["--simulate", f"{simulated}:{args.simulate_efficiency}"] if simulated else []
@@ -420,6 +422,8 @@ def main() -> None:
     p.add_argument("--simulate-efficiency", type=float, default=1.0)
     p.add_argument("--workers", type=int, default=1, help="pagefleet serve's worker replicas")
     p.add_argument("--stream-interval", type=int, default=1, help="pagefleet serve's tokens per streamed chunk")
+    p.add_argument("--prompts-per-stream", type=int, default=3,
+                   help="requests each of the C client streams sends (more: fixed costs weigh less per token)")
     args = p.parse_args()
     if args.rounds < 1:
         p.error("--rounds must be at least 1")
