@@ -361,9 +361,9 @@ class AsyncLLMEngine:
 class HeldDeltas:
     """``--stream-interval N`` (vLLM's option): a request's deltas go to its stream once they hold
     N new tokens, its first and its last at once, so time to first token and the end are never held
-    back. Each delta costs every hop to the client (the replica's loop, the channel, the
-    ingress, one HTTP write), so N tokens a delta cut that cost per token by about N; clients then
-    see tokens in bursts of N. N = 1 hands every delta on as it comes."""
+    back. Each delta takes every hop to the client (the replica's loop, the channel, the ingress,
+    one HTTP write); clients then see tokens in bursts of N. N = 1 hands every delta on as it
+    comes."""
 
     def __init__(self, interval: int) -> None:
         self.interval = interval

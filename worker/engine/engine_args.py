@@ -50,10 +50,9 @@ class EngineArgs:
                                             "prefix hits) while busy; 0 turns them off")
     stream_interval: int = option(1, metavar="N",
                                   help="tokens per streamed delta, as vLLM's flag: a request's first and last "
-                                       "tokens go out at once, the others once N have gathered. Each delta "
-                                       "costs the host a hop through the replica, the ingress and an HTTP "
-                                       "write, so N cuts that cost per token about N times; clients see tokens "
-                                       "in bursts of N")
+                                       "tokens go out at once, the others once N have gathered, so the "
+                                       "replica, the ingress and the HTTP stream handle fewer, larger deltas; "
+                                       "clients see tokens in bursts of N")
     otlp_traces_endpoint: str | None = option(None, metavar="URL",
                                               help="export request spans to this OpenTelemetry collector "
                                                    "(OTLP; OTEL_EXPORTER_OTLP_TRACES_PROTOCOL http/protobuf, "
