@@ -450,15 +450,27 @@ struct Index {
         }
     }
 
+    // (slot, key) updates of the slot's own set `mine`, and of the key's holders when the set changed.
+    bool add_key(KeySet& mine, u32 slot, u64 key) {
+        if (!mine.insert(key)) return false;
+        ++entries;
+        add_holder(key, slot);
+        return true;
+    }
+
+    void remove_key(KeySet& mine, u32 slot, u64 key) {
+        if (!mine.erase(key)) return;
+        --entries;
+        remove_holder(key, slot);
+    }
+
     // Returns how many keys were new to the slot; those go to `added` (if not null), in order.
     i64 add(u32 slot, const u8* data, i64 n, i64 width, u64* added = nullptr) {
         ensure_slot(slot);
         KeySet& mine = slots[slot].cached;
         i64 count = 0;
         each_key(mine, data, n, width, [&](u64 key) {
-            if (mine.insert(key)) {
-                ++entries;
-                add_holder(key, slot);
+            if (add_key(mine, slot, key)) {
                 if (added) added[count] = key;
                 ++count;
             }
@@ -469,12 +481,7 @@ struct Index {
     void remove(u32 slot, const u8* data, i64 n, i64 width) {
         if (slot >= slots.size()) return;
         KeySet& mine = slots[slot].cached;
-        each_key(mine, data, n, width, [&](u64 key) {
-            if (mine.erase(key)) {
-                --entries;
-                remove_holder(key, slot);
-            }
-        });
+        each_key(mine, data, n, width, [&](u64 key) { remove_key(mine, slot, key); });
     }
 
     // Every key of `set`, in bucket order, with the global buckets prefetched ahead.
@@ -533,18 +540,53 @@ struct Index {
         slots[slot].in_use = fresh;
     }
 
-    // One KV event batch, in the order the Python core applies it.
-    void apply(u32 slot, bool cleared, const u8* removed, i64 num_removed, const u8* stored, i64 num_stored,
-               const u8* acquired, i64 num_acquired, const u8* released, i64 num_released, i64 width) {
-        ensure_slot(slot);
-        if (cleared) clear(slot);
-        KeySet& in_use = slots[slot].in_use;
-        remove(slot, removed, num_removed, width);
-        for (i64 i = 0; i < num_removed; ++i) in_use.erase(read_key(removed + i * width));
-        add(slot, stored, num_stored, width);
-        for (i64 i = 0; i < num_stored; ++i) in_use.insert(read_key(stored + i * width));
-        for (i64 i = 0; i < num_acquired; ++i) in_use.insert(read_key(acquired + i * width));
-        for (i64 i = 0; i < num_released; ++i) in_use.erase(read_key(released + i * width));
+    // KV event batches in order, each in the order the Python core applies one: cleared, removed,
+    // stored, acquired, released. Batch b is slot_of[b]'s; counts[4b..4b+3] are its numbers of
+    // removed, stored, acquired and released keys and parts[4b..4b+3] where they are packed. The
+    // cached keys (removed, then stored) are prefetched PREFETCH_AHEAD keys ahead across batch
+    // boundaries, so a batch's first events do not wait for memory as a call of their own would.
+    void apply_many(i64 num_batches, const u32* slot_of, const u8* cleared, const i64* counts,
+                    const u8* const* parts, i64 width) {
+        i64 ahead_batch = 0, ahead_key = 0;  // the next cached key to prefetch
+        auto prefetch_next = [&]() {
+            if (ahead_batch == num_batches) return;
+            const i64* n = counts + 4 * ahead_batch;
+            while (ahead_batch < num_batches && ahead_key >= n[0] + n[1]) {
+                ++ahead_batch;
+                n += 4;
+                ahead_key = 0;
+            }
+            if (ahead_batch == num_batches) return;
+            const u8* const* at = parts + 4 * ahead_batch;
+            u64 key = read_key(ahead_key < n[0] ? at[0] + ahead_key * width : at[1] + (ahead_key - n[0]) * width);
+            ++ahead_key;
+            u32 slot = slot_of[ahead_batch];
+            if (slot < slots.size()) slots[slot].cached.prefetch(key);  // (a slot not seen yet has no set)
+            prefetch(key);
+        };
+        for (i64 i = 0; i < PREFETCH_AHEAD; ++i) prefetch_next();
+        for (i64 b = 0; b < num_batches; ++b) {
+            u32 slot = slot_of[b];
+            ensure_slot(slot);  // (before the references below: it may move every slot)
+            if (cleared[b]) clear(slot);
+            KeySet& mine = slots[slot].cached;
+            KeySet& in_use = slots[slot].in_use;
+            const i64* n = counts + 4 * b;
+            const u8 *removed = parts[4 * b], *stored = parts[4 * b + 1], *acquired = parts[4 * b + 2],
+                     *released = parts[4 * b + 3];
+            for (i64 i = 0; i < n[0]; ++i) {
+                prefetch_next();
+                remove_key(mine, slot, read_key(removed + i * width));
+            }
+            for (i64 i = 0; i < n[0]; ++i) in_use.erase(read_key(removed + i * width));
+            for (i64 i = 0; i < n[1]; ++i) {
+                prefetch_next();
+                add_key(mine, slot, read_key(stored + i * width));
+            }
+            for (i64 i = 0; i < n[1]; ++i) in_use.insert(read_key(stored + i * width));
+            for (i64 i = 0; i < n[2]; ++i) in_use.insert(read_key(acquired + i * width));
+            for (i64 i = 0; i < n[3]; ++i) in_use.erase(read_key(released + i * width));
+        }
     }
 
     // ---- queries ----
@@ -714,13 +756,37 @@ int kvi_replace(void* index, u32 slot, int in_use, const u8* data, i64 n, i64 wi
     }
 }
 
-// One KV event batch of a worker: Index::apply.
+// One KV event batch of a worker: Index::apply_many of one.
 int kvi_apply(void* index, u32 slot, int cleared, const u8* removed, i64 num_removed, const u8* stored,
               i64 num_stored, const u8* acquired, i64 num_acquired, const u8* released, i64 num_released,
               i64 width) {
     try {
-        static_cast<Index*>(index)->apply(slot, cleared, removed, num_removed, stored, num_stored, acquired,
-                                          num_acquired, released, num_released, width);
+        const i64 counts[4] = {num_removed, num_stored, num_acquired, num_released};
+        const u8* const parts[4] = {removed, stored, acquired, released};
+        const u8 flag = cleared != 0;
+        static_cast<Index*>(index)->apply_many(1, &slot, &flag, counts, parts, width);
+        return 0;
+    } catch (...) {
+        return -1;
+    }
+}
+
+// Index::apply_many, with each batch's four parts packed one after another in `data` (batch after
+// batch) and their sizes in bytes in `lengths`. Returns 0; -1 when memory ran out; -2, changing
+// nothing, when a part is not a whole number of keys or a slot is not below MAX_SLOTS.
+int kvi_apply_many(void* index, i64 num_batches, const u32* slots, const u8* cleared, const i64* lengths,
+                   const u8* data, i64 width) {
+    try {
+        std::vector<i64> counts(4 * num_batches);
+        std::vector<const u8*> parts(4 * num_batches);
+        const u8* at = data;
+        for (i64 i = 0; i < 4 * num_batches; ++i) {
+            if (slots[i / 4] >= MAX_SLOTS || lengths[i] < 0 || lengths[i] % width) return -2;
+            counts[i] = lengths[i] / width;
+            parts[i] = at;
+            at += lengths[i];
+        }
+        static_cast<Index*>(index)->apply_many(num_batches, slots, cleared, counts.data(), parts.data(), width);
         return 0;
     } catch (...) {
         return -1;
