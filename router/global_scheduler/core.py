@@ -304,7 +304,7 @@ class GlobalScheduler:
         them whole). Returns the workers asked for a snapshot, in order. A malformed batch raises
         ValueError with the view partly updated (a copy then starts again from a whole view)."""
         asked: list[str] = []
-        latest: dict[str, tuple[WorkerView, KVEventBatch]] = {}  # each worker's last batch not stale
+        latest: dict[str, KVEventBatch] = {}  # each worker's last batch not stale
         slots: list[int] = []  # the batches to apply to the index, and their slots
         pending: list[KVEventBatch] = []
         views, counters, shares_on = self.workers, self.counters, self.predictions.shares_on
@@ -315,7 +315,7 @@ class GlobalScheduler:
                     counters.stale_batches += 1
                     view.last_seen = now
                     continue
-                latest[batch.worker_id] = view, batch
+                latest[batch.worker_id] = batch
                 if batch.added:
                     self._confirm_added(view, batch, now)
                 if view.synced and batch.first_seq != view.seq + 1:
@@ -333,8 +333,8 @@ class GlobalScheduler:
                     self.predictions.stop_sharing(view, self.index)
         finally:
             self._apply_to_index(slots, pending)
-            for view, batch in latest.values():
-                self._take_counters(view, batch, now)
+            for worker_id, batch in latest.items():  # (no view leaves during a run)
+                self._take_counters(views[worker_id], batch, now)
         return asked
 
     def _apply_to_index(self, slots: list[int], batches: list[KVEventBatch]) -> None:
