@@ -21,8 +21,10 @@ Workload (seeded):
     holds, 32 new), 30% nothing cached anywhere; each decision is recorded as a
     prediction (2 s ttl), and batches keep arriving between decisions.
 
-Results, one JSON line each: block events ingested per second (core alone, and
-with unpickling the batches as the actor receives them), rebuild-from-snapshots
+Results, one JSON line each: block events ingested per second along the two paths
+batches take (an ingress's copy of the view applies a feed update of many batches at
+once, ``update_*``; the actor applies each publish call's batch, ``core_*``), each
+for the core alone and with unpickling what arrives (``*with_unpickle*``), rebuild-from-snapshots
 time, decision latency p50/p99/max, bytes per tracked (worker, block) entry
 (resident memory of the scheduler's state divided by the entries), and the machine.
 Times are wall clock and, beside them, this thread's CPU time: on a shared
@@ -48,6 +50,8 @@ from collections import deque
 from itertools import accumulate
 
 from pagefleet.router.global_scheduler.core import GlobalScheduler, RouteRequest
+from pagefleet.router.global_scheduler.kv_mirror import SchedulerMirror
+from pagefleet.router.global_scheduler.view_feed import ViewUpdate, slim
 from pagefleet.worker.core.block_hash import HASH_SIZE, ROOT_HASH
 from pagefleet.worker.core.kv_events import KVEventBatch, KVSnapshot, pack_token_ids
 
@@ -59,6 +63,7 @@ NUM_PREFIXES = 4000
 SHARED_FRACTION = 0.2
 PROMPT_BLOCKS = 128  # 2k tokens
 RUNNING_CHUNKS = 16  # chunks a worker's running requests hold in use
+INGEST_TURNS = 4  # times each ingest path takes its turn over the stream
 
 
 def rss_bytes() -> int:
@@ -167,6 +172,13 @@ def num_events(b: KVEventBatch) -> int:
     return (len(b.stored) + len(b.removed) + len(b.acquired) + len(b.released)) // HASH_SIZE
 
 
+def feed_updates(batches: list[KVEventBatch], per_update: int) -> list[ViewUpdate]:
+    """The batches as a copy of the view receives them: slimmed, ``per_update`` to a feed update."""
+    slimmed = [slim(b) for b in batches]
+    return [ViewUpdate("bench", start + len(chunk) - 1, chunk)
+            for start in range(0, len(slimmed), per_update) for chunk in (slimmed[start:start + per_update],)]
+
+
 def percentile(sorted_values: list[float], q: float) -> float:
     return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))]
 
@@ -177,6 +189,9 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, default=100_000)
     ap.add_argument("--batches", type=int, default=40_000)
     ap.add_argument("--decisions", type=int, default=20_000)
+    ap.add_argument("--batches-per-update", type=int, default=None,
+                    help="batches in each feed update the ingress's copy applies (default: half the workers: "
+                         "what a copy polling every 100 ms gets from workers publishing every 200 ms)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--index", choices=["native", "python"], default="native",
                     help="the compiled KV index or the pure-Python reference")
@@ -207,32 +222,57 @@ def main() -> None:
                       "distinct_blocks": len(gs.index), "seconds": round(fill_s, 2),
                       "entries_per_s": round(entries / fill_s)}), flush=True)
 
-    # One stream of batches: the first half handed over as objects (the core alone), the
-    # second half as pickles (what the actor receives: unpickling is part of its work).
+    # One stream of batches, applied along two paths: as each ingress's copy of the view applies
+    # them (SchedulerMirror.apply of a feed update holding many batches) and as the actor does (one
+    # publish call, one apply_batch, per batch); each handed over as objects (the core alone) and as
+    # pickles (what arrives: unpickling is part of the work). The four take turns over the stream, so
+    # that a shared machine's busy moments fall on all of them alike.
+    per_update = args.batches_per_update or max(1, args.workers // 2)
+    mirror = SchedulerMirror(weight=gs.weight)
+    mirror.core = gs  # the copy's apply, over the core measured here
     batches = [fleet.step_batch(rng.randrange(args.workers)) for _ in range(args.batches)]
-    half = len(batches) // 2
-    direct, wire = batches[:half], [pickle.dumps(b, protocol=5) for b in batches[half:]]
-    direct_events = sum(map(num_events, direct))
-    wire_events = sum(map(num_events, batches[half:]))
-    del batches
-    t0, c0 = time.perf_counter(), time.thread_time()
-    for b in direct:
-        gs.apply_batch(b, now=1.0)
-    core_s, core_cpu = time.perf_counter() - t0, time.thread_time() - c0
-    t0, c0 = time.perf_counter(), time.thread_time()
-    for data in wire:
-        gs.apply_batch(pickle.loads(data), now=1.0)
-    wire_s, wire_cpu = time.perf_counter() - t0, time.thread_time() - c0
+    paths = {name: [0, 0.0, 0.0] for name in ("batch", "batch_wire", "update", "update_wire")}  # events, wall, CPU
+    turn = -(-len(batches) // (4 * INGEST_TURNS))
+    for start in range(0, len(batches), 4 * turn):
+        chunks = [batches[start + i * turn:start + (i + 1) * turn] for i in range(4)]
+        work = {"batch": chunks[0], "batch_wire": [pickle.dumps(b, protocol=5) for b in chunks[1]],
+                "update": feed_updates(chunks[2], per_update),
+                "update_wire": [pickle.dumps(u, protocol=5) for u in feed_updates(chunks[3], per_update)]}
+        for name, chunk in zip(paths, chunks):
+            paths[name][0] += sum(map(num_events, chunk))
+        del chunks
+        for name, items in work.items():
+            t0, c0 = time.perf_counter(), time.thread_time()
+            if name == "batch":
+                for b in items:
+                    gs.apply_batch(b, now=1.0)
+            elif name == "batch_wire":
+                for data in items:
+                    gs.apply_batch(pickle.loads(data), now=1.0)
+            elif name == "update":
+                for update in items:
+                    mirror.apply(update, now=1.0)
+            else:
+                for data in items:
+                    mirror.apply(pickle.loads(data), now=1.0)
+            paths[name][1] += time.perf_counter() - t0
+            paths[name][2] += time.thread_time() - c0
+        del work
     if gs.counters.gaps or gs.counters.batches != args.batches:
         raise RuntimeError(f"the stream was not applied in order: {gs.counters}")
+    rates = {}
+    for name, key in (("update", "update"), ("update_wire", "update_with_unpickle"), ("batch", "core"),
+                      ("batch_wire", "with_unpickle")):
+        events, wall, cpu_s = paths[name]
+        rates[f"{key}_events_per_s"] = round(events / wall)
+        rates[f"{key}_events_per_cpu_s"] = round(events / cpu_s)
     print(json.dumps({"result": "ingest", **config, "batches": args.batches,
-                      "events_per_batch": round((direct_events + wire_events) / args.batches, 1),
-                      "core_events_per_s": round(direct_events / core_s),
-                      "core_events_per_cpu_s": round(direct_events / core_cpu),
-                      "with_unpickle_events_per_s": round(wire_events / wire_s),
-                      "with_unpickle_events_per_cpu_s": round(wire_events / wire_cpu),
-                      "target_events_per_s": 5_000_000}), flush=True)
-    del direct, wire
+                      "events_per_batch": round(sum(events for events, _, _ in paths.values()) / args.batches, 1),
+                      "paths": {"update": f"an ingress's copy: SchedulerMirror.apply of feed updates of {per_update} "
+                                          "batches (one call into the index each)",
+                                "core": "the actor: apply_batch per batch (one publish call each)"},
+                      "batches_per_update": per_update, **rates, "target_events_per_s": 5_000_000}), flush=True)
+    del batches
 
     lat, cpu = [], []
     hits = 0
