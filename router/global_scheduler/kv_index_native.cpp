@@ -13,7 +13,7 @@
 //     that worker holds, and a (small) set of those a running sequence holds.
 // Both tables probe linearly and delete by backward shift (no tombstones: churn never degrades
 // them). Batch calls prefetch the buckets of the keys a few steps ahead, so the misses of one
-// event overlap those of the next; tables of megabytes ask for huge pages (fewer TLB misses).
+// event overlap those of the next (and of one KV event batch those of the next, in a run of them); tables of megabytes ask for huge pages (fewer TLB misses).
 
 #include <cstdint>
 #include <cstdlib>
