@@ -252,6 +252,46 @@ def test_a_malformed_batch_in_a_run_applies_none_of_it(lib):
         NativeKVBlockIndex(lib).apply_packed_many([kv_index_native.MAX_SLOTS], [good])
 
 
+def test_a_workers_keys_leaving_in_any_order_and_coming_back_stay_exact(lib):
+    """Evictions oldest first (as pools evict), out of order, and keys that leave and come back,
+    on two slots sharing keys: every slot's keys (each once), holders and entries stay exact."""
+    rng = random.Random(7)
+    native, py = NativeKVBlockIndex(lib), KVBlockIndex()
+    held: dict[int, dict[int, None]] = {3: {}, 4: {}}  # per slot, its keys in the order they came
+    for step in range(4000):
+        slot = 3 if rng.random() < 0.8 else 4
+        mine, op = held[slot], rng.random()
+        if op < 0.4:
+            keys = [rng.randrange(600) for _ in range(rng.randrange(1, 30))]
+            for key in keys:
+                mine.setdefault(key)
+        elif op < 0.7:
+            keys = list(mine)[: rng.randrange(20)]  # the oldest
+            for key in keys:
+                del mine[key]
+        elif op < 0.97:
+            keys = rng.sample(list(mine), min(len(mine), rng.randrange(10))) + [rng.randrange(600)]
+            for key in keys:
+                mine.pop(key, None)
+        else:
+            keys = rng.sample(list(mine), len(mine) // 2) + [rng.randrange(600)]
+            held[slot] = dict.fromkeys(keys)
+            native.replace(slot, keys)
+            py.replace(slot, keys)
+            continue
+        for index in (native, py):
+            (index.add if op < 0.4 else index.remove)(slot, keys)
+        if step % 97 == 0 or step == 3999:
+            for s_, keys_held in held.items():
+                packed = unpack_keys(native.packed_keys_of(s_))
+                assert sorted(packed) == sorted(keys_held) and native.keys_of(s_) == py.keys_of(s_)
+                assert native.held_keys(s_, range(600)) == py.held_keys(s_, range(600))
+            assert native.num_entries() == sum(map(len, held.values())) == py.num_entries()
+            assert [native.holders(k) for k in range(600)] == [py.holders(k) for k in range(600)]
+    native.clear(3)
+    assert native.keys_of(3) == set() and native.num_entries() == len(held[4])
+
+
 def test_several_holders_go_from_a_slot_to_a_list_to_a_bitset_and_back(lib):
     """Exact holders across the encodings (one slot; up to three; a bitset over slots past 64)."""
     index = NativeKVBlockIndex(lib)
