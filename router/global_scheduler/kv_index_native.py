@@ -4,8 +4,8 @@ The C++ source is built at first use the way the CPU engine's kernels are
 (``pagefleet.kernels.cpu.build``: the machine's C++ compiler, cached across starts under a
 hash of source, flags, compiler and CPU) and called through ctypes, which releases the GIL
 for every call. It holds 64-bit routing keys in one open-addressing table with compact holder
-records, and each slot's keys, and those in use, in sets of its own; batches arrive packed
-(``apply_packed``: no Python int per hash), and a run of them goes in one call
+records, each slot's keys in a log in the order they came, and those in use in a set; batches
+arrive packed (``apply_packed``: no Python int per hash), and a run of them goes in one call
 (``apply_packed_many``). ``new_kv_index`` gives it when it builds, else the pure-Python
 ``KVBlockIndex`` (the reference the tests hold it to) with a warning.
 
