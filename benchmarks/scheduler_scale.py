@@ -12,7 +12,9 @@ Workload (seeded):
   * churn: step batches in random worker order, 70% decode-like (4-16 new
     blocks) and 30% prefill-like (32-128 new blocks, half of them starting with
     a shared system prompt the worker may already hold, which then stores only
-    its tail); each batch evicts the worker's oldest chunks until the new blocks fit;
+    its tail); each batch evicts the worker's oldest chunks until the new blocks fit
+    (a chunk's blocks in the order they were stored, or with --evict-order
+    tail-first last first, as the engine frees a finished request's blocks);
     a prefix it already held is acquired (idle to in use), and the worker's
     running requests (its last 16 chunks stored or acquired) end in order: what
     drops out of them is released (in use to idle);
@@ -74,8 +76,9 @@ def rss_bytes() -> int:
 class Fleet:
     """Each simulated worker's cache as a FIFO of chunks (oldest first): (packed hashes, prefix id or None)."""
 
-    def __init__(self, num_workers: int, num_blocks: int, rng: random.Random) -> None:
+    def __init__(self, num_workers: int, num_blocks: int, rng: random.Random, tail_first: bool = False) -> None:
         self.rng = rng
+        self.tail_first = tail_first  # a chunk's blocks leave last block first (the engine frees them so)
         self.num_blocks = num_blocks
         self.prefixes = [os.urandom(PREFIX_BLOCKS * HASH_SIZE) for _ in range(NUM_PREFIXES)]
         self.cum_weights = list(accumulate(1.0 / (i + 1) ** 1.1 for i in range(NUM_PREFIXES)))
@@ -133,7 +136,8 @@ class Fleet:
         freed = 0
         while self.sizes[w] - freed + num_new > self.num_blocks:  # evict the oldest chunks until the new fit
             chunk, p = cache.popleft()
-            removed.append(chunk)
+            removed.append(chunk if not self.tail_first else
+                           b"".join(chunk[i:i + HASH_SIZE] for i in range(len(chunk) - HASH_SIZE, -1, -HASH_SIZE)))
             freed += len(chunk) // HASH_SIZE
             if p is not None:
                 self.held[w].discard(p)
@@ -192,6 +196,9 @@ def main() -> None:
     ap.add_argument("--batches-per-update", type=int, default=None,
                     help="batches in each feed update the ingress's copy applies (default: half the workers: "
                          "what a copy polling every 100 ms gets from workers publishing every 200 ms)")
+    ap.add_argument("--evict-order", choices=["arrival", "tail-first"], default="arrival",
+                    help="the order of an evicted chunk's blocks: as they were stored, or last first (as the "
+                         "engine frees a finished request's blocks, so its pool evicts them)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--index", choices=["native", "python"], default="native",
                     help="the compiled KV index or the pure-Python reference")
@@ -200,10 +207,11 @@ def main() -> None:
     rng = random.Random(args.seed)
     config = {"workers": args.workers, "blocks_per_worker": args.blocks, "block_size": BLOCK_SIZE,
               "shared_prefixes": NUM_PREFIXES, "shared_fraction": SHARED_FRACTION, "index": args.index,
+              "evict_order": args.evict_order,
               **({"notes": args.notes} if args.notes else {})}
 
     t0 = time.perf_counter()
-    fleet = Fleet(args.workers, args.blocks, rng)
+    fleet = Fleet(args.workers, args.blocks, rng, tail_first=args.evict_order == "tail-first")
     snapshots = [fleet.snapshot(w) for w in range(args.workers)]
     gen_s = time.perf_counter() - t0
 
