@@ -36,6 +36,7 @@ using i64 = int64_t;
 
 constexpr i64 PREFETCH_AHEAD = 12;  // keys: enough misses in flight to cover memory latency
 constexpr u64 MIN_CAPACITY = 16;
+constexpr u64 NEAR_HEAD = 256;  // log positions past its head searched for a leaving key (a request's blocks)
 constexpr size_t HUGE_PAGE = 2u << 20;
 
 // Routing keys are the first 8 bytes of a block hash, little-endian, whatever the machine.
@@ -196,9 +197,11 @@ struct KeySet {
 // One slot's cached keys in the order they came: a log read from `head`. Whether the slot holds a
 // key is the key table's to say (its holders); the log only lists them, for a drop or a snapshot,
 // and costs no cache miss per event: keys are appended, and evictions, which come oldest first,
-// pop the head. A key that leaves out of that order stays in the log as a dead occurrence, counted
-// in `dead` until it reaches the head or a compaction drops it. A key has at most one live
-// occurrence, the newest of its occurrences (it is appended only when not held).
+// pop the head; a key leaving near the head (a request's blocks are evicted last first) is
+// overwritten by the head's key, which is popped. A key that leaves farther out of that order
+// stays in the log as a dead occurrence, counted in `dead` until it reaches the head or a
+// compaction drops it. A key has at most one live occurrence, the newest of its occurrences (it
+// is appended only when not held).
 struct KeyLog {
     std::vector<u64> keys;
     u64 head = 0;
@@ -216,20 +219,30 @@ struct KeyLog {
     // `key` is held (live in the log).
     void remove(u64 key) {
         --live;
-        if (head < keys.size() && keys[head] == key && dead.empty()) {
-            ++head;  // the common case: the oldest key leaves
-        } else if (head < keys.size() && keys[head] == key && !dead.count(key)) {
-            ++head;
-        } else {
-            ++dead[key];
+        if (dead.empty() || !dead.count(key)) {  // its one occurrence is the live one
+            // The oldest keys leave, mostly: the head, or one near it (a finished request's
+            // blocks are evicted last first), whose place the head's key takes.
+            u64 end = keys.size() < head + NEAR_HEAD ? keys.size() : head + NEAR_HEAD;
+            for (u64 i = head; i < end; ++i) {
+                if (keys[i] != key) continue;
+                keys[i] = keys[head++];
+                drop_dead_head();
+                return;
+            }
         }
-        while (!dead.empty() && head < keys.size()) {  // the head is kept live
+        ++dead[key];
+        drop_dead_head();
+        if (keys.size() > 4 * live + 64) compact();
+    }
+
+    // The head is kept live: dead occurrences that reach it go.
+    void drop_dead_head() {
+        while (!dead.empty() && head < keys.size()) {
             auto it = dead.find(keys[head]);
             if (it == dead.end()) break;
             if (--it->second == 0) dead.erase(it);
             ++head;
         }
-        if (keys.size() > 4 * live + 64) compact();
     }
 
     void compact() {

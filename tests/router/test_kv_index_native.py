@@ -253,8 +253,9 @@ def test_a_malformed_batch_in_a_run_applies_none_of_it(lib):
 
 
 def test_a_workers_keys_leaving_in_any_order_and_coming_back_stay_exact(lib):
-    """Evictions oldest first (as pools evict), out of order, and keys that leave and come back,
-    on two slots sharing keys: every slot's keys (each once), holders and entries stay exact."""
+    """Evictions oldest first (as pools evict), a request's blocks last first, out of order, and keys
+    that leave and come back, on two slots sharing keys: every slot's keys (each once), holders and
+    entries stay exact."""
     rng = random.Random(7)
     native, py = NativeKVBlockIndex(lib), KVBlockIndex()
     held: dict[int, dict[int, None]] = {3: {}, 4: {}}  # per slot, its keys in the order they came
@@ -266,7 +267,9 @@ def test_a_workers_keys_leaving_in_any_order_and_coming_back_stay_exact(lib):
             for key in keys:
                 mine.setdefault(key)
         elif op < 0.7:
-            keys = list(mine)[: rng.randrange(20)]  # the oldest
+            keys = list(mine)[: rng.randrange(40)]  # the oldest, in order or last first (a request's blocks)
+            if op < 0.55:
+                keys.reverse()
             for key in keys:
                 del mine[key]
         elif op < 0.97:
