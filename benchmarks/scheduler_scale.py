@@ -12,7 +12,9 @@ Workload (seeded):
   * churn: step batches in random worker order, 70% decode-like (4-16 new
     blocks) and 30% prefill-like (32-128 new blocks, half of them starting with
     a shared system prompt the worker may already hold, which then stores only
-    its tail); each batch evicts the worker's oldest chunks until the new blocks fit;
+    its tail); each batch evicts the worker's oldest chunks until the new blocks fit
+    (a chunk's blocks in the order they were stored, or with --evict-order
+    tail-first last first, as the engine frees a finished request's blocks);
     a prefix it already held is acquired (idle to in use), and the worker's
     running requests (its last 16 chunks stored or acquired) end in order: what
     drops out of them is released (in use to idle);
@@ -21,8 +23,10 @@ Workload (seeded):
     holds, 32 new), 30% nothing cached anywhere; each decision is recorded as a
     prediction (2 s ttl), and batches keep arriving between decisions.
 
-Results, one JSON line each: block events ingested per second (core alone, and
-with unpickling the batches as the actor receives them), rebuild-from-snapshots
+Results, one JSON line each: block events ingested per second along the two paths
+batches take (an ingress's copy of the view applies a feed update of many batches at
+once, ``update_*``; the actor applies each publish call's batch, ``core_*``), each
+for the core alone and with unpickling what arrives (``*with_unpickle*``), rebuild-from-snapshots
 time, decision latency p50/p99/max, bytes per tracked (worker, block) entry
 (resident memory of the scheduler's state divided by the entries), and the machine.
 Times are wall clock and, beside them, this thread's CPU time: on a shared
@@ -48,6 +52,8 @@ from collections import deque
 from itertools import accumulate
 
 from pagefleet.router.global_scheduler.core import GlobalScheduler, RouteRequest
+from pagefleet.router.global_scheduler.kv_mirror import SchedulerMirror
+from pagefleet.router.global_scheduler.view_feed import ViewUpdate, slim
 from pagefleet.worker.core.block_hash import HASH_SIZE, ROOT_HASH
 from pagefleet.worker.core.kv_events import KVEventBatch, KVSnapshot, pack_token_ids
 
@@ -59,6 +65,7 @@ NUM_PREFIXES = 4000
 SHARED_FRACTION = 0.2
 PROMPT_BLOCKS = 128  # 2k tokens
 RUNNING_CHUNKS = 16  # chunks a worker's running requests hold in use
+INGEST_TURNS = 4  # times each ingest path takes its turn over the stream
 
 
 def rss_bytes() -> int:
@@ -69,8 +76,9 @@ def rss_bytes() -> int:
 class Fleet:
     """Each simulated worker's cache as a FIFO of chunks (oldest first): (packed hashes, prefix id or None)."""
 
-    def __init__(self, num_workers: int, num_blocks: int, rng: random.Random) -> None:
+    def __init__(self, num_workers: int, num_blocks: int, rng: random.Random, tail_first: bool = False) -> None:
         self.rng = rng
+        self.tail_first = tail_first  # a chunk's blocks leave last block first (the engine frees them so)
         self.num_blocks = num_blocks
         self.prefixes = [os.urandom(PREFIX_BLOCKS * HASH_SIZE) for _ in range(NUM_PREFIXES)]
         self.cum_weights = list(accumulate(1.0 / (i + 1) ** 1.1 for i in range(NUM_PREFIXES)))
@@ -128,7 +136,8 @@ class Fleet:
         freed = 0
         while self.sizes[w] - freed + num_new > self.num_blocks:  # evict the oldest chunks until the new fit
             chunk, p = cache.popleft()
-            removed.append(chunk)
+            removed.append(chunk if not self.tail_first else
+                           b"".join(chunk[i:i + HASH_SIZE] for i in range(len(chunk) - HASH_SIZE, -1, -HASH_SIZE)))
             freed += len(chunk) // HASH_SIZE
             if p is not None:
                 self.held[w].discard(p)
@@ -167,6 +176,13 @@ def num_events(b: KVEventBatch) -> int:
     return (len(b.stored) + len(b.removed) + len(b.acquired) + len(b.released)) // HASH_SIZE
 
 
+def feed_updates(batches: list[KVEventBatch], per_update: int) -> list[ViewUpdate]:
+    """The batches as a copy of the view receives them: slimmed, ``per_update`` to a feed update."""
+    slimmed = [slim(b) for b in batches]
+    return [ViewUpdate("bench", start + len(chunk) - 1, chunk)
+            for start in range(0, len(slimmed), per_update) for chunk in (slimmed[start:start + per_update],)]
+
+
 def percentile(sorted_values: list[float], q: float) -> float:
     return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))]
 
@@ -177,6 +193,12 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, default=100_000)
     ap.add_argument("--batches", type=int, default=40_000)
     ap.add_argument("--decisions", type=int, default=20_000)
+    ap.add_argument("--batches-per-update", type=int, default=None,
+                    help="batches in each feed update the ingress's copy applies (default: half the workers: "
+                         "what a copy polling every 100 ms gets from workers publishing every 200 ms)")
+    ap.add_argument("--evict-order", choices=["arrival", "tail-first"], default="arrival",
+                    help="the order of an evicted chunk's blocks: as they were stored, or last first (as the "
+                         "engine frees a finished request's blocks, so its pool evicts them)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--index", choices=["native", "python"], default="native",
                     help="the compiled KV index or the pure-Python reference")
@@ -185,10 +207,11 @@ def main() -> None:
     rng = random.Random(args.seed)
     config = {"workers": args.workers, "blocks_per_worker": args.blocks, "block_size": BLOCK_SIZE,
               "shared_prefixes": NUM_PREFIXES, "shared_fraction": SHARED_FRACTION, "index": args.index,
+              "evict_order": args.evict_order,
               **({"notes": args.notes} if args.notes else {})}
 
     t0 = time.perf_counter()
-    fleet = Fleet(args.workers, args.blocks, rng)
+    fleet = Fleet(args.workers, args.blocks, rng, tail_first=args.evict_order == "tail-first")
     snapshots = [fleet.snapshot(w) for w in range(args.workers)]
     gen_s = time.perf_counter() - t0
 
@@ -207,32 +230,57 @@ def main() -> None:
                       "distinct_blocks": len(gs.index), "seconds": round(fill_s, 2),
                       "entries_per_s": round(entries / fill_s)}), flush=True)
 
-    # One stream of batches: the first half handed over as objects (the core alone), the
-    # second half as pickles (what the actor receives: unpickling is part of its work).
+    # One stream of batches, applied along two paths: as each ingress's copy of the view applies
+    # them (SchedulerMirror.apply of a feed update holding many batches) and as the actor does (one
+    # publish call, one apply_batch, per batch); each handed over as objects (the core alone) and as
+    # pickles (what arrives: unpickling is part of the work). The four take turns over the stream, so
+    # that a shared machine's busy moments fall on all of them alike.
+    per_update = args.batches_per_update or max(1, args.workers // 2)
+    mirror = SchedulerMirror(weight=gs.weight)
+    mirror.core = gs  # the copy's apply, over the core measured here
     batches = [fleet.step_batch(rng.randrange(args.workers)) for _ in range(args.batches)]
-    half = len(batches) // 2
-    direct, wire = batches[:half], [pickle.dumps(b, protocol=5) for b in batches[half:]]
-    direct_events = sum(map(num_events, direct))
-    wire_events = sum(map(num_events, batches[half:]))
-    del batches
-    t0, c0 = time.perf_counter(), time.thread_time()
-    for b in direct:
-        gs.apply_batch(b, now=1.0)
-    core_s, core_cpu = time.perf_counter() - t0, time.thread_time() - c0
-    t0, c0 = time.perf_counter(), time.thread_time()
-    for data in wire:
-        gs.apply_batch(pickle.loads(data), now=1.0)
-    wire_s, wire_cpu = time.perf_counter() - t0, time.thread_time() - c0
+    paths = {name: [0, 0.0, 0.0] for name in ("batch", "batch_wire", "update", "update_wire")}  # events, wall, CPU
+    turn = -(-len(batches) // (4 * INGEST_TURNS))
+    for start in range(0, len(batches), 4 * turn):
+        chunks = [batches[start + i * turn:start + (i + 1) * turn] for i in range(4)]
+        work = {"batch": chunks[0], "batch_wire": [pickle.dumps(b, protocol=5) for b in chunks[1]],
+                "update": feed_updates(chunks[2], per_update),
+                "update_wire": [pickle.dumps(u, protocol=5) for u in feed_updates(chunks[3], per_update)]}
+        for name, chunk in zip(paths, chunks):
+            paths[name][0] += sum(map(num_events, chunk))
+        del chunks
+        for name, items in work.items():
+            t0, c0 = time.perf_counter(), time.thread_time()
+            if name == "batch":
+                for b in items:
+                    gs.apply_batch(b, now=1.0)
+            elif name == "batch_wire":
+                for data in items:
+                    gs.apply_batch(pickle.loads(data), now=1.0)
+            elif name == "update":
+                for update in items:
+                    mirror.apply(update, now=1.0)
+            else:
+                for data in items:
+                    mirror.apply(pickle.loads(data), now=1.0)
+            paths[name][1] += time.perf_counter() - t0
+            paths[name][2] += time.thread_time() - c0
+        del work
     if gs.counters.gaps or gs.counters.batches != args.batches:
         raise RuntimeError(f"the stream was not applied in order: {gs.counters}")
+    rates = {}
+    for name, key in (("update", "update"), ("update_wire", "update_with_unpickle"), ("batch", "core"),
+                      ("batch_wire", "with_unpickle")):
+        events, wall, cpu_s = paths[name]
+        rates[f"{key}_events_per_s"] = round(events / wall)
+        rates[f"{key}_events_per_cpu_s"] = round(events / cpu_s)
     print(json.dumps({"result": "ingest", **config, "batches": args.batches,
-                      "events_per_batch": round((direct_events + wire_events) / args.batches, 1),
-                      "core_events_per_s": round(direct_events / core_s),
-                      "core_events_per_cpu_s": round(direct_events / core_cpu),
-                      "with_unpickle_events_per_s": round(wire_events / wire_s),
-                      "with_unpickle_events_per_cpu_s": round(wire_events / wire_cpu),
-                      "target_events_per_s": 5_000_000}), flush=True)
-    del direct, wire
+                      "events_per_batch": round(sum(events for events, _, _ in paths.values()) / args.batches, 1),
+                      "paths": {"update": f"an ingress's copy: SchedulerMirror.apply of feed updates of {per_update} "
+                                          "batches (one call into the index each)",
+                                "core": "the actor: apply_batch per batch (one publish call each)"},
+                      "batches_per_update": per_update, **rates, "target_events_per_s": 5_000_000}), flush=True)
+    del batches
 
     lat, cpu = [], []
     hits = 0

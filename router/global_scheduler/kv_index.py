@@ -24,9 +24,12 @@ import sys
 from array import array
 from collections import deque
 from itertools import compress
-from typing import Iterable, Sequence
+from typing import TYPE_CHECKING, Iterable, Sequence
 
 from pagefleet.worker.core.block_hash import HASH_SIZE
+
+if TYPE_CHECKING:
+    from pagefleet.worker.core.kv_events import KVEventBatch
 
 KEY_WIDTH = 8  # bytes per routing key, packed
 
@@ -248,6 +251,22 @@ class KVBlockIndex:
             in_use.update(unpack_routing_keys(acquired, width))
         if released:
             in_use.difference_update(unpack_routing_keys(released, width))
+
+    def apply_packed_many(self, slots: Sequence[int], batches: Sequence[KVEventBatch], *,
+                          width: int = HASH_SIZE) -> None:
+        """``apply_packed`` of each batch (``cleared``, ``removed``, ``stored``, ``acquired``,
+        ``released``) on its slot, in order. A malformed batch raises ValueError before any is applied."""
+        if len(slots) != len(batches):
+            raise ValueError(f"{len(slots)} slots for {len(batches)} batches")
+        if width not in (HASH_SIZE, KEY_WIDTH):
+            raise ValueError(f"packed keys are {HASH_SIZE} or {KEY_WIDTH} bytes wide, not {width}")
+        for slot, b in zip(slots, batches):
+            if slot < 0 or any(len(part) % width for part in (b.removed, b.stored, b.acquired, b.released)):
+                raise ValueError(f"slots must be >= 0 and packed keys {width} bytes each, got slot {slot} and "
+                                 f"lengths {[len(part) for part in (b.removed, b.stored, b.acquired, b.released)]}")
+        for slot, b in zip(slots, batches):
+            self.apply_packed(slot, b.removed, b.stored, cleared=b.cleared, acquired=b.acquired,
+                              released=b.released, width=width)
 
     def replace_packed(self, slot: int, packed: bytes, *, width: int = HASH_SIZE) -> None:
         """Make ``slot`` cache exactly these keys (a snapshot's; what is in use is left alone)."""

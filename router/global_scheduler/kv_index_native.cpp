@@ -9,17 +9,22 @@
 //   * one open-addressing table of packed 12-byte entries (key, holders) for every key held by anyone;
 //     holders is a slot when one worker holds the key (nearly every key), else a record of up to
 //     three slots, else a bitset over all slots (keys of popular prompts);
-//   * per slot, an open-addressing set of its keys, so that a drop or a snapshot touches only what
-//     that worker holds, and a (small) set of those a running sequence holds.
-// Both tables probe linearly and delete by backward shift (no tombstones: churn never degrades
+//   * per slot, a log of its keys in the order they came (KeyLog), so that a drop or a snapshot
+//     touches only what that worker holds, and a (small) set of those a running sequence holds.
+//     Whether a slot holds a key is read from the key's holders, so an event misses the caches
+//     once (the key's bucket): appends and evictions, which come oldest first, touch the log's
+//     ends only.
+// The tables probe linearly and delete by backward shift (no tombstones: churn never degrades
 // them). Batch calls prefetch the buckets of the keys a few steps ahead, so the misses of one
-// event overlap those of the next; tables of megabytes ask for huge pages (fewer TLB misses).
+// event overlap those of the next (and of one KV event batch those of the next, in a run of
+// them); tables of megabytes ask for huge pages (fewer TLB misses).
 
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <new>
 #include <sys/mman.h>
+#include <unordered_map>
 #include <vector>
 
 namespace {
@@ -31,6 +36,7 @@ using i64 = int64_t;
 
 constexpr i64 PREFETCH_AHEAD = 12;  // keys: enough misses in flight to cover memory latency
 constexpr u64 MIN_CAPACITY = 16;
+constexpr u64 NEAR_HEAD = 256;  // log positions past its head searched for a leaving key (a request's blocks)
 constexpr size_t HUGE_PAGE = 2u << 20;
 
 // Routing keys are the first 8 bytes of a block hash, little-endian, whatever the machine.
@@ -188,8 +194,108 @@ struct KeySet {
     }
 };
 
+// One slot's cached keys in the order they came: a log read from `head`. Whether the slot holds a
+// key is the key table's to say (its holders); the log only lists them, for a drop or a snapshot,
+// and costs no cache miss per event: keys are appended, and evictions, which come oldest first,
+// pop the head; a key leaving near the head (a request's blocks are evicted last first) is
+// overwritten by the head's key, which is popped. A key that leaves farther out of that order
+// stays in the log as a dead occurrence, counted in `dead` until it reaches the head or a
+// compaction drops it. A key has at most one live occurrence, the newest of its occurrences (it
+// is appended only when not held).
+struct KeyLog {
+    std::vector<u64> keys;
+    u64 head = 0;
+    u64 live = 0;
+    std::unordered_map<u64, u32> dead;  // key -> its dead occurrences; empty while evictions come in order
+
+    void push(u64 key) {
+        // Compact rather than grow when a quarter of the log is popped or dead.
+        if (keys.size() == keys.capacity() && (keys.size() - live) * 4 >= keys.size() && keys.size() > 64)
+            compact();
+        keys.push_back(key);
+        ++live;
+    }
+
+    // `key` is held (live in the log).
+    void remove(u64 key) {
+        --live;
+        if (dead.empty() || !dead.count(key)) {  // its one occurrence is the live one
+            // The oldest keys leave, mostly: the head, or one near it (a finished request's
+            // blocks are evicted last first), whose place the head's key takes.
+            u64 end = keys.size() < head + NEAR_HEAD ? keys.size() : head + NEAR_HEAD;
+            for (u64 i = head; i < end; ++i) {
+                if (keys[i] != key) continue;
+                keys[i] = keys[head++];
+                drop_dead_head();
+                return;
+            }
+        }
+        ++dead[key];
+        drop_dead_head();
+        if (keys.size() > 4 * live + 64) compact();
+    }
+
+    // The head is kept live: dead occurrences that reach it go.
+    void drop_dead_head() {
+        while (!dead.empty() && head < keys.size()) {
+            auto it = dead.find(keys[head]);
+            if (it == dead.end()) break;
+            if (--it->second == 0) dead.erase(it);
+            ++head;
+        }
+    }
+
+    void compact() {
+        u64 out = 0;
+        for (u64 i = head; i < keys.size(); ++i) {
+            u64 key = keys[i];
+            if (!dead.empty()) {
+                auto it = dead.find(key);
+                if (it != dead.end()) {  // dead occurrences come before the live one
+                    if (--it->second == 0) dead.erase(it);
+                    continue;
+                }
+            }
+            keys[out++] = key;
+        }
+        keys.resize(out);
+        head = 0;
+    }
+
+    // The live keys, in the order they came.
+    template <class F>
+    void for_each(F&& f) const {
+        if (dead.empty()) {
+            for (u64 i = head; i < keys.size(); ++i) f(keys[i]);
+            return;
+        }
+        std::unordered_map<u64, u32> skip = dead;
+        for (u64 i = head; i < keys.size(); ++i) {
+            auto it = skip.find(keys[i]);
+            if (it != skip.end() && it->second) {
+                --it->second;
+                continue;
+            }
+            f(keys[i]);
+        }
+    }
+
+    std::vector<u64> live_keys() const {
+        std::vector<u64> out;
+        out.reserve(live);
+        for_each([&](u64 key) { out.push_back(key); });
+        return out;
+    }
+
+    void release() {
+        std::vector<u64>().swap(keys);
+        head = live = 0;
+        std::unordered_map<u64, u32>().swap(dead);
+    }
+};
+
 struct Slot {
-    KeySet cached;
+    KeyLog cached;
     KeySet in_use;  // keys a running sequence holds (not necessarily cached: the batches say so)
 };
 
@@ -431,34 +537,91 @@ struct Index {
             e->holders = h;
     }
 
-    // Each of n packed keys through f, with the home buckets of both tables requested
-    // PREFETCH_AHEAD keys before they are needed.
-    template <class F>
-    void each_key(const KeySet& set, const u8* data, i64 n, i64 width, F&& f) {
-        for (i64 i = 0; i < n && i < PREFETCH_AHEAD; ++i) {
-            u64 key = read_key(data + i * width);
-            set.prefetch(key);
-            prefetch(key);
+    bool has_holder(u32 h, u32 slot) const {
+        if (is_single(h)) return h == slot;
+        u32 r = h & INDEX;
+        if ((h & TAG) == FEW) {
+            const Few& f = few[r];
+            for (u32 i = 0; i < f.n; ++i)
+                if (f.slot[i] == slot) return true;
+            return false;
         }
-        for (i64 i = 0; i < n; ++i) {
-            if (i + PREFETCH_AHEAD < n) {
-                u64 key = read_key(data + (i + PREFETCH_AHEAD) * width);
-                set.prefetch(key);
-                prefetch(key);
+        return slot / 64 < words && (wide[size_t(r) * words + slot / 64] >> (slot % 64) & 1);
+    }
+
+    bool holds(u32 slot, u64 key) const {
+        const Entry* e = find(key);
+        return e && has_holder(e->holders, slot);
+    }
+
+    // `slot` added to the key's holders unless it is one already; true when it was added.
+    bool add_holder_if_new(u64 key, u32 slot) {
+        if (over_load(distinct + 1, capacity())) rehash(capacity() * 2);
+        for (u64 i = home(key);; i = (i + 1) & mask) {
+            Entry& e = table[i];
+            if (e.holders == EMPTY) {
+                e.key = key;
+                e.holders = slot;
+                ++distinct;
+                return true;
             }
+            if (e.key == key) {
+                if (has_holder(e.holders, slot)) return false;
+                e.holders = with_holder(e.holders, slot);
+                return true;
+            }
+        }
+    }
+
+    // `slot` taken off the key's holders if it is one; true when it was.
+    bool remove_holder_if_held(u64 key, u32 slot) {
+        Entry* e = find(key);
+        if (!e || !has_holder(e->holders, slot)) return false;
+        u32 h = without_holder(e->holders, slot);
+        if (h == EMPTY)
+            erase(e);
+        else
+            e->holders = h;
+        return true;
+    }
+
+    // Each of n packed keys through f, with their home buckets requested PREFETCH_AHEAD keys before
+    // they are needed.
+    template <class F>
+    void each_key(const u8* data, i64 n, i64 width, F&& f) {
+        for (i64 i = 0; i < n && i < PREFETCH_AHEAD; ++i) prefetch(read_key(data + i * width));
+        for (i64 i = 0; i < n; ++i) {
+            if (i + PREFETCH_AHEAD < n) prefetch(read_key(data + (i + PREFETCH_AHEAD) * width));
             f(read_key(data + i * width));
         }
+    }
+
+    // (slot, key) updates: the key's holders say whether anything changes, the slot's log follows.
+    bool add_key(KeyLog& mine, u32 slot, u64 key) {
+        if (!add_holder_if_new(key, slot)) return false;
+        try {
+            mine.push(key);
+        } catch (...) {
+            remove_holder(key, slot);
+            throw;
+        }
+        ++entries;
+        return true;
+    }
+
+    void remove_key(KeyLog& mine, u32 slot, u64 key) {
+        if (!remove_holder_if_held(key, slot)) return;
+        mine.remove(key);
+        --entries;
     }
 
     // Returns how many keys were new to the slot; those go to `added` (if not null), in order.
     i64 add(u32 slot, const u8* data, i64 n, i64 width, u64* added = nullptr) {
         ensure_slot(slot);
-        KeySet& mine = slots[slot].cached;
+        KeyLog& mine = slots[slot].cached;
         i64 count = 0;
-        each_key(mine, data, n, width, [&](u64 key) {
-            if (mine.insert(key)) {
-                ++entries;
-                add_holder(key, slot);
+        each_key(data, n, width, [&](u64 key) {
+            if (add_key(mine, slot, key)) {
                 if (added) added[count] = key;
                 ++count;
             }
@@ -468,32 +631,25 @@ struct Index {
 
     void remove(u32 slot, const u8* data, i64 n, i64 width) {
         if (slot >= slots.size()) return;
-        KeySet& mine = slots[slot].cached;
-        each_key(mine, data, n, width, [&](u64 key) {
-            if (mine.erase(key)) {
-                --entries;
-                remove_holder(key, slot);
-            }
-        });
+        KeyLog& mine = slots[slot].cached;
+        each_key(data, n, width, [&](u64 key) { remove_key(mine, slot, key); });
     }
 
-    // Every key of `set`, in bucket order, with the global buckets prefetched ahead.
+    // Each of `keys` through f, with the global buckets prefetched ahead.
     template <class F>
-    void each_prefetched(const KeySet& set, F&& f) {
-        if (set.has_zero) f(u64(0));
-        u64 cap = set.capacity(), ahead = 0;
-        for (u64 i = 0; i < cap; ++i) {
-            for (; ahead < cap && ahead < i + 4 * PREFETCH_AHEAD; ++ahead)
-                if (set.buckets[ahead]) prefetch(set.buckets[ahead]);
-            if (set.buckets[i]) f(set.buckets[i]);
+    void each_prefetched(const std::vector<u64>& keys, F&& f) {
+        u64 n = keys.size(), ahead = 0;
+        for (u64 i = 0; i < n; ++i) {
+            for (; ahead < n && ahead < i + 4 * PREFETCH_AHEAD; ++ahead) prefetch(keys[ahead]);
+            f(keys[i]);
         }
     }
 
     void clear(u32 slot) {
         if (slot >= slots.size()) return;
-        KeySet& mine = slots[slot].cached;
-        each_prefetched(mine, [&](u64 key) { remove_holder(key, slot); });
-        entries -= mine.size();
+        KeyLog& mine = slots[slot].cached;
+        each_prefetched(mine.live_keys(), [&](u64 key) { remove_holder(key, slot); });
+        entries -= mine.live;
         mine.release();
         slots[slot].in_use.release();
     }
@@ -513,17 +669,32 @@ struct Index {
     void replace(u32 slot, const u8* data, i64 n, i64 width) {
         ensure_slot(slot);
         KeySet fresh = set_of(data, n, width);
-        KeySet& old = slots[slot].cached;
-        each_prefetched(old, [&](u64 key) {
+        KeyLog& old = slots[slot].cached;
+        std::vector<u64> keys;
+        try {
+            // Room for half as many again: the log then compacts in place as the worker churns
+            // (KeyLog::push), instead of copying itself at its first event.
+            keys.reserve(fresh.size() + fresh.size() / 2 + 64);
+        } catch (...) {
+            fresh.release();
+            throw;
+        }
+        each_prefetched(old.live_keys(), [&](u64 key) {
             if (!fresh.contains(key)) remove_holder(key, slot);
         });
-        each_prefetched(fresh, [&](u64 key) {
-            if (!old.contains(key)) add_holder(key, slot);
-        });
-        entries += fresh.size();
-        entries -= old.size();
+        entries -= old.live;
+        for (i64 i = 0; i < n; ++i) {  // each key once, in the snapshot's order (erased once seen)
+            if (i + PREFETCH_AHEAD < n) prefetch(read_key(data + (i + PREFETCH_AHEAD) * width));
+            u64 key = read_key(data + i * width);
+            if (!fresh.erase(key)) continue;
+            add_holder_if_new(key, slot);
+            keys.push_back(key);
+        }
+        fresh.release();
         old.release();
-        old = fresh;
+        old.live = keys.size();
+        old.keys.swap(keys);
+        entries += old.live;
     }
 
     void replace_in_use(u32 slot, const u8* data, i64 n, i64 width) {
@@ -533,18 +704,51 @@ struct Index {
         slots[slot].in_use = fresh;
     }
 
-    // One KV event batch, in the order the Python core applies it.
-    void apply(u32 slot, bool cleared, const u8* removed, i64 num_removed, const u8* stored, i64 num_stored,
-               const u8* acquired, i64 num_acquired, const u8* released, i64 num_released, i64 width) {
-        ensure_slot(slot);
-        if (cleared) clear(slot);
-        KeySet& in_use = slots[slot].in_use;
-        remove(slot, removed, num_removed, width);
-        for (i64 i = 0; i < num_removed; ++i) in_use.erase(read_key(removed + i * width));
-        add(slot, stored, num_stored, width);
-        for (i64 i = 0; i < num_stored; ++i) in_use.insert(read_key(stored + i * width));
-        for (i64 i = 0; i < num_acquired; ++i) in_use.insert(read_key(acquired + i * width));
-        for (i64 i = 0; i < num_released; ++i) in_use.erase(read_key(released + i * width));
+    // KV event batches in order, each in the order the Python core applies one: cleared, removed,
+    // stored, acquired, released. Batch b is slot_of[b]'s; counts[4b..4b+3] are its numbers of
+    // removed, stored, acquired and released keys and parts[4b..4b+3] where they are packed. The
+    // cached keys (removed, then stored) are prefetched PREFETCH_AHEAD keys ahead across batch
+    // boundaries, so a batch's first events do not wait for memory as a call of their own would.
+    void apply_many(i64 num_batches, const u32* slot_of, const u8* cleared, const i64* counts,
+                    const u8* const* parts, i64 width) {
+        i64 ahead_batch = 0, ahead_key = 0;  // the next cached key to prefetch
+        auto prefetch_next = [&]() {
+            if (ahead_batch == num_batches) return;
+            const i64* n = counts + 4 * ahead_batch;
+            while (ahead_batch < num_batches && ahead_key >= n[0] + n[1]) {
+                ++ahead_batch;
+                n += 4;
+                ahead_key = 0;
+            }
+            if (ahead_batch == num_batches) return;
+            const u8* const* at = parts + 4 * ahead_batch;
+            u64 key = read_key(ahead_key < n[0] ? at[0] + ahead_key * width : at[1] + (ahead_key - n[0]) * width);
+            ++ahead_key;
+            prefetch(key);
+        };
+        for (i64 i = 0; i < PREFETCH_AHEAD; ++i) prefetch_next();
+        for (i64 b = 0; b < num_batches; ++b) {
+            u32 slot = slot_of[b];
+            ensure_slot(slot);  // (before the references below: it may move every slot)
+            if (cleared[b]) clear(slot);
+            KeyLog& mine = slots[slot].cached;
+            KeySet& in_use = slots[slot].in_use;
+            const i64* n = counts + 4 * b;
+            const u8 *removed = parts[4 * b], *stored = parts[4 * b + 1], *acquired = parts[4 * b + 2],
+                     *released = parts[4 * b + 3];
+            for (i64 i = 0; i < n[0]; ++i) {
+                prefetch_next();
+                remove_key(mine, slot, read_key(removed + i * width));
+            }
+            for (i64 i = 0; i < n[0]; ++i) in_use.erase(read_key(removed + i * width));
+            for (i64 i = 0; i < n[1]; ++i) {
+                prefetch_next();
+                add_key(mine, slot, read_key(stored + i * width));
+            }
+            for (i64 i = 0; i < n[1]; ++i) in_use.insert(read_key(stored + i * width));
+            for (i64 i = 0; i < n[2]; ++i) in_use.insert(read_key(acquired + i * width));
+            for (i64 i = 0; i < n[3]; ++i) in_use.erase(read_key(released + i * width));
+        }
     }
 
     // ---- queries ----
@@ -628,32 +832,36 @@ i64 kvi_distinct(const void* index) { return static_cast<const Index*>(index)->d
 
 i64 kvi_entries(const void* index) { return static_cast<const Index*>(index)->entries; }
 
-const KeySet* set_of_slot(const void* index, u32 slot, int in_use) {
+const Slot* slot_of(const void* index, u32 slot) {
     const Index* ix = static_cast<const Index*>(index);
-    if (slot >= ix->slots.size()) return nullptr;
-    return in_use ? &ix->slots[slot].in_use : &ix->slots[slot].cached;
+    return slot < ix->slots.size() ? &ix->slots[slot] : nullptr;
 }
 
 i64 kvi_size(const void* index, u32 slot, int in_use) {
-    const KeySet* set = set_of_slot(index, slot, in_use);
-    return set ? set->size() : 0;
+    const Slot* s = slot_of(index, slot);
+    return !s ? 0 : in_use ? s->in_use.size() : s->cached.live;
 }
 
 // The slot's keys as packed little-endian u64s into out (room for kvi_size keys); returns how many.
 i64 kvi_keys(const void* index, u32 slot, int in_use, u8* out) {
-    const KeySet* set = set_of_slot(index, slot, in_use);
+    const Slot* s = slot_of(index, slot);
     i64 n = 0;
-    if (set) set->for_each([&](u64 key) { write_key(out + 8 * n++, key); });
+    auto put = [&](u64 key) { write_key(out + 8 * n++, key); };
+    if (s && in_use)
+        s->in_use.for_each(put);
+    else if (s)
+        s->cached.for_each(put);
     return n;
 }
 
-// Those of the n keys in the slot's set, in order, into out; returns how many.
+// Those of the n keys the slot holds (or has in use), in order, into out; returns how many.
 i64 kvi_among(const void* index, u32 slot, int in_use, const u8* data, i64 n, i64 width, u64* out) {
-    const KeySet* set = set_of_slot(index, slot, in_use);
+    const Index* ix = static_cast<const Index*>(index);
+    const Slot* s = slot_of(index, slot);
     i64 found = 0;
-    for (i64 i = 0; set && i < n; ++i) {
+    for (i64 i = 0; s && i < n; ++i) {
         u64 key = read_key(data + i * width);
-        if (set->contains(key)) out[found++] = key;
+        if (in_use ? s->in_use.contains(key) : ix->holds(slot, key)) out[found++] = key;
     }
     return found;
 }
@@ -714,13 +922,37 @@ int kvi_replace(void* index, u32 slot, int in_use, const u8* data, i64 n, i64 wi
     }
 }
 
-// One KV event batch of a worker: Index::apply.
+// One KV event batch of a worker: Index::apply_many of one.
 int kvi_apply(void* index, u32 slot, int cleared, const u8* removed, i64 num_removed, const u8* stored,
               i64 num_stored, const u8* acquired, i64 num_acquired, const u8* released, i64 num_released,
               i64 width) {
     try {
-        static_cast<Index*>(index)->apply(slot, cleared, removed, num_removed, stored, num_stored, acquired,
-                                          num_acquired, released, num_released, width);
+        const i64 counts[4] = {num_removed, num_stored, num_acquired, num_released};
+        const u8* const parts[4] = {removed, stored, acquired, released};
+        const u8 flag = cleared != 0;
+        static_cast<Index*>(index)->apply_many(1, &slot, &flag, counts, parts, width);
+        return 0;
+    } catch (...) {
+        return -1;
+    }
+}
+
+// Index::apply_many, with each batch's four parts packed one after another in `data` (batch after
+// batch) and their sizes in bytes in `lengths`. Returns 0; -1 when memory ran out; -2, changing
+// nothing, when a part is not a whole number of keys or a slot is not below MAX_SLOTS.
+int kvi_apply_many(void* index, i64 num_batches, const u32* slots, const u8* cleared, const i64* lengths,
+                   const u8* data, i64 width) {
+    try {
+        std::vector<i64> counts(4 * num_batches);
+        std::vector<const u8*> parts(4 * num_batches);
+        const u8* at = data;
+        for (i64 i = 0; i < 4 * num_batches; ++i) {
+            if (slots[i / 4] >= MAX_SLOTS || lengths[i] < 0 || lengths[i] % width) return -2;
+            counts[i] = lengths[i] / width;
+            parts[i] = at;
+            at += lengths[i];
+        }
+        static_cast<Index*>(index)->apply_many(num_batches, slots, cleared, counts.data(), parts.data(), width);
         return 0;
     } catch (...) {
         return -1;

@@ -4,8 +4,9 @@ The C++ source is built at first use the way the CPU engine's kernels are
 (``pagefleet.kernels.cpu.build``: the machine's C++ compiler, cached across starts under a
 hash of source, flags, compiler and CPU) and called through ctypes, which releases the GIL
 for every call. It holds 64-bit routing keys in one open-addressing table with compact holder
-records, and each slot's keys, and those in use, in sets of its own; batches arrive packed
-(``apply_packed``: no Python int per hash). ``new_kv_index`` gives it when it builds, else the pure-Python
+records, each slot's keys in a log in the order they came, and those in use in a set; batches
+arrive packed (``apply_packed``: no Python int per hash), and a run of them goes in one call
+(``apply_packed_many``). ``new_kv_index`` gives it when it builds, else the pure-Python
 ``KVBlockIndex`` (the reference the tests hold it to) with a warning.
 
 Slots are below ``MAX_SLOTS``. Not thread-safe, like the Python index: one caller at a time.
@@ -19,14 +20,17 @@ import logging
 import os
 import sys
 from array import array
-from itertools import compress, repeat
-from operator import lt
+from itertools import chain, compress, repeat
+from operator import attrgetter, lt
 from pathlib import Path
-from typing import Iterable, Literal, Sequence
+from typing import TYPE_CHECKING, Iterable, Literal, Sequence
 
 from pagefleet.kernels.cpu import build as cpu_build
 from pagefleet.router.global_scheduler.kv_index import KEY_WIDTH, KVBlockIndex, pack_keys, unpack_keys
 from pagefleet.worker.core.block_hash import HASH_SIZE
+
+if TYPE_CHECKING:
+    from pagefleet.worker.core.kv_events import KVEventBatch
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +42,8 @@ KIND_ENV = "PAGEFLEET_KV_INDEX"
 _P, _I, _U32, _U64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint32, ctypes.c_uint64
 _BYTES = ctypes.c_char_p  # a bytes object's own buffer, not copied (packed keys are bytes)
 _SLOTS = ctypes.c_uint32 * MAX_SLOTS
+_PARTS = attrgetter("removed", "stored", "acquired", "released")  # a batch's packed keys, in kvi_apply_many's order
+_CLEARED = attrgetter("cleared")
 IDLE_COUNT = ctypes.CFUNCTYPE(ctypes.c_int64, ctypes.c_uint32, ctypes.c_int64)  # ranking_native's callback
 
 
@@ -64,6 +70,7 @@ def _build() -> ctypes.CDLL:
     lib.kvi_replace.argtypes = [_P, _U32, ctypes.c_int, _BYTES, _I, _I]
     lib.kvi_clear.argtypes = [_P, _U32]
     lib.kvi_apply.argtypes = [_P, _U32, ctypes.c_int, _BYTES, _I, _BYTES, _I, _BYTES, _I, _BYTES, _I, _I]
+    lib.kvi_apply_many.argtypes = [_P, _I, _P, _BYTES, _P, _BYTES, _I]
     lib.kvi_prefix_runs.argtypes = [_P, _BYTES, _I, _I, _P, _P, _P, _BYTES, _I, _I, _P, _P]
     lib.kvi_prefix_runs.restype = _I
     lib.rank_best.argtypes = [_P, _P, _I, _P, _P, _I, _I, _I, _I, ctypes.c_double, _I, IDLE_COUNT, _P, _P, _P]
@@ -282,6 +289,32 @@ class NativeKVBlockIndex:
                              f"{(r, s, a, u)} bytes")
         _check(self._lib.kvi_apply(self._handle, self._slot(slot), cleared, removed, r // width, stored, s // width,
                                    acquired, a // width, released, u // width, width))
+
+    def apply_packed_many(self, slots: Sequence[int], batches: Sequence[KVEventBatch], *,
+                          width: int = HASH_SIZE) -> None:
+        """``apply_packed`` of each batch (``cleared``, ``removed``, ``stored``, ``acquired``, ``released``)
+        on its slot, in order, in one call: the Python per batch is C loops (a join of their keys, their
+        lengths). A malformed batch raises ValueError before any is applied."""
+        if len(slots) != len(batches):
+            raise ValueError(f"{len(slots)} slots for {len(batches)} batches")
+        if width not in (HASH_SIZE, KEY_WIDTH):
+            raise ValueError(f"packed keys are {HASH_SIZE} or {KEY_WIDTH} bytes wide, not {width}")
+        if not batches:
+            return
+        parts = list(chain.from_iterable(map(_PARTS, batches)))
+        lengths = array("q", map(len, parts))
+        cleared = bytes(map(_CLEARED, batches))
+        try:
+            slot_of = array("I", slots)
+        except OverflowError:
+            slot_of = None
+        status = -2 if slot_of is None else self._lib.kvi_apply_many(
+            self._handle, len(batches), slot_of.buffer_info()[0], cleared, lengths.buffer_info()[0], b"".join(parts),
+            width)
+        if status == -2:
+            raise ValueError(f"slots must be in [0, {MAX_SLOTS}) and packed keys {width} bytes each, got slots "
+                             f"{min(slots)}..{max(slots)} and lengths {sorted(set(lengths))}")
+        _check(status)
 
     def replace_packed(self, slot: int, packed: bytes, *, width: int = HASH_SIZE) -> None:
         """Make ``slot`` cache exactly these keys (a snapshot's; what is in use is left alone)."""

@@ -34,6 +34,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass
+from itertools import groupby
 from typing import Callable, Protocol
 
 from pagefleet.router.global_scheduler.core import GlobalScheduler
@@ -79,15 +80,18 @@ class SchedulerMirror:
         if update.states is not None:
             core.restore(update.states, now)
             self.counters.resyncs += 1
-        for entry in update.entries:
-            if isinstance(entry, KVEventBatch):
-                core.apply_batch(entry, now)  # a gap's snapshot request is the actor's to make
-            elif isinstance(entry, KVSnapshot):
-                core.apply_snapshot(entry, now)
-            elif isinstance(entry, WorkerDropped):
-                core.drop_worker(entry.worker_id)
+        # Consecutive batches go in together: one call into the index for a run of them.
+        for kind, run in groupby(update.entries, type):
+            if kind is KVEventBatch:
+                core.apply_batches(list(run), now)  # a gap's snapshot request is the actor's to make
+            elif kind is KVSnapshot:
+                for snapshot in run:
+                    core.apply_snapshot(snapshot, now)
+            elif kind is WorkerDropped:
+                for dropped in run:
+                    core.drop_worker(dropped.worker_id)
             else:
-                raise TypeError(f"unknown feed entry {type(entry).__name__}")
+                raise TypeError(f"unknown feed entry {kind.__name__}")
         self.epoch, self.cursor, self.updated_at = update.epoch, update.cursor, now
         self.counters.updates += 1
         self.counters.entries += len(update.entries)

@@ -236,6 +236,10 @@ class Predictions:
                     continue
             held[key] = v
 
+    def shares_on(self, slot: int) -> bool:
+        """Whether a prediction on ``slot`` shares keys in use there (``stop_sharing`` has work to do)."""
+        return bool(self._sharing.get(slot))
+
     def stop_sharing(self, view: WorkerView, index: KVBlockIndex) -> None:
         """After ``view`` changed: shared keys that nothing holds in use any more (idle with no
         request routed to take them, or gone from its cache) become blocks after all (the idle

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 from hypothesis import given, settings, strategies as st
 
@@ -467,3 +469,134 @@ def test_an_error_counting_idle_blocks_comes_out_of_route():
     gs.predictions.cached_keys = broken
     with pytest.raises(KeyError, match="bookkeeping broke"):
         gs.route(RouteRequest("r", pack_hashes(h), num_blocks=6), now=0.0)
+
+
+class BatchStream:
+    """Random KV event batches of a few workers: churn, keys going in and out of use, clears, merged
+    steps, lost batches (gaps), duplicates (stale), requests reported taken in; and the snapshots,
+    prompts and drops to go between them."""
+
+    WORKERS = ("w0", "w1", "w2", "w3", "w4")
+
+    def __init__(self, seed: int) -> None:
+        self.rng = random.Random(seed)
+        self.next_key = 1000
+        self.shared = [self.fresh(4) for _ in range(3)]  # prompt heads several workers store
+        self.seq = {w: -1 for w in self.WORKERS}
+        self.chains: dict[str, list[list[int]]] = {w: [] for w in self.WORKERS}  # what each caches, oldest first
+        self.in_use: dict[str, set[int]] = {w: set() for w in self.WORKERS}
+        self.sent: dict[str, list[KVEventBatch]] = {w: [] for w in self.WORKERS}
+        self.routed: dict[str, list[str]] = {w: [] for w in self.WORKERS}  # requests routed there, not reported
+        self.requests = 0
+
+    def fresh(self, n: int) -> list[int]:
+        self.next_key += n
+        return list(range(self.next_key - n, self.next_key))
+
+    def batch(self) -> KVEventBatch:
+        rng = self.rng
+        w = rng.choice(self.WORKERS)
+        if self.sent[w] and rng.random() < 0.08:
+            return rng.choice(self.sent[w])  # sent again
+        chains, in_use = self.chains[w], self.in_use[w]
+        first_seq = self.seq[w] + 1 + (rng.random() < 0.05)  # one lost on the way: a gap
+        self.seq[w] = seq = first_seq + (rng.random() < 0.2)  # steps merged into one batch
+        cleared = rng.random() < 0.03
+        if cleared:
+            chains.clear()
+            in_use.clear()
+        removed = [k for _ in range(rng.randrange(3)) if chains for k in chains.pop(0)]
+        held = {k for c in chains for k in c}
+        head = rng.choice(self.shared)
+        stored = ([k for k in head if k not in held] if rng.random() < 0.5 else []) + self.fresh(rng.randrange(4))
+        chains.append(stored)
+        idle = sorted(held - in_use)
+        acquired = rng.sample(idle, min(len(idle), rng.randrange(3)))
+        in_use.difference_update(removed)
+        in_use.update(stored + acquired)
+        released = rng.sample(sorted(in_use), min(len(in_use), rng.randrange(4)))
+        in_use.difference_update(released)
+        routed = self.routed[w]
+        added = [routed.pop(0) for _ in range(min(len(routed), rng.randrange(3)))] + ["unknown"] * (rng.random() < 0.1)
+        b = batch(w, seq, [h(k) for k in stored], [h(k) for k in removed], first_seq=first_seq, cleared=cleared,
+                  free=rng.randrange(10, 60), total=64, running=rng.randrange(5), waiting=rng.randrange(3),
+                  reserved=rng.randrange(8), added=added, acquired=[h(k) for k in acquired],
+                  released=[h(k) for k in released])
+        self.sent[w].append(b)
+        return b
+
+    def snapshot(self, w: str) -> KVSnapshot:
+        held = [k for c in self.chains[w] for k in c]
+        return KVSnapshot(w, self.seq[w], pack_hashes([h(k) for k in held]), 30, 64, 1, 0, 2,
+                          in_use_hashes=pack_hashes([h(k) for k in sorted(self.in_use[w])]))
+
+    def prompt(self) -> RouteRequest:
+        rng = self.rng
+        chains = self.chains[rng.choice(self.WORKERS)]
+        head = rng.choice(self.shared) + (rng.choice(chains) if chains else [])
+        self.requests += 1
+        keys = head[: rng.randrange(len(head) + 1)] + self.fresh(rng.randrange(1, 3))
+        return RouteRequest(f"r{self.requests}", pack_hashes([h(k) for k in keys]), len(keys) + 2)
+
+
+def h(key: int) -> bytes:
+    return key.to_bytes(8, "little") + b"\xa5" * 8
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_a_run_of_batches_applied_at_once_leaves_the_view_one_by_one_would(seed):
+    """``apply_batches`` against ``apply_batch`` per batch over random streams: every worker's view
+    and keys, the counters, the predictions and each decision equal."""
+    stream = BatchStream(seed)
+    one, many = scheduler(max_seqs_per_worker=6), scheduler(max_seqs_per_worker=6)
+    rng, run, now = stream.rng, [], 0.0
+    runs = sharing_mid_run = 0
+
+    def flush():
+        nonlocal runs, sharing_mid_run
+        if not run:
+            return
+        sharing_mid_run += any(many.predictions.shares_on(many.workers[b.worker_id].slot)
+                               for b in run[:-1] if b.worker_id in many.workers)
+        asked = [b.worker_id for b in run if one.apply_batch(b, now)]
+        assert many.apply_batches(run, now) == asked
+        runs += 1
+        run.clear()
+
+    def assert_same():
+        assert one.counters == many.counters
+        assert one.workers == many.workers  # every field of every view (not the walk's table: a copy of them)
+        for w in one.workers:
+            assert (one.keys_of(w), one.in_use_of(w)) == (many.keys_of(w), many.in_use_of(w))
+        assert one.predictions.by_request == many.predictions.by_request
+        if one._table is not None:
+            assert one._table.values == many._table.values
+
+    for _ in range(400):
+        now += 0.05
+        if rng.random() < 0.7:
+            run.append(stream.batch())
+            continue
+        flush()
+        op = rng.random()
+        if op < 0.5:
+            req = stream.prompt()
+            decision = one.route(req, now)
+            assert many.route(req, now) == decision
+            if decision.admitted:
+                stream.routed[decision.ranking[0]].append(req.request_id)
+        elif op < 0.85:
+            for w in [w for w, v in one.workers.items() if not v.synced or rng.random() < 0.1]:
+                one.apply_snapshot(stream.snapshot(w), now)
+                many.apply_snapshot(stream.snapshot(w), now)
+        elif op < 0.9:
+            w = rng.choice(stream.WORKERS)
+            assert one.drop_worker(w) == many.drop_worker(w)
+        else:
+            assert_same()
+    flush()
+    assert_same()
+    c = one.counters
+    assert min(c.gaps, c.stale_batches, c.snapshots_applied, c.predictions_confirmed, c.workers_dropped) > 0
+    assert runs > 20 and c.batches > 100
+    assert sharing_mid_run > 0  # runs where a prediction shares keys of a batch before the last

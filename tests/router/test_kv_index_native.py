@@ -10,6 +10,7 @@ import pytest
 from pagefleet.router.global_scheduler import kv_index_native
 from pagefleet.router.global_scheduler.kv_index import KEY_WIDTH, KVBlockIndex, pack_keys, unpack_keys
 from pagefleet.router.global_scheduler.kv_index_native import NativeKVBlockIndex, new_kv_index
+from pagefleet.worker.core.kv_events import KVEventBatch
 
 # Slots past 64 and 256 (bit masks of several words); 299 is never written (an unknown slot).
 SLOTS = (0, 1, 2, 5, 63, 64, 65, 130, 255, 256, 298)
@@ -32,13 +33,27 @@ class Streams:
     Keys come from a small pool (so many slots share keys: holders move between one slot, a few
     and a bitset, and back), from the edges of the 64-bit range, and fresh at random."""
 
-    def __init__(self, seed: int, lib) -> None:
+    def __init__(self, seed: int, lib, long_runs: bool = False) -> None:
         self.rng = random.Random(seed)
+        self.long_runs = long_runs  # most steps are batches: long runs of them go in one call
+        self.longest_run = 0
         self.py, self.native = KVBlockIndex(), NativeKVBlockIndex(lib)
         self.truth: dict[int, set[int]] = {slot: set() for slot in SLOTS}
         self.pool = [0, 1, 2**64 - 1, 2**63] + [self.rng.getrandbits(64) for _ in range(60)]
         self.seen: list[int] = list(self.pool)  # every key used so far
         self.behind: set[int] = set()  # slots whose batch was lost: the indexes lag their truth until a snapshot
+        # Batches held back to go into the compiled index in one call (the reference takes them one by one)
+        self.queued: list[tuple[int, KVEventBatch]] = []
+
+    def flush(self) -> None:
+        self.longest_run = max(self.longest_run, len(self.queued))
+        if self.queued:
+            slots, batches = zip(*self.queued)
+            self.native.apply_packed_many(slots, batches)
+            for slot, b in self.queued:
+                self.py.apply_packed(slot, b.removed, b.stored, cleared=b.cleared, acquired=b.acquired,
+                                     released=b.released)
+            self.queued.clear()
 
     def key(self) -> int:
         rng = self.rng
@@ -57,6 +72,10 @@ class Streams:
         slot = rng.choice(SLOTS)
         mine = self.truth[slot]
         op = rng.random()
+        if self.long_runs and op >= 0.45 and rng.random() < 0.8:
+            op *= 0.45
+        if op >= 0.45:  # what is queued goes in before anything else
+            self.flush()
         if op < 0.45:  # a batch: removes (some not held), stores (some held already, some twice), a clear,
             # cached keys going in and out of use (and keys not cached: the index takes the batch's word)
             removed = rng.sample(sorted(mine), min(len(mine), rng.randrange(0, 8))) + [self.key()]
@@ -76,6 +95,11 @@ class Streams:
                 return  # lost on the way (a gap): the indexes miss it until the next snapshot
             removed, stored, acquired, released = (b"".join(hash_of(k, rng) for k in keys)
                                                    for keys in (removed, stored, acquired, released))
+            if rng.random() < (0.95 if self.long_runs else 0.6):  # in one call with the batches around it
+                self.queued.append((slot, KVEventBatch("", 0, 0, cleared, stored, removed=removed, acquired=acquired,
+                                                       released=released)))
+                return
+            self.flush()
             self.both("apply_packed", slot, removed, stored, cleared=cleared, acquired=acquired, released=released)
         elif op < 0.6:
             keys = [self.key() for _ in range(rng.randrange(0, 6))]
@@ -167,6 +191,7 @@ def index_of(extra: dict[int, int], lib) -> NativeKVBlockIndex:
 
 
 def assert_same(s: Streams) -> None:
+    s.flush()
     py, native, rng = s.py, s.native, s.rng
     assert (len(native), native.num_entries()) == (len(py), py.num_entries())
     for slot in SLOTS + (UNKNOWN_SLOT,):
@@ -195,13 +220,79 @@ def assert_same(s: Streams) -> None:
 
 @pytest.mark.parametrize("seed", range(12))
 def test_the_compiled_index_answers_every_query_as_the_reference_on_random_streams(seed, lib):
-    s = Streams(seed, lib)
+    s = Streams(seed, lib, long_runs=seed % 2 == 1)
     for i in range(1500):
         s.step()
         if i % 50 == 49:
             assert_same(s)
     assert_same(s)
     assert s.py.num_entries() > 0 and len(s.py) > 0
+    assert s.longest_run >= (10 if s.long_runs else 2)
+
+
+def test_a_malformed_batch_in_a_run_applies_none_of_it(lib):
+    def keys(*ks):
+        return b"".join(k.to_bytes(8, "little") + bytes(8) for k in ks)
+
+    for index in (KVBlockIndex(), NativeKVBlockIndex(lib)):
+        good = KVEventBatch("w", 0, 0, False, keys(1, 2))
+        for slots, batches in (([1, 2], [good, KVEventBatch("w", 0, 0, False, bytes(15))]),
+                               ([1, 2], [good, KVEventBatch("w", 0, 0, False, released=bytes(24))]),
+                               ([1], [good, good]), ([1, -1], [good, good])):
+            with pytest.raises(ValueError):
+                index.apply_packed_many(slots, batches)
+            assert index.num_entries() == 0
+        # in order, each on its slot: stored, one of them removed again, stored and acquired elsewhere
+        index.apply_packed_many([7, 7, 3], [good, KVEventBatch("w", 0, 0, False, removed=keys(1)),
+                                            KVEventBatch("w", 0, 0, False, keys(2), acquired=keys(9))])
+        assert (index.keys_of(7), index.in_use_of(7), index.keys_of(3), index.in_use_of(3)) == ({2}, {2}, {2}, {2, 9})
+        index.apply_packed_many([7], [KVEventBatch("w", 0, 0, True, keys(5))])
+        assert (index.keys_of(7), index.in_use_of(7), index.holders(2)) == ({5}, {5}, 1 << 3)
+    with pytest.raises(ValueError):
+        NativeKVBlockIndex(lib).apply_packed_many([kv_index_native.MAX_SLOTS], [good])
+
+
+def test_a_workers_keys_leaving_in_any_order_and_coming_back_stay_exact(lib):
+    """Evictions oldest first (as pools evict), a request's blocks last first, out of order, and keys
+    that leave and come back, on two slots sharing keys: every slot's keys (each once), holders and
+    entries stay exact."""
+    rng = random.Random(7)
+    native, py = NativeKVBlockIndex(lib), KVBlockIndex()
+    held: dict[int, dict[int, None]] = {3: {}, 4: {}}  # per slot, its keys in the order they came
+    for step in range(4000):
+        slot = 3 if rng.random() < 0.8 else 4
+        mine, op = held[slot], rng.random()
+        if op < 0.4:
+            keys = [rng.randrange(600) for _ in range(rng.randrange(1, 30))]
+            for key in keys:
+                mine.setdefault(key)
+        elif op < 0.7:
+            keys = list(mine)[: rng.randrange(40)]  # the oldest, in order or last first (a request's blocks)
+            if op < 0.55:
+                keys.reverse()
+            for key in keys:
+                del mine[key]
+        elif op < 0.97:
+            keys = rng.sample(list(mine), min(len(mine), rng.randrange(10))) + [rng.randrange(600)]
+            for key in keys:
+                mine.pop(key, None)
+        else:
+            keys = rng.sample(list(mine), len(mine) // 2) + [rng.randrange(600)]
+            held[slot] = dict.fromkeys(keys)
+            native.replace(slot, keys)
+            py.replace(slot, keys)
+            continue
+        for index in (native, py):
+            (index.add if op < 0.4 else index.remove)(slot, keys)
+        if step % 97 == 0 or step == 3999:
+            for s_, keys_held in held.items():
+                packed = unpack_keys(native.packed_keys_of(s_))
+                assert sorted(packed) == sorted(keys_held) and native.keys_of(s_) == py.keys_of(s_)
+                assert native.held_keys(s_, range(600)) == py.held_keys(s_, range(600))
+            assert native.num_entries() == sum(map(len, held.values())) == py.num_entries()
+            assert [native.holders(k) for k in range(600)] == [py.holders(k) for k in range(600)]
+    native.clear(3)
+    assert native.keys_of(3) == set() and native.num_entries() == len(held[4])
 
 
 def test_several_holders_go_from_a_slot_to_a_list_to_a_bitset_and_back(lib):

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import pickle
+
 import pytest
 
 from pagefleet.worker.core.block_hash import ROOT_HASH, block_hashes, hash_block
@@ -254,3 +257,13 @@ def test_released_and_reused_before_a_drain_nets_to_the_last_state():
     batch = source.drain(KVLoad())
     prefix = set(block_hashes(a.token_ids, BLOCK))
     assert set(unpack_hashes(batch.acquired)) == prefix and batch.released == b""
+
+
+def test_a_batch_pickles_to_an_equal_batch_with_every_field():
+    batch = KVEventBatch("w3", 7, 9, True, b"s" * 32, b"p" * 32, b"t" * 16, b"r" * 16, 5, 64, 2, 1, 9, ["a", "b"],
+                         b"q" * 16, b"u" * 16, b"rel", 0.25)
+    blank = KVEventBatch("", 0, 0, False)
+    assert all(getattr(batch, f.name) != getattr(blank, f.name) for f in dataclasses.fields(batch))  # none default
+    for protocol in (2, 5):
+        copy = pickle.loads(pickle.dumps(batch, protocol=protocol))
+        assert copy == batch and copy.added is not batch.added
