@@ -50,8 +50,13 @@ class DrainBoard:
         return DrainState(dict(self._at_start), dict(self._now))
 
 
+class BoardLost(RuntimeError):
+    """The ``DrainBoard`` cannot be reached (its node was lost): there is no drain to run."""
+
+
 class Board(Protocol):
-    """The command's side of a ``DrainBoard`` (``RayDrainBoard``; a fake in tests)."""
+    """The command's side of a ``DrainBoard`` (``RayDrainBoard``; a fake in tests). Its calls raise
+    ``BoardLost`` when the board is gone."""
 
     def drain(self) -> None: ...
 
@@ -59,22 +64,30 @@ class Board(Protocol):
 
 
 class RayDrainBoard:
-    """A ``DrainBoard`` actor, owned by this process (it ends with the command)."""
+    """A ``DrainBoard`` actor, owned by this process (it ends with the command), on this process's
+    node where it has room: a board on another node would go with that node."""
 
     def __init__(self) -> None:
         import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        self.actor = ray.remote(num_cpus=0)(DrainBoard).remote()
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
+        self.actor = ray.remote(num_cpus=0)(DrainBoard).options(scheduling_strategy=here).remote()
 
     def drain(self) -> None:
-        import ray
-
-        ray.get(self.actor.drain.remote())
+        self._get(self.actor.drain.remote())
 
     def state(self) -> DrainState:
+        return self._get(self.actor.state.remote())
+
+    @staticmethod
+    def _get(ref: Any) -> Any:
         import ray
 
-        return ray.get(self.actor.state.remote())
+        try:
+            return ray.get(ref)
+        except ray.exceptions.RayError as exc:
+            raise BoardLost(f"{type(exc).__name__}") from exc
 
 
 class DrainReport(NamedTuple):
@@ -89,8 +102,18 @@ def drain_ingress(board: Board, num_replicas: int, timeout_s: float, say: Callab
                   sleep: Callable[[float], Any] = time.sleep) -> DrainReport:
     """Tells the ``num_replicas`` ingress replicas to stop admitting and waits up to ``timeout_s``
     (from now) for their requests in flight; says what it does. Replicas that have not answered
-    within ``FIND_REPLICAS_TIMEOUT_S`` are left out, and said so."""
+    within ``FIND_REPLICAS_TIMEOUT_S`` are left out, and said so. A board that is lost ends the
+    drain there (said so): whatever ran stops with the command."""
     started = clock()
+    try:
+        return _drain(board, num_replicas, timeout_s, say, clock, sleep, started)
+    except BoardLost as exc:
+        say(f"pagefleet: the drain board is gone ({exc}); stopping without draining")
+        return DrainReport(0, 0, 0, clock() - started)
+
+
+def _drain(board: Board, num_replicas: int, timeout_s: float, say: Callable[[str], None],
+           clock: Callable[[], float], sleep: Callable[[float], Any], started: float) -> DrainReport:
     board.drain()
     state = board.state()
     while len(state.at_start) < num_replicas and clock() - started < FIND_REPLICAS_TIMEOUT_S:

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from pagefleet.cluster.drain import FIND_REPLICAS_TIMEOUT_S, DrainReport, DrainState, drain_ingress
+from pagefleet.cluster.drain import FIND_REPLICAS_TIMEOUT_S, BoardLost, DrainReport, DrainState, drain_ingress
 from pagefleet.cluster.launch import DrainRequested, StopSignals
 from pagefleet.router.ingress import follow_drain
 from pagefleet.router.openai.protocol import CompletionRequest
@@ -78,6 +78,21 @@ def test_replicas_that_never_answer_are_left_out_and_said_so():
     assert (report.num_replicas, report.num_in_flight, report.num_cut) == (1, 1, 0)
     assert report.seconds == pytest.approx(FIND_REPLICAS_TIMEOUT_S, abs=0.2)
     assert said[0] == "pagefleet: 1 of 2 ingress replicas answered; draining those"
+
+
+def test_a_board_lost_mid_drain_ends_the_drain_and_says_so():
+    """Its node was lost (as in test_two_nodes): the command then stops without a traceback."""
+
+    class _LostAfterTwoPolls(_FakeBoard):
+        def state(self) -> DrainState:
+            if self.polls == 2:
+                raise BoardLost("ActorUnavailableError")
+            return super().state()
+
+    report, said = _drain(_LostAfterTwoPolls({"a": 5}), 1, 30.0)
+    assert report == DrainReport(0, 0, 0, pytest.approx(0.2))  # lost at the third call, two polls in
+    assert said == ["pagefleet: draining 5 requests, up to 30 s",
+                    "pagefleet: the drain board is gone (ActorUnavailableError); stopping without draining"]
 
 
 class _Remote:
