@@ -156,7 +156,8 @@ class KVRoutingClient:
 
     def forecast_waits(self, needs: list[Need]) -> list[float] | None:
         """The admission queue's forecast (``room_forecast``) over this ingress's copy of the view;
-        None while it cannot say (a stale copy, or no worker has measured a step yet)."""
+        None while it cannot say (a stale copy, a request of its own unreported past the staleness
+        limit, or no worker has measured a step yet)."""
         now = self.clock()
         if self.mirror.age(now) > self.options.max_staleness_s:
             return None
@@ -167,6 +168,10 @@ class KVRoutingClient:
         routed: dict[int, list[Prediction]] = {}  # slot -> this ingress's requests it has not reported yet
         for pred in core.predictions.by_request.values():
             if not pred.confirmed:
+                if now - pred.made_at > self.options.max_staleness_s:
+                    # a request routed this long ago that no worker reported: the copy is behind the
+                    # workers (the actor restarting, say), and its room would be counted twice
+                    return None
                 routed.setdefault(pred.slot, []).append(pred)
         return forecast_waits([outlook(v, now, VIEW_LAG_S, routed.get(v.slot, ())) for v in views], needs)
 

@@ -331,3 +331,28 @@ def test_the_routing_clients_forecast_reads_the_workers_releases_in_its_copy_of_
         assert client.forecast_waits([Need(4)]) is None
 
     asyncio.run(run())
+
+
+def test_a_request_of_its_own_unreported_past_the_staleness_limit_turns_the_forecast_off():
+    """The copy is behind the workers (the actor restarting): its room for that request would be
+    counted twice, so the queue goes by the departure rate instead of refusing on it."""
+
+    async def run():
+        actor_core, feed = GlobalScheduler(), ViewFeed("e1")
+        b = KVEventBatch("w0", 0, 0, False, num_free_blocks=64, num_total_blocks=64, num_running=1,
+                         releases=pack_releases([Release(10, 1, 8)]), step_time_s=0.05)
+        actor_core.apply_batch(b, 0.0)
+        feed.append(b)
+        mirror = SchedulerMirror(weight=4.0)
+        mirror.apply(feed.update_since(None, -1, actor_core), now=0.0)
+        clock = [0.0]
+        client = KVRoutingClient(mirror, KVRoutingOptions(admission_max_wait_s=0.5), block_size=16,
+                                 clock=lambda: clock[0])
+        await client.route("r1", b"", 40, 24, 1)  # room now: routed, not yet reported by w0
+        assert client.forecast_waits([Need(4)]) == [0.0]
+        clock[0] = 1.2
+        mirror.apply(feed.update_since("e1", 0, actor_core), now=1.2)  # the copy is fresh, r1 still unreported
+        assert mirror.age(1.2) <= 1.0
+        assert client.forecast_waits([Need(4)]) is None
+
+    asyncio.run(run())
