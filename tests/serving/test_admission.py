@@ -305,21 +305,34 @@ def test_without_a_forecast_to_go_by_a_newcomer_waits_as_before():
     asyncio.run(run())
 
 
+def _client_over_copy(steps_left: dict[str, int], free_blocks: int):
+    """A routing client over an ingress's copy of the view of workers of 64 blocks, each with
+    ``free_blocks`` free and one running sequence that ends within its steps of 50 ms, freeing 8
+    blocks: (the client, its clock, ``follow(now)``: the copy takes the feed's news, returned)."""
+    actor_core, feed = GlobalScheduler(), ViewFeed("e1")
+    for w, steps in steps_left.items():
+        b = KVEventBatch(w, 0, 0, False, num_free_blocks=free_blocks, num_total_blocks=64, num_running=1,
+                         releases=pack_releases([Release(steps, 1, 8)]), step_time_s=0.05)
+        actor_core.apply_batch(b, 0.0)
+        feed.append(b)
+    mirror = SchedulerMirror(weight=4.0)
+    mirror.apply(feed.update_since(None, -1, actor_core), now=0.0)
+    clock = [0.0]
+    client = KVRoutingClient(mirror, KVRoutingOptions(admission_max_wait_s=0.5), block_size=16,
+                             clock=lambda: clock[0])
+
+    def follow(now: float) -> SchedulerMirror:
+        mirror.apply(feed.update_since("e1", len(steps_left) - 1, actor_core), now=now)
+        return mirror
+
+    return client, clock, follow
+
+
 def test_the_routing_clients_forecast_reads_the_workers_releases_in_its_copy_of_the_view():
     async def run():
-        actor_core, feed = GlobalScheduler(), ViewFeed("e1")
         # both full (no block free); w0's running sequences end within 10 steps of 50 ms and free 8
         # blocks, w1's within 30 steps
-        for w, steps in (("w0", 10), ("w1", 30)):
-            b = KVEventBatch(w, 0, 0, False, num_free_blocks=0, num_total_blocks=64, num_running=1,
-                             releases=pack_releases([Release(steps, 1, 8)]), step_time_s=0.05)
-            actor_core.apply_batch(b, 0.0)
-            feed.append(b)
-        mirror = SchedulerMirror(weight=4.0)
-        mirror.apply(feed.update_since(None, -1, actor_core), now=0.0)
-        clock = [0.0]
-        client = KVRoutingClient(mirror, KVRoutingOptions(admission_max_wait_s=0.5), block_size=16,
-                                 clock=lambda: clock[0])
+        client, clock, _ = _client_over_copy({"w0": 10, "w1": 30}, free_blocks=0)
         # room shows 0.5 s (w0) and 1.5 s (w1) from now, plus the view's lag: two 4-block requests
         # fit w0's 8 blocks, the third waits for w1
         assert client.forecast_waits([Need(4)] * 3) == pytest.approx([0.5 + VIEW_LAG_S] * 2 + [1.5 + VIEW_LAG_S])
@@ -338,20 +351,11 @@ def test_a_request_of_its_own_unreported_past_the_staleness_limit_turns_the_fore
     counted twice, so the queue goes by the departure rate instead of refusing on it."""
 
     async def run():
-        actor_core, feed = GlobalScheduler(), ViewFeed("e1")
-        b = KVEventBatch("w0", 0, 0, False, num_free_blocks=64, num_total_blocks=64, num_running=1,
-                         releases=pack_releases([Release(10, 1, 8)]), step_time_s=0.05)
-        actor_core.apply_batch(b, 0.0)
-        feed.append(b)
-        mirror = SchedulerMirror(weight=4.0)
-        mirror.apply(feed.update_since(None, -1, actor_core), now=0.0)
-        clock = [0.0]
-        client = KVRoutingClient(mirror, KVRoutingOptions(admission_max_wait_s=0.5), block_size=16,
-                                 clock=lambda: clock[0])
+        client, clock, follow = _client_over_copy({"w0": 10}, free_blocks=64)
         await client.route("r1", b"", 40, 24, 1)  # room now: routed, not yet reported by w0
         assert client.forecast_waits([Need(4)]) == [0.0]
         clock[0] = 1.2
-        mirror.apply(feed.update_since("e1", 0, actor_core), now=1.2)  # the copy is fresh, r1 still unreported
+        mirror = follow(1.2)  # the copy is fresh, r1 still unreported
         assert mirror.age(1.2) <= 1.0
         assert client.forecast_waits([Need(4)]) is None
 
