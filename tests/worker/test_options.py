@@ -12,7 +12,7 @@ import yaml
 from pagefleet.cluster.cli import _parser, options_from_args
 from pagefleet.cluster.config import ServeArgs, ServeOptions
 from pagefleet.worker.engine import llm as llm_module
-from pagefleet.worker.engine.engine_args import EngineArgs
+from pagefleet.worker.engine.engine_args import CPU_MAX_NUM_SEQS, CUDA_MAX_NUM_SEQS, EngineArgs, default_max_num_seqs
 from pagefleet.worker.engine.options import default_of, flag_name, option_fields
 
 SERVE_YAML = Path(__file__).resolve().parents[2] / "deploy" / "serve.yaml"
@@ -92,11 +92,15 @@ def test_the_table_above_covers_every_option():
     assert not set(ENGINE_FIELDS) & set(SERVE_FIELDS)
 
 
+RESOLVED = {"max_num_seqs": default_max_num_seqs("auto", None)}
+
+
 @pytest.mark.parametrize("name", ENGINE_FIELDS + SERVE_FIELDS)
 def test_option_has_one_default_everywhere(name):
     cls = EngineArgs if name in ENGINE_FIELDS else ServeArgs
     (field,) = [f for f in option_fields(cls) if f.name == name]
-    default = default_of(field)
+    # A default of None that the engine resolves at construction, by the machine it runs on.
+    default = RESOLVED[name] if name in RESOLVED else default_of(field)
     assert getattr(_part(_cli(), name), name) == default                      # no flag given
     assert getattr(_part(ServeOptions.from_dict({}), name), name) == default  # serve.yaml without the key
     assert getattr(cls(), name) == default                                    # LLM(...) / build_app without it
@@ -172,3 +176,17 @@ def test_served_engines_share_the_cores_among_the_apps_engine_ranks():
     assert threads(2, workers=2) == 1
     assert threads(2, workers=3) == 1                                 # never below one thread
     assert threads(64, cpu_omp_threads=3) == 3                        # the option wins
+
+
+def test_max_num_seqs_defaults_to_256_on_cuda_and_64_elsewhere(monkeypatch):
+    import torch
+
+    assert (CUDA_MAX_NUM_SEQS, CPU_MAX_NUM_SEQS) == (256, 64)
+    assert EngineArgs(device="cuda").max_num_seqs == 256
+    assert EngineArgs(device="cpu").max_num_seqs == 64
+    assert EngineArgs(device="cuda", simulate="h200").max_num_seqs == 64  # the simulator keeps its calibration
+    assert EngineArgs(device="cuda", max_num_seqs=8).max_num_seqs == 8
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert EngineArgs().max_num_seqs == 256  # auto on a machine with a GPU
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert EngineArgs().max_num_seqs == 64

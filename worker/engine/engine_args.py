@@ -16,6 +16,18 @@ from pagefleet.worker.request_check import (
 
 BLOCK_SIZES = (8, 16, 32, 64, 128)
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
+CUDA_MAX_NUM_SEQS = 256
+CPU_MAX_NUM_SEQS = 64
+
+
+def default_max_num_seqs(device: str, simulate: str | None) -> int:
+    """max_num_seqs where none is given: vLLM's 256 for an engine on a CUDA device, else 64."""
+    if simulate is None and device in ("cuda", "auto"):
+        import torch
+
+        if device == "cuda" or torch.cuda.is_available():
+            return CUDA_MAX_NUM_SEQS
+    return CPU_MAX_NUM_SEQS
 
 
 @dataclass(slots=True)
@@ -31,7 +43,9 @@ class EngineArgs:
                                      "float16 (aliases: half, fp16, bf16, float, fp32)")
     device: str = option("auto", choices=("auto", "cpu", "cuda"), help="where the engine runs")
     block_size: int = option(16, choices=BLOCK_SIZES, help="tokens per KV cache block")
-    max_num_seqs: int = option(64, help="sequences per engine step")
+    max_num_seqs: int | None = option(None, help=f"sequences per engine step (default: {CUDA_MAX_NUM_SEQS} on a CUDA "
+                                                 f"device, where a decode step of many sequences costs about what "
+                                                 f"one costs; {CPU_MAX_NUM_SEQS} on CPU and a simulated GPU)")
     max_num_batched_tokens: int = option(2048, help="tokens per engine step (long prompts are chunked)")
     max_model_len: int | None = option(None, help="context length (default: the model's)")
     kv_cache_bytes: int | None = option(None, parse=parse_bytes, metavar="BYTES",
@@ -107,6 +121,8 @@ class EngineArgs:
             self.served_model_name = names
         if self.kv_cache_bytes is not None:
             self.kv_cache_bytes = parse_bytes(self.kv_cache_bytes)
+        if self.max_num_seqs is None:
+            self.max_num_seqs = default_max_num_seqs(self.device, self.simulate)
         if self.trust_remote_code:
             raise ValueError("trust_remote_code is not supported: pagefleet never runs code from a model "
                              "directory; it runs Llama, Mistral, Qwen2 and Qwen3 checkpoints with its own code")

@@ -11,10 +11,12 @@ import torch
 from pagefleet.kernels.ops import AttentionPlanner, AttentionSpec, no_plan
 from pagefleet.worker.core.kv_cache_sizing import DEFAULT_CPU_KV_CACHE_BYTES, gpu_kv_budget, kv_bytes_per_block
 from pagefleet.worker.engine.engine_args import DEFAULT_GPU_MEMORY_UTILIZATION
+from pagefleet.worker.model_executor.cuda_graphs import DecodeGraphs
 from pagefleet.worker.model_executor.loader import load_model
 from pagefleet.worker.model_executor.model import AttentionMetadata
 from pagefleet.worker.model_executor.model_config import ModelConfig
 from pagefleet.worker.model_executor.platform import platform_for
+from pagefleet.worker.model_executor.step_buffers import StepBuffers
 from pagefleet.worker.parallel.tp_group import TPGroup
 
 if TYPE_CHECKING:
@@ -38,12 +40,18 @@ class StepInput:
 
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, tp: TPGroup, device: torch.device, load_format: str = "safetensors",
-                 seed: int = 0, enforce_eager: bool = False) -> None:
+                 seed: int = 0, enforce_eager: bool = False, max_num_seqs: int = 64,
+                 max_num_batched_tokens: int = 2048) -> None:
         """enforce_eager: True keeps the platform from compiling kernels of its own (on CPU the
-        C++ decode attention, norms and rotary): the backend's kernels serve."""
+        C++ decode attention, norms and rotary; on CUDA the decode graphs): the backend's kernels
+        serve, launched one by one. max_num_seqs, max_num_batched_tokens: the engine's step limits,
+        which size the step buffers and the decode graphs."""
         self.cfg = cfg
         self.tp = tp
         self.device = device
+        self.enforce_eager = enforce_eager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max(max_num_batched_tokens, max_num_seqs)
         self.platform = platform_for(device)
         self.platform.prepare_process()
         # Decided once, here: a bad PAGEFLEET_KERNELS stops the start instead of failing every step.
@@ -56,6 +64,9 @@ class ModelRunner:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         # The kernels' step planner, made for the KV cache's shape once it is allocated.
         self.plan_attention: AttentionPlanner = no_plan
+        # CUDA: every step's indices go over in one copy (step_buffers.py); CPU builds them in place.
+        self.buffers: StepBuffers | None = None
+        self.decode_graphs: DecodeGraphs | None = None
 
     @property
     def compiled_kernels(self) -> bool:
@@ -83,17 +94,37 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         _, total = torch.cuda.mem_get_info(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
+        if self.graphs_wanted:
+            # The decode graphs keep a memory pool of their own for good: one decode step of the
+            # largest batch, measured the same way, is set aside for it beside the peak.
+            torch.cuda.empty_cache()
+            base = torch.cuda.memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._profile_run(self.max_num_seqs, decode=True)
+            torch.cuda.synchronize(self.device)
+            peak += torch.cuda.max_memory_allocated(self.device) - base
         fraction = DEFAULT_GPU_MEMORY_UTILIZATION if gpu_memory_utilization is None else gpu_memory_utilization
         return gpu_kv_budget(total, fraction, peak)
 
-    def _profile_run(self, num_tokens: int) -> None:
-        # One sequence of num_tokens over a scratch cache big enough to hold it.
+    @property
+    def graphs_wanted(self) -> bool:
+        """Decode runs as CUDA graphs: on CUDA, one rank, unless enforce_eager."""
+        return self.device.type == "cuda" and self.tp.size == 1 and not self.enforce_eager
+
+    def _profile_run(self, num_tokens: int, decode: bool = False) -> None:
+        # One sequence of num_tokens (decode: num_tokens sequences of one token each, every
+        # row sampled) over a scratch cache big enough to hold it.
         bs = 16
         nblocks = -(-num_tokens // bs)
         caches = [(torch.zeros(nblocks, bs, self.num_kv_heads, self.cfg.head_dim, dtype=self.cfg.dtype,
                                device=self.device),) * 2 for _ in range(self.cfg.num_layers)]
-        step = StepInput(list(range(num_tokens)), list(range(num_tokens)), list(range(num_tokens)),
-                         [list(range(nblocks))], [0, num_tokens], [num_tokens], [num_tokens - 1])
+        tokens = list(range(num_tokens))
+        if decode:
+            step = StepInput(tokens, [0] * num_tokens, tokens, [[i // bs] for i in tokens], list(range(num_tokens + 1)),
+                             [1] * num_tokens, tokens)
+        else:
+            step = StepInput(tokens, tokens, tokens, [list(range(nblocks))], [0, num_tokens], [num_tokens],
+                             [num_tokens - 1])
         saved, self.kv_caches = self.kv_caches, caches
         try:
             self.execute(step)
@@ -111,6 +142,26 @@ class ModelRunner:
         attn = self.model.layers[0].self_attn
         spec = AttentionSpec(self.cfg.dtype, attn.num_heads, attn.num_kv_heads, self.cfg.head_dim, block_size)
         self.plan_attention = self.kernels.attention_planner(spec)  # may build a kernel: at start, not on a request
+        if self.device.type == "cuda":
+            self.buffers = self._step_buffers(block_size)
+            if self.graphs_wanted:
+                self.use_decode_graphs(capture=True)
+
+    def _step_buffers(self, block_size: int) -> StepBuffers:
+        max_blocks = -(-self.cfg.max_model_len // block_size)
+        return StepBuffers(self.max_num_batched_tokens, self.max_num_seqs, max_blocks, self.device)
+
+    def use_decode_graphs(self, capture: bool) -> DecodeGraphs:
+        """Run decode steps over the static step buffers, replayed as CUDA graphs (``capture``) or
+        eagerly (the CPU tests' way of checking that path against the ordinary one)."""
+        if self.plan_attention is not no_plan:
+            raise ValueError(f"decode graphs need kernels that plan nothing on the host, not {self.kernels}")
+        if self.buffers is None:
+            self.buffers = self._step_buffers(self.kv_caches[0][0].shape[1])
+        self.decode_graphs = DecodeGraphs(self.model, self.kv_caches, self.buffers, self.max_num_seqs,
+                                          self.cfg.vocab_size, capture)
+        self.decode_graphs.capture_all()
+        return self.decode_graphs
 
     def _tensors(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         dev = self.device
@@ -132,7 +183,17 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, step: StepInput) -> torch.Tensor | None:
         """Forward one step; [S, vocab] fp32 logits of the sampling rows on rank 0, else None."""
-        input_ids, positions, meta, logits_indices = self._tensors(step)
+        num_seqs = len(step.seq_lens)
+        graphs = self.decode_graphs
+        if graphs is not None and len(step.input_ids) == num_seqs:  # one token a sequence: decode
+            rows = graphs.bucket(num_seqs)
+            if rows is not None:
+                return graphs.run(step, rows)
+        buffers = self.buffers
+        if buffers is not None and buffers.fits(step):
+            input_ids, positions, meta, logits_indices = buffers.tensors(step, self.plan_attention)
+        else:
+            input_ids, positions, meta, logits_indices = self._tensors(step)
         hidden = self.model(input_ids, positions, meta, self.kv_caches)
         return self.model.compute_logits(hidden.index_select(0, logits_indices))
 

@@ -1,0 +1,112 @@
+"""Decode steps replayed as CUDA graphs: one graph per batch-size bucket, captured at start.
+
+An eager decode step of a 32-layer model launches hundreds of kernels one by one from Python,
+and the GPU waits on the host between them. A graph launches them all at once. Each bucket's
+graph runs the model's forward and logits over the fixed-address views of ``StepBuffers``
+(input ids, positions, slots, block table, query starts, sequence lengths), so a step refills
+those buffers and replays the graph of the smallest bucket that holds its batch. Padding rows
+write no KV and are never sampled (``StepBuffers.fill``).
+
+Buckets are 1, 2, 4, 8, then steps of 8 up to max_num_seqs, as vLLM's. The graphs share one
+memory pool, captured largest first so smaller ones reuse its blocks; each copies its logits
+into one persistent buffer, so no graph keeps an output of its own alive.
+
+``DecodeGraphs(capture=False)`` runs the very same static-buffer forward eagerly: the CPU tests
+hold it equal to the engine's ordinary path, and ``--enforce-eager`` comparisons on a GPU can
+run both.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+
+import torch
+
+from pagefleet.worker.model_executor.model import AttentionMetadata
+from pagefleet.worker.model_executor.step_buffers import StepBuffers
+
+logger = logging.getLogger(__name__)
+
+
+def decode_buckets(max_num_seqs: int) -> list[int]:
+    """1, 2, 4, 8, 16, 24, ... up to max_num_seqs (which is always the last)."""
+    sizes = [b for b in (1, 2, 4, 8) if b < max_num_seqs] + list(range(16, max_num_seqs, 8))
+    return sizes + [max_num_seqs]
+
+
+class DecodeGraphs:
+    def __init__(self, model, kv_caches, buffers: StepBuffers, max_num_seqs: int, vocab_size: int,
+                 capture: bool) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.buffers = buffers
+        self.buckets = decode_buckets(max_num_seqs)
+        self.capture = capture
+        device = buffers.device
+        # [max_num_seqs, vocab] fp32: every bucket's logits land in its leading rows.
+        self.logits = torch.empty(max_num_seqs, vocab_size, dtype=torch.float32, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.capture_s = 0.0
+        self.pool_bytes = 0
+
+    def bucket(self, num_seqs: int) -> int | None:
+        """The smallest bucket holding ``num_seqs`` decode rows; None past the largest."""
+        i = bisect.bisect_left(self.buckets, num_seqs)
+        return self.buckets[i] if i < len(self.buckets) else None
+
+    def _forward(self, rows: int) -> None:
+        # The whole decode step over the buffers' first ``rows`` rows: one token a sequence.
+        b = self.buffers
+        meta = AttentionMetadata(slot_mapping=b.slot_mapping(rows), block_table=b.block_table(rows),
+                                 query_start_loc=b.query_start_loc(rows), seq_lens=b.seq_lens(rows))
+        hidden = self.model(b.input_ids(rows), b.positions(rows), meta, self.kv_caches)
+        logits = self.model.compute_logits(hidden)
+        if logits is not None:
+            self.logits[:rows].copy_(logits)
+
+    @torch.inference_mode()
+    def capture_all(self) -> None:
+        """Capture every bucket's graph (CUDA); the buffers must hold a valid padding-only step."""
+        if not self.capture:
+            return
+        started = time.monotonic()
+        device = self.buffers.device
+        torch.cuda.synchronize(device)
+        before = torch.cuda.memory_reserved(device)
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(device)
+        for rows in reversed(self.buckets):
+            self._fill_padding(rows)
+            stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(stream):  # warm-up (kernel compiles, allocator) off the capture
+                self._forward(rows)
+            torch.cuda.current_stream(device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self._forward(rows)
+            self.graphs[rows] = graph
+        torch.cuda.synchronize(device)
+        self.capture_s = time.monotonic() - started
+        self.pool_bytes = torch.cuda.memory_reserved(device) - before
+        logger.info("captured %d decode CUDA graphs (batch 1..%d) in %.1f s, %.0f MiB", len(self.graphs),
+                    self.buckets[-1], self.capture_s, self.pool_bytes / 2**20)
+
+    def _fill_padding(self, rows: int) -> None:
+        from pagefleet.worker.model_executor.model_runner import StepInput
+
+        self.buffers.fill(StepInput([], [], [], [], [0], [], []), pad_to=rows)
+
+    @torch.inference_mode()
+    def run(self, step, rows: int) -> torch.Tensor:
+        """``step``: a decode StepInput of at most ``rows`` sequences -> its sampling rows' logits."""
+        self.buffers.fill(step, pad_to=rows)
+        if self.capture:
+            self.graphs[rows].replay()
+        else:
+            self._forward(rows)
+        n = len(step.seq_lens)
+        if step.logits_indices == list(range(n)):
+            return self.logits[:n]
+        return self.logits.index_select(0, torch.tensor(step.logits_indices, device=self.logits.device))

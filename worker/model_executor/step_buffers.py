@@ -1,0 +1,120 @@
+"""A step's index tensors built in one pinned host buffer and sent to the device in one copy.
+
+Building five or six tensors from Python lists costs as many small synchronous host-to-device
+copies a step (pageable memory makes each one wait). Here every index a step needs is written
+into fixed regions of one pinned int64 buffer, and the used prefix goes over in one
+asynchronous copy; the device tensors are views of one device buffer at the same offsets.
+Those addresses never change, which is also what lets a CUDA graph read them
+(``cuda_graphs.DecodeGraphs``): a graph's inputs are these views, refilled each step.
+
+Reuse is safe because every step ends in a device-to-host copy of the sampled ids: by the time
+the host writes the next step's indices, the device has read this step's copy.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from pagefleet.worker.model_executor.model import AttentionMetadata
+
+
+class StepTensors(NamedTuple):
+    input_ids: torch.Tensor       # [T] int64
+    positions: torch.Tensor       # [T] int64
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor  # [S] int64
+
+
+class StepBuffers:
+    """Regions, in order: input ids, positions, slots, logits indices (max_tokens each), query
+    starts (max_seqs + 1), sequence lengths (max_seqs), then the block table,
+    max_seqs rows of max_blocks. The block table comes last so that a step of B sequences
+    sends only its B rows."""
+
+    def __init__(self, max_tokens: int, max_seqs: int, max_blocks: int, device: torch.device) -> None:
+        self.max_tokens, self.max_seqs, self.max_blocks = max_tokens, max_seqs, max_blocks
+        self.device = device
+        t, s = max_tokens, max_seqs
+        self.off_ids, self.off_pos, self.off_slots, self.off_logits = 0, t, 2 * t, 3 * t
+        self.off_qsl = 4 * t
+        self.off_lens = self.off_qsl + s + 1
+        self.off_table = self.off_lens + s
+        size = self.off_table + s * max_blocks
+        pin = device.type == "cuda"
+        self.host = torch.zeros(size, dtype=torch.int64, pin_memory=pin)
+        self.host_np = self.host.numpy()
+        # On CPU the host buffer is the device buffer: no copy at all.
+        self.dev = torch.zeros(size, dtype=torch.int64, device=device) if pin else self.host
+
+    # Device views at fixed addresses (what a captured graph reads).
+    def input_ids(self, n: int) -> torch.Tensor:
+        return self.dev[self.off_ids:self.off_ids + n]
+
+    def positions(self, n: int) -> torch.Tensor:
+        return self.dev[self.off_pos:self.off_pos + n]
+
+    def slot_mapping(self, n: int) -> torch.Tensor:
+        return self.dev[self.off_slots:self.off_slots + n]
+
+    def query_start_loc(self, b: int) -> torch.Tensor:
+        return self.dev[self.off_qsl:self.off_qsl + b + 1]
+
+    def seq_lens(self, b: int) -> torch.Tensor:
+        return self.dev[self.off_lens:self.off_lens + b]
+
+    def logits_indices(self, n: int) -> torch.Tensor:
+        return self.dev[self.off_logits:self.off_logits + n]
+
+    def block_table(self, b: int) -> torch.Tensor:
+        # [b, max_blocks]: full-width rows, so a kernel's row stride never changes; columns past a
+        # row's blocks hold stale ids, which no kernel reads (seq_lens bound every read).
+        return self.dev[self.off_table:self.off_table + b * self.max_blocks].view(b, self.max_blocks)
+
+    def fits(self, step) -> bool:
+        """Whether ``step`` (a model_runner.StepInput) fits the regions (an engine's steps always do)."""
+        return (len(step.input_ids) <= self.max_tokens and len(step.seq_lens) <= self.max_seqs
+                and max(map(len, step.block_tables)) <= self.max_blocks)
+
+    def fill(self, step, pad_to: int | None = None) -> int:
+        """Write ``step`` (a model_runner.StepInput) into the host buffer and send it; returns the
+        sequence count the device views cover. ``pad_to``: a decode step (one token a sequence)
+        padded to that many rows, each padding row one token at position 0 that writes no KV
+        (slot -1) and reads one token of block 0, so its attention is finite and touches nothing."""
+        h = self.host_np
+        t, b = len(step.input_ids), len(step.seq_lens)
+        rows = pad_to if pad_to is not None else b
+        n = rows if pad_to is not None else t
+        h[self.off_ids:self.off_ids + t] = step.input_ids
+        h[self.off_pos:self.off_pos + t] = step.positions
+        h[self.off_slots:self.off_slots + t] = step.slot_mapping
+        h[self.off_qsl:self.off_qsl + b + 1] = step.query_start_loc
+        h[self.off_lens:self.off_lens + b] = step.seq_lens
+        h[self.off_logits:self.off_logits + len(step.logits_indices)] = step.logits_indices
+        if rows > b:
+            h[self.off_ids + t:self.off_ids + n] = 0
+            h[self.off_pos + t:self.off_pos + n] = 0
+            h[self.off_slots + t:self.off_slots + n] = -1
+            h[self.off_qsl + b + 1:self.off_qsl + rows + 1] = range(t + 1, t + 1 + rows - b)
+            h[self.off_lens + b:self.off_lens + rows] = 1
+        table = h[self.off_table:self.off_table + rows * self.max_blocks].reshape(rows, self.max_blocks)
+        for i, blocks in enumerate(step.block_tables):
+            table[i, :len(blocks)] = blocks
+        if rows > b:
+            table[b:, 0] = 0
+        if self.dev is not self.host:
+            used = self.off_table + rows * self.max_blocks
+            self.dev[:used].copy_(self.host[:used], non_blocking=True)
+        return rows
+
+    def tensors(self, step, plan_attention) -> StepTensors:
+        """Fill and send an eager step; the views its forward reads."""
+        t, b = len(step.input_ids), len(step.seq_lens)
+        self.fill(step)
+        block_table, seq_lens = self.block_table(b), self.seq_lens(b)
+        meta = AttentionMetadata(slot_mapping=self.slot_mapping(t), block_table=block_table,
+                                 query_start_loc=self.query_start_loc(b), seq_lens=seq_lens,
+                                 attn_plan=plan_attention(block_table, seq_lens, step.query_start_loc,
+                                                          step.seq_lens))
+        return StepTensors(self.input_ids(t), self.positions(t), meta, self.logits_indices(len(step.logits_indices)))
