@@ -13,7 +13,7 @@ from pagefleet.worker.core.kv_cache_sizing import DEFAULT_CPU_KV_CACHE_BYTES, gp
 from pagefleet.worker.engine.engine_args import DEFAULT_GPU_MEMORY_UTILIZATION
 from pagefleet.worker.model_executor.loader import load_model
 from pagefleet.worker.model_executor.model import AttentionMetadata
-from pagefleet.worker.model_executor.model_config import ModelConfig
+from pagefleet.worker.model_executor.model_config import ModelConfig, kv_cache_torch_dtype
 from pagefleet.worker.model_executor.platform import platform_for
 from pagefleet.worker.parallel.tp_group import TPGroup
 
@@ -38,16 +38,18 @@ class StepInput:
 
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, tp: TPGroup, device: torch.device, load_format: str = "safetensors",
-                 seed: int = 0, enforce_eager: bool = False) -> None:
+                 seed: int = 0, enforce_eager: bool = False, kv_cache_dtype: str = "auto") -> None:
         """enforce_eager: True keeps the platform from compiling kernels of its own (on CPU the
-        C++ decode attention, norms and rotary): the backend's kernels serve."""
+        C++ decode attention, norms and rotary): the backend's kernels serve.
+        kv_cache_dtype: ``EngineArgs.kv_cache_dtype`` (auto: the model's dtype; fp8: e4m3)."""
         self.cfg = cfg
         self.tp = tp
         self.device = device
         self.platform = platform_for(device)
         self.platform.prepare_process()
         # Decided once, here: a bad PAGEFLEET_KERNELS stops the start instead of failing every step.
-        self.kernels = self.platform.select_kernels(device, enforce_eager)
+        self.kv_cache_dtype = kv_cache_torch_dtype(kv_cache_dtype, cfg.dtype)
+        self.kernels = self.platform.select_kernels(device, enforce_eager, self.kv_cache_dtype)
         logger.info("kernels on %s: %s", device, self.kernels)
         self.model = load_model(cfg, tp, self.kernels, device, load_format, seed)
         self.platform.prepare_model(self.model, self.kernels)
@@ -63,7 +65,7 @@ class ModelRunner:
         return bool(self.kernels.compiled)
 
     def kv_bytes_per_block(self, block_size: int) -> int:
-        elem = torch.empty((), dtype=self.cfg.dtype).element_size()
+        elem = torch.empty((), dtype=self.kv_cache_dtype).element_size()
         return kv_bytes_per_block(self.cfg.num_layers, self.num_kv_heads, self.cfg.head_dim, elem, block_size)
 
     def weight_bytes(self) -> int:
@@ -90,7 +92,7 @@ class ModelRunner:
         # One sequence of num_tokens over a scratch cache big enough to hold it.
         bs = 16
         nblocks = -(-num_tokens // bs)
-        caches = [(torch.zeros(nblocks, bs, self.num_kv_heads, self.cfg.head_dim, dtype=self.cfg.dtype,
+        caches = [(torch.zeros(nblocks, bs, self.num_kv_heads, self.cfg.head_dim, dtype=self.kv_cache_dtype,
                                device=self.device),) * 2 for _ in range(self.cfg.num_layers)]
         step = StepInput(list(range(num_tokens)), list(range(num_tokens)), list(range(num_tokens)),
                          [list(range(nblocks))], [0, num_tokens], [num_tokens], [num_tokens - 1])
@@ -105,11 +107,11 @@ class ModelRunner:
         shape = (num_blocks, block_size, self.num_kv_heads, self.cfg.head_dim)
         # Zeroed, not empty: unused slots of a partly filled block are read (and masked),
         # and NaN garbage would survive the mask as 0 * NaN.
-        self.kv_caches = [(torch.zeros(shape, dtype=self.cfg.dtype, device=self.device),
-                           torch.zeros(shape, dtype=self.cfg.dtype, device=self.device))
+        self.kv_caches = [(torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device),
+                           torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device))
                           for _ in range(self.cfg.num_layers)]
         attn = self.model.layers[0].self_attn
-        spec = AttentionSpec(self.cfg.dtype, attn.num_heads, attn.num_kv_heads, self.cfg.head_dim, block_size)
+        spec = AttentionSpec(self.kv_cache_dtype, attn.num_heads, attn.num_kv_heads, self.cfg.head_dim, block_size)
         self.plan_attention = self.kernels.attention_planner(spec)  # may build a kernel: at start, not on a request
 
     def _tensors(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
