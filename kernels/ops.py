@@ -46,7 +46,7 @@ def _triton_installed() -> bool:
 class AttentionSpec:
     """The attention shape a step's plan is made for (one rank's heads), known once the KV cache is."""
 
-    dtype: torch.dtype  # of the KV cache and the query
+    dtype: torch.dtype  # of the KV cache (the query's, or float8_e4m3fn)
     num_heads: int      # query heads
     num_kv_heads: int
     head_dim: int
@@ -78,9 +78,11 @@ class Kernels:
     fused_add_rms_norm: Callable  # (x, residual [..., H], weight, eps) -> (norm(x + residual), x + residual)
     silu_and_mul: Callable        # (x [..., 2*I]: gate | up) -> [..., I]
     rotary_embedding: Callable    # (positions [T], q [T, Hq, D], k [T, Hkv, D], cos_sin [P, D]) -> (q, k)
-    write_kv_cache: Callable      # (k, v [T, Hkv, D], key_cache, value_cache [N, bs, Hkv, D], slots [T]) -> None
+    write_kv_cache: Callable      # (k, v [T, Hkv, D], key_cache, value_cache [N, bs, Hkv, D], slots [T],
+    #                                *, k_scale, v_scale) -> None
     paged_attention: Callable     # (q [T, Hq, D], caches, block_table [B, W], query_start_loc [B+1],
-    #                                seq_lens [B], scale, *, plan) -> [T, Hq, D]
+    #                                seq_lens [B], scale, *, k_scale, v_scale, plan) -> [T, Hq, D]
+    # Caches hold the query's dtype or float8_e4m3fn (K / k_scale, V / v_scale); see reference.py.
     attention_planner: Callable[[AttentionSpec], AttentionPlanner] = no_attention_planner
     # Kernels compiled for this machine in place of the backend's own, as the start-up log names
     # them ("" where there are none).

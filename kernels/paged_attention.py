@@ -19,6 +19,10 @@ Twin: `reference.paged_attention`. Design:
   partials that `attention_merge` combines. It exists for decode batches too
   small to fill the GPU (B * Hkv programs << SM count).
 * Offsets into the caches are int64 (block_id * stride passes 2^31 on real pools).
+* An fp8 (e4m3) cache holds K / k_scale and V / v_scale: its tiles convert to the
+  query's dtype (exactly: e4m3 values are a subset of fp16's and bf16's) for the
+  dots; k_scale folds into the softmax scale and v_scale into the accumulator
+  once at the end (split partials too: the merge is linear in them).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from pagefleet.kernels.attention_merge import merge_attention_splits
 from pagefleet.kernels.triton_kernel import (
     MAX,
     SUM,
+    check_kv_scales,
     check_last_dim_contiguous,
     check_same_device,
     interpreted,
@@ -53,7 +58,8 @@ def _paged_attention_kernel(
     partial_out_ptr,      # [T, Hq, NUM_SPLITS, D] fp32 unnormalised, written when NUM_SPLITS > 1
     partial_max_ptr,      # [T, Hq, NUM_SPLITS] fp32 row max (log2 domain), NUM_SPLITS > 1
     partial_sum_ptr,      # [T, Hq, NUM_SPLITS] fp32 row sum of exp2, NUM_SPLITS > 1
-    qk_scale_log2,        # softmax scale * log2(e)
+    qk_scale_log2,        # softmax scale * k_scale * log2(e)
+    v_scale,              # 1.0 unless the caches are fp8
     num_seqs,
     stride_q_tok,
     stride_q_head,
@@ -79,6 +85,7 @@ def _paged_attention_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,        # HEAD_DIM rounded up to a power of 2
     NUM_SPLITS: tl.constexpr,
+    FP8: tl.constexpr,            # the caches are float8_e4m3fn
     UPCAST: tl.constexpr,         # interpreter: compute on fp32 copies (bf16 is uint16 in numpy)
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 caches (no tf32 rounding), else the default
 ):
@@ -143,6 +150,9 @@ def _paged_attention_kernel(
                     mask=n_valid[None, :] & d_mask[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
         v = tl.load(value_cache_ptr + v_rows[:, None] + offs_d[None, :],
                     mask=n_valid[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
+        if FP8:
+            k = k.to(query_ptr.dtype.element_ty)
+            v = v.to(query_ptr.dtype.element_ty)
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -156,13 +166,16 @@ def _paged_attention_kernel(
         alpha = tl.exp2(m_i - m_shift)
         p = tl.exp2(s - m_shift[:, None])
         l_i = l_i * alpha + tl.reduce(p, 1, SUM)
-        # P goes through the cache dtype as on the GPU (bf16/fp16 tensor-core operands).
-        p_dot = p.to(value_cache_ptr.dtype.element_ty)
+        # P goes through the query's dtype as on the GPU (bf16/fp16 tensor-core operands, the
+        # dtype V's tile is in by now).
+        p_dot = p.to(query_ptr.dtype.element_ty)
         if UPCAST:
             p_dot = p_dot.to(tl.float32)
         acc = tl.dot(p_dot, v, acc * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
 
+    if FP8:
+        acc = acc * v_scale
     if NUM_SPLITS == 1:
         out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
         tl.store(out_ptr + tok[:, None] * stride_o_tok + head[:, None] * stride_o_head + offs_d[None, :],
@@ -229,11 +242,14 @@ def _choose_num_splits(device: torch.device, num_seqs: int, num_kv_heads: int, m
 
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     block_table: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
-                    scale: float, *, num_kv_splits: int | None = None,
-                    config: AttentionConfig | None = None, plan: None = None) -> torch.Tensor:
+                    scale: float, *, k_scale: float = 1.0, v_scale: float = 1.0,
+                    num_kv_splits: int | None = None, config: AttentionConfig | None = None,
+                    plan: None = None) -> torch.Tensor:
     """Same contract as `reference.paged_attention`; returns [T, Hq, D].
 
-    query: [T, Hq, D] (a strided view is fine); key_cache, value_cache: [N, bs, Hkv, D];
+    query: [T, Hq, D] (a strided view is fine); key_cache, value_cache: [N, bs, Hkv, D] of
+    query's dtype, or float8_e4m3fn holding K / k_scale and V / v_scale (other caches ignore
+    the scales, Python floats: constant for an engine, so a CUDA graph may hold them);
     block_table: [B, max_blocks]; query_start_loc: [B + 1]; seq_lens: [B] (all int32 or int64).
     num_kv_splits: force the split-KV variant's split count (tests, benchmarks);
     None picks 1 unless the batch is decode-only and too small to fill a CUDA device.
@@ -249,9 +265,11 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     if cache_head_dim != head_dim or num_q_heads % num_kv_heads:
         raise ValueError(f"query heads {num_q_heads} x {head_dim} do not fit cache heads "
                          f"{num_kv_heads} x {cache_head_dim}")
-    if not (query.dtype == key_cache.dtype == value_cache.dtype):
-        raise ValueError(f"query and caches must share a dtype, got {query.dtype}, {key_cache.dtype}, "
-                         f"{value_cache.dtype}")
+    if not (key_cache.dtype == value_cache.dtype and key_cache.dtype in (query.dtype, torch.float8_e4m3fn)):
+        raise ValueError(f"caches must share the query's dtype or be float8_e4m3fn, got {query.dtype}, "
+                         f"{key_cache.dtype}, {value_cache.dtype}")
+    check_kv_scales(k_scale, v_scale)
+    fp8 = key_cache.dtype == torch.float8_e4m3fn
     num_seqs = seq_lens.shape[0]
     index_dtypes = (torch.int32, torch.int64)
     if (block_table.dim() != 2 or block_table.shape[0] != num_seqs or query_start_loc.shape != (num_seqs + 1,)
@@ -306,7 +324,8 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         query_ptr=query, key_cache_ptr=key_cache, value_cache_ptr=value_cache, block_table_ptr=block_table,
         query_start_loc_ptr=query_start_loc, seq_lens_ptr=seq_lens, out_ptr=out,
         partial_out_ptr=partial_out, partial_max_ptr=partial_max, partial_sum_ptr=partial_sum,
-        qk_scale_log2=scale * _LOG2_E, num_seqs=num_seqs,
+        qk_scale_log2=scale * (k_scale if fp8 else 1.0) * _LOG2_E, v_scale=v_scale if fp8 else 1.0,
+        num_seqs=num_seqs,
         stride_q_tok=query.stride(0), stride_q_head=query.stride(1),
         stride_kc_block=key_cache.stride(0), stride_kc_tok=key_cache.stride(1), stride_kc_head=key_cache.stride(2),
         stride_vc_block=value_cache.stride(0), stride_vc_tok=value_cache.stride(1),
@@ -316,7 +335,7 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         stride_pm_tok=partial_max.stride(0), stride_pm_head=partial_max.stride(1),
         block_size=block_size,
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
-        HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=num_kv_splits, UPCAST=interpreted(device),
+        HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=num_kv_splits, FP8=fp8, UPCAST=interpreted(device),
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         num_warps=config.num_warps, num_stages=config.num_stages,
     )

@@ -50,23 +50,49 @@ def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Te
     return query, key
 
 
+# The largest finite float8_e4m3fn value. The twin and the Triton kernel both clamp to it before
+# the cast, so what lands in the cache does not hang on a cast's overflow rule: older torch
+# releases give NaN past it (this one saturates), Triton 3.9's interpreter wraps (500 -> 256).
+FP8_E4M3_MAX = 448.0
+
+
+def quantize_kv(x: torch.Tensor, scale: float, cache_dtype: torch.dtype) -> torch.Tensor:
+    """x as the cache stores it: unchanged for a cache of x's dtype; for a float8_e4m3fn cache
+    x * (1 / scale) in fp32, clamped to +-448, rounded to nearest even (one multiply by the
+    reciprocal rather than a division: Triton's fp32 `/` is not correctly rounded on GPU, a
+    multiply is, so twin and kernel store the same bits)."""
+    if cache_dtype != torch.float8_e4m3fn:
+        return x
+    return (x.float() * (1.0 / scale)).clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(cache_dtype)
+
+
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
-                   value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+                   value_cache: torch.Tensor, slot_mapping: torch.Tensor, *, k_scale: float = 1.0,
+                   v_scale: float = 1.0) -> None:
     """Store each token's K/V at its slot (block * bs + offset); negative slots are padding.
 
-    key, value: [T, Hkv, D]; key_cache, value_cache: [N, bs, Hkv, D]; slot_mapping: [T] int64.
+    key, value: [T, Hkv, D]; key_cache, value_cache: [N, bs, Hkv, D] of key's dtype or
+    float8_e4m3fn; slot_mapping: [T] int64. An fp8 cache stores ``quantize_kv(x, scale)``
+    (k_scale for K, v_scale for V); other caches ignore the scales.
     """
     keep = slot_mapping >= 0
     if not bool(keep.all()):
         key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
+    key = quantize_kv(key, k_scale, key_cache.dtype)
+    value = quantize_kv(value, v_scale, value_cache.dtype)
+    # index_copy_ is not implemented for float8 on CPU: copy the bytes (the dtypes now match exactly).
+    if key_cache.dtype == torch.float8_e4m3fn:
+        key_cache, value_cache = key_cache.view(torch.uint8), value_cache.view(torch.uint8)
+        key, value = key.view(torch.uint8), value.view(torch.uint8)
     key_cache.view(-1, *key_cache.shape[2:]).index_copy_(0, slot_mapping, key)
     value_cache.view(-1, *value_cache.shape[2:]).index_copy_(0, slot_mapping, value)
 
 
-def _gather_blocks(cache: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """cache: [N, bs, Hkv, D]; table: [..., M] int64 -> [..., M * bs, Hkv, D] contiguous."""
+def _gather_blocks(cache: torch.Tensor, table: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """cache: [N, bs, Hkv, D]; table: [..., M] int64 -> [..., M * bs, Hkv, D] contiguous, in ``dtype``
+    (an fp8 cache's blocks convert exactly: e4m3 values are a subset of fp16's and bf16's)."""
     # index_select over whole blocks: faster on CPU than advanced indexing.
-    rows = cache.reshape(cache.shape[0], -1).index_select(0, table.reshape(-1))
+    rows = cache.reshape(cache.shape[0], -1).index_select(0, table.reshape(-1)).to(dtype)
     return rows.view(*table.shape[:-1], table.shape[-1] * cache.shape[1], *cache.shape[2:])
 
 
@@ -89,10 +115,14 @@ def _length_groups(rows: list[int], lens: list[int], max_padding: float = 1.25) 
 
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     block_table: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
-                    scale: float, *, plan: None = None) -> torch.Tensor:
+                    scale: float, *, k_scale: float = 1.0, v_scale: float = 1.0,
+                    plan: None = None) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its whole paged context.
 
-    query: [T, Hq, D]; key_cache, value_cache: [N, bs, Hkv, D];
+    query: [T, Hq, D]; key_cache, value_cache: [N, bs, Hkv, D] of query's dtype or
+    float8_e4m3fn, whose stored values are K / k_scale and V / v_scale (``write_kv_cache``):
+    blocks are dequantized to the query's dtype, k_scale folds into the softmax scale and
+    v_scale multiplies the output, as in the Triton kernel. Other caches ignore the scales.
     block_table: [B, max_blocks] int32; query_start_loc: [B+1] int32; seq_lens: [B] int32
     (context length including this step's tokens, which are already in the cache).
     Query token i of sequence b sits at position seq_lens[b] - q_len[b] + i.
@@ -111,14 +141,17 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     device = query.device  # index and mask tensors live with the data (the twin also runs on CUDA)
     block_size = key_cache.shape[1]
     gqa = query.shape[1] != key_cache.shape[2]
+    fp8 = key_cache.dtype == torch.float8_e4m3fn
+    if fp8:
+        scale = scale * k_scale
 
     decode = sorted((b for b in range(num_seqs) if q_lens[b] == 1), key=lambda b: lens[b])
     for group in _length_groups(decode, lens):
         max_len = lens[group[-1]]
         idx = torch.tensor(group, dtype=torch.long, device=device)
         tables = block_table.index_select(0, idx)[:, :(max_len + block_size - 1) // block_size].long()
-        k = _gather_blocks(key_cache, tables)[:, :max_len]  # [Bd, L, Hkv, D]
-        v = _gather_blocks(value_cache, tables)[:, :max_len]
+        k = _gather_blocks(key_cache, tables, query.dtype)[:, :max_len]  # [Bd, L, Hkv, D]
+        v = _gather_blocks(value_cache, tables, query.dtype)[:, :max_len]
         ctx = torch.tensor([lens[b] for b in group], device=device)
         mask = torch.arange(max_len, device=device).unsqueeze(0) < ctx.unsqueeze(1)  # [Bd, L]
         q_rows = torch.tensor([starts[b] for b in group], dtype=torch.long, device=device)
@@ -130,6 +163,8 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
 
     multi_token_attention(query, key_cache, value_cache, block_table, starts, lens, scale,
                           [b for b in range(num_seqs) if q_lens[b] != 1], out)
+    if fp8 and v_scale != 1.0:
+        out.mul_(v_scale)
     return out
 
 
@@ -138,7 +173,8 @@ def multi_token_attention(query: torch.Tensor, key_cache: torch.Tensor, value_ca
                           seqs: list[int], out: torch.Tensor) -> None:
     """The rows of ``paged_attention`` with several new tokens (prompts, prefill chunks), one
     sequence at a time, written into ``out`` [T, Hq, D]; ``seqs`` are their indices and
-    ``starts``/``lens`` the step's query_start_loc and seq_lens as lists."""
+    ``starts``/``lens`` the step's query_start_loc and seq_lens as lists. Over an fp8 cache,
+    ``scale`` already holds k_scale and the caller applies v_scale to ``out``."""
     device = query.device
     block_size = key_cache.shape[1]
     gqa = query.shape[1] != key_cache.shape[2]
@@ -149,8 +185,8 @@ def multi_token_attention(query: torch.Tensor, key_cache: torch.Tensor, value_ca
         table = block_table[b, :nblocks].long()
         # 4-D [1, H, L, D]: with a batch dimension CPU SDPA takes its flash kernel (3-D inputs fall
         # back to its much slower math path)
-        k = _gather_blocks(key_cache, table)[:ctx_len].transpose(0, 1)[None]  # [1, Hkv, L, D]
-        v = _gather_blocks(value_cache, table)[:ctx_len].transpose(0, 1)[None]
+        k = _gather_blocks(key_cache, table, query.dtype)[:ctx_len].transpose(0, 1)[None]  # [1, Hkv, L, D]
+        v = _gather_blocks(value_cache, table, query.dtype)[:ctx_len].transpose(0, 1)[None]
         q = query[starts[b]:starts[b + 1]].transpose(0, 1)[None]  # [1, Hq, q_len, D]
         if q_len == ctx_len:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)

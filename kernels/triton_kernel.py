@@ -118,3 +118,10 @@ def check_same_device(**tensors: torch.Tensor) -> torch.device:
     if any(d != first for d in devices.values()):
         raise ValueError(f"all tensors must be on one device, got {devices}")
     return first
+
+
+def check_kv_scales(k_scale: float, v_scale: float) -> None:
+    # The stored value is x / scale: a zero, negative or non-finite scale makes the cache garbage.
+    for name, value in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0.0 < value < float("inf"):
+            raise ValueError(f"{name} must be a finite positive float, got {value!r}")

@@ -43,8 +43,8 @@ class PlanArgs:
     gpu_tflops: float | None = option(None, help="peak 16-bit dense tensor TFLOP/s")
     num_gpus: int | None = option(None, help="GPUs in all (default: one replica's)")
     kv_cache_dtype: str = option("auto", choices=("auto", "bfloat16", "float16", "float32", "fp8"),
-                                 help="auto: the model dtype, what pagefleet stores; fp8 to compare with engines "
-                                      "that have it")
+                                 help="auto: the model dtype, what pagefleet stores by default; fp8: an e4m3 "
+                                      "cache, 1 byte an element (`pagefleet serve --kv-cache-dtype fp8`)")
     input_len: int = option(1024, help="mean prompt tokens per request")
     output_len: int = option(128, help="mean output tokens per request")
     range_ratio: float = option(0.0, help="lengths uniform on [L(1-r), L(1+r)], as `bench --random-range-ratio`")

@@ -214,9 +214,14 @@ def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
 
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     block_table: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                    *, plan: DecodePlan | None = None) -> torch.Tensor:
+                    *, k_scale: float = 1.0, v_scale: float = 1.0, plan: DecodePlan | None = None) -> torch.Tensor:
     """``reference.paged_attention``'s contract, with the step's decode rows (``plan``) read in
-    place by the kernel and the rest computed by the twin. Returns [T, Hq, D]."""
+    place by the kernel and the rest computed by the twin. Returns [T, Hq, D]. The caches hold
+    the query's dtype (an fp8 cache keeps the twin: ``compiled_cpu_kernels``), so the scales,
+    which only fp8 caches read, go unused."""
+    if key_cache.dtype != query.dtype:
+        raise ValueError(f"the CPU decode attention reads caches of the query's dtype {query.dtype}, "
+                         f"got {key_cache.dtype}")
     if plan is None:
         return reference.paged_attention(query, key_cache, value_cache, block_table, query_start_loc, seq_lens,
                                           scale)

@@ -56,8 +56,9 @@ def _record(monkeypatch, fn) -> list:
 def _compile_for_sm90(kernel: TritonKernel, kwargs: dict):
     kwargs = dict(kwargs)
     options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
-    if "UPCAST" in kwargs:
-        kwargs["UPCAST"] = False  # what a CUDA launch passes
+    for interpreter_only in ("UPCAST", "ROUND_TO_E4M3"):
+        if interpreter_only in kwargs:
+            kwargs[interpreter_only] = False  # what a CUDA launch passes
     params = inspect.signature(kernel.fn).parameters
     assert set(params) == set(kwargs), f"launcher arguments differ from {kernel.__name__}'s parameters"
     signature, constexprs, attrs = {}, {}, {}
@@ -81,6 +82,11 @@ def _llama8b_batch(seqs, dtype=torch.bfloat16):
                             extra_blocks=0)
 
 
+def _fp8_caches(batch):
+    q, key_cache, value_cache, *rest = batch.args()
+    return (q, key_cache.to(torch.float8_e4m3fn), value_cache.to(torch.float8_e4m3fn), *rest)
+
+
 LAUNCHERS = {
     "rms_norm": lambda: rms_norm.rms_norm(torch.randn(2, 4096).bfloat16(), torch.ones(4096).bfloat16(), 1e-5),
     "fused_add_rms_norm": lambda: rms_norm.fused_add_rms_norm(
@@ -102,6 +108,15 @@ LAUNCHERS = {
         *_llama8b_batch([(1, 20), (5, 9)], torch.float16).args(), 128**-0.5),
     "paged_attention_mixed_fp32": lambda: paged_attention.paged_attention(
         *_llama8b_batch([(1, 20), (5, 9)], torch.float32).args(), 128**-0.5),
+    "write_kv_cache_fp8": lambda: kv_cache_write.write_kv_cache(
+        torch.randn(2, 8, 128).bfloat16(), torch.randn(2, 8, 128).bfloat16(),
+        torch.zeros(4, 16, 8, 128, dtype=torch.float8_e4m3fn), torch.zeros(4, 16, 8, 128, dtype=torch.float8_e4m3fn),
+        torch.tensor([0, 17]), k_scale=0.5, v_scale=2.0),
+    "paged_attention_mixed_bf16_fp8_cache": lambda: paged_attention.paged_attention(
+        *_fp8_caches(_llama8b_batch([(1, 20), (5, 9)])), 128**-0.5, k_scale=0.5, v_scale=2.0),
+    "paged_attention_split_decode_fp16_fp8_cache": lambda: paged_attention.paged_attention(
+        *_fp8_caches(_llama8b_batch([(1, 20)], torch.float16)), 128**-0.5, k_scale=0.5, v_scale=2.0,
+        num_kv_splits=8),
 }
 
 

@@ -30,6 +30,7 @@ OTHER_VALUES = {
     "max_model_len": ("1024", 1024),
     "kv_cache_bytes": ("2GiB", 2 * 2**30),
     "gpu_memory_utilization": ("0.5", 0.5),
+    "kv_cache_dtype": ("fp8", "fp8"),
     "enable_prefix_caching": (None, False),  # --no-enable-prefix-caching
     "tensor_parallel_size": ("2", 2),
     "seed": ("7", 7),

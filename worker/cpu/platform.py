@@ -42,13 +42,18 @@ class CpuPlatform:
     def prepare_process(self) -> None:
         keep_freed_memory()
 
-    def select_kernels(self, device: torch.device, enforce_eager: bool) -> Kernels:
+    def select_kernels(self, device: torch.device, enforce_eager: bool,
+                       kv_cache_dtype: torch.dtype | None = None) -> Kernels:
         kernels = select_kernels(device)
         # Only where the twins would run: the Triton kernels (PAGEFLEET_KERNELS=triton) already
         # read the blocks in place and fuse these ops.
         if enforce_eager or kernels.backend != "torch":
             return kernels
-        return compiled_cpu_kernels(kernels)
+        fp8_kv_cache = kv_cache_dtype == torch.float8_e4m3fn
+        if fp8_kv_cache:
+            logger.info("fp8 KV cache: attention runs in the PyTorch twin (the C++ decode attention reads "
+                        "16- and 32-bit blocks only)")
+        return compiled_cpu_kernels(kernels, decode_attention=not fp8_kv_cache)
 
     def prepare_model(self, model: nn.Module, kernels: Kernels) -> None:
         count, one_row = pack_linear_weights(model, compiled_kernels=bool(kernels.compiled))

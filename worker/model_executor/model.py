@@ -48,6 +48,10 @@ class Attention(nn.Module):
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.head_dim = cfg.head_dim
         self.scale = cfg.head_dim ** -0.5
+        # An fp8 KV cache stores K / k_scale and V / v_scale. 1.0, as vLLM uses without calibrated
+        # scales (none are loaded yet); the kernels read them only for an fp8 cache.
+        self.k_scale = 1.0
+        self.v_scale = 1.0
         self.eps = cfg.rms_norm_eps
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.dtype, device) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.dtype, device) if cfg.qk_norm else None
@@ -65,9 +69,11 @@ class Attention(nn.Module):
             k = self.kernels.rms_norm(k, self.k_norm.weight, self.eps)
         q, k = self.kernels.rotary_embedding(positions, q, k, cos_sin)
         key_cache, value_cache = kv_cache
-        self.kernels.write_kv_cache(k, v, key_cache, value_cache, meta.slot_mapping)
+        self.kernels.write_kv_cache(k, v, key_cache, value_cache, meta.slot_mapping, k_scale=self.k_scale,
+                                    v_scale=self.v_scale)
         o = self.kernels.paged_attention(q, key_cache, value_cache, meta.block_table, meta.query_start_loc,
-                                         meta.seq_lens, self.scale, plan=meta.attn_plan)
+                                         meta.seq_lens, self.scale, k_scale=self.k_scale, v_scale=self.v_scale,
+                                         plan=meta.attn_plan)
         return self.o_proj(o.reshape(num_tokens, self.num_heads * self.head_dim))
 
 

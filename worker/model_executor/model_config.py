@@ -184,6 +184,18 @@ def parse_dtype(name: str) -> str:
     return name
 
 
+def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: "torch.dtype") -> "torch.dtype":
+    """The KV cache's torch dtype for ``EngineArgs.kv_cache_dtype``: the model's for ``"auto"``,
+    float8_e4m3fn for ``"fp8"`` / ``"fp8_e4m3"``."""
+    import torch
+
+    if kv_cache_dtype == "auto":
+        return model_dtype
+    if kv_cache_dtype in ("fp8", "fp8_e4m3"):
+        return torch.float8_e4m3fn
+    raise ValueError(f"unsupported kv_cache_dtype {kv_cache_dtype!r}; use auto, fp8 or fp8_e4m3")
+
+
 def resolve_dtype(dtype: str, cfg: dict) -> "torch.dtype":
     """The torch dtype the engine runs in: ``dtype``, or the checkpoint's own for ``"auto"``."""
     import torch

@@ -14,7 +14,7 @@ from pagefleet.worker.engine.engine_args import DEFAULT_GPU_MEMORY_UTILIZATION
 from pagefleet.worker.model_executor.cuda_graphs import DecodeGraphs
 from pagefleet.worker.model_executor.loader import load_model
 from pagefleet.worker.model_executor.model import AttentionMetadata
-from pagefleet.worker.model_executor.model_config import ModelConfig
+from pagefleet.worker.model_executor.model_config import ModelConfig, kv_cache_torch_dtype
 from pagefleet.worker.model_executor.platform import platform_for
 from pagefleet.worker.model_executor.step_buffers import StepBuffers
 from pagefleet.worker.parallel.tp_group import TPGroup
@@ -41,11 +41,12 @@ class StepInput:
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, tp: TPGroup, device: torch.device, load_format: str = "safetensors",
                  seed: int = 0, enforce_eager: bool = False, max_num_seqs: int = 64,
-                 max_num_batched_tokens: int = 2048) -> None:
+                 max_num_batched_tokens: int = 2048, kv_cache_dtype: str = "auto") -> None:
         """enforce_eager: True keeps the platform from compiling kernels of its own (on CPU the
         C++ decode attention, norms and rotary; on CUDA the decode graphs): the backend's kernels
         serve, launched one by one. max_num_seqs, max_num_batched_tokens: the engine's step limits,
-        which size the step buffers and the decode graphs."""
+        which size the step buffers and the decode graphs. kv_cache_dtype:
+        ``EngineArgs.kv_cache_dtype`` (auto: the model's dtype; fp8: e4m3)."""
         self.cfg = cfg
         self.tp = tp
         self.device = device
@@ -55,7 +56,8 @@ class ModelRunner:
         self.platform = platform_for(device)
         self.platform.prepare_process()
         # Decided once, here: a bad PAGEFLEET_KERNELS stops the start instead of failing every step.
-        self.kernels = self.platform.select_kernels(device, enforce_eager)
+        self.kv_cache_dtype = kv_cache_torch_dtype(kv_cache_dtype, cfg.dtype)
+        self.kernels = self.platform.select_kernels(device, enforce_eager, self.kv_cache_dtype)
         logger.info("kernels on %s: %s", device, self.kernels)
         self.model = load_model(cfg, tp, self.kernels, device, load_format, seed)
         self.platform.prepare_model(self.model, self.kernels)
@@ -74,7 +76,7 @@ class ModelRunner:
         return bool(self.kernels.compiled)
 
     def kv_bytes_per_block(self, block_size: int) -> int:
-        elem = torch.empty((), dtype=self.cfg.dtype).element_size()
+        elem = torch.empty((), dtype=self.kv_cache_dtype).element_size()
         return kv_bytes_per_block(self.cfg.num_layers, self.num_kv_heads, self.cfg.head_dim, elem, block_size)
 
     def weight_bytes(self) -> int:
@@ -116,7 +118,7 @@ class ModelRunner:
         # row sampled) over a scratch cache big enough to hold it.
         bs = 16
         nblocks = -(-num_tokens // bs)
-        caches = [(torch.zeros(nblocks, bs, self.num_kv_heads, self.cfg.head_dim, dtype=self.cfg.dtype,
+        caches = [(torch.zeros(nblocks, bs, self.num_kv_heads, self.cfg.head_dim, dtype=self.kv_cache_dtype,
                                device=self.device),) * 2 for _ in range(self.cfg.num_layers)]
         tokens = list(range(num_tokens))
         if decode:
@@ -136,11 +138,11 @@ class ModelRunner:
         shape = (num_blocks, block_size, self.num_kv_heads, self.cfg.head_dim)
         # Zeroed, not empty: unused slots of a partly filled block are read (and masked),
         # and NaN garbage would survive the mask as 0 * NaN.
-        self.kv_caches = [(torch.zeros(shape, dtype=self.cfg.dtype, device=self.device),
-                           torch.zeros(shape, dtype=self.cfg.dtype, device=self.device))
+        self.kv_caches = [(torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device),
+                           torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device))
                           for _ in range(self.cfg.num_layers)]
         attn = self.model.layers[0].self_attn
-        spec = AttentionSpec(self.cfg.dtype, attn.num_heads, attn.num_kv_heads, self.cfg.head_dim, block_size)
+        spec = AttentionSpec(self.kv_cache_dtype, attn.num_heads, attn.num_kv_heads, self.cfg.head_dim, block_size)
         self.plan_attention = self.kernels.attention_planner(spec)  # may build a kernel: at start, not on a request
         if self.device.type == "cuda":
             self.buffers = self._step_buffers(block_size)

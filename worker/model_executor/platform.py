@@ -25,9 +25,11 @@ class Platform(Protocol):
     def prepare_process(self) -> None:
         """Process-wide settings, before the model loads."""
 
-    def select_kernels(self, device: torch.device, enforce_eager: bool) -> Kernels:
+    def select_kernels(self, device: torch.device, enforce_eager: bool,
+                       kv_cache_dtype: torch.dtype | None = None) -> Kernels:
         """The kernel table an engine on ``device`` runs (``PAGEFLEET_KERNELS`` honoured), decided
-        once; ``enforce_eager`` keeps the platform from compiling kernels of its own."""
+        once; ``enforce_eager`` keeps the platform from compiling kernels of its own, and
+        ``kv_cache_dtype`` (None: the model's) from using ones that cannot read that cache."""
 
     def prepare_model(self, model: nn.Module, kernels: Kernels) -> None:
         """What is done once to the loaded weights."""
@@ -44,7 +46,8 @@ class CudaPlatform:
     def prepare_process(self) -> None:
         return None
 
-    def select_kernels(self, device: torch.device, enforce_eager: bool) -> Kernels:
+    def select_kernels(self, device: torch.device, enforce_eager: bool,
+                       kv_cache_dtype: torch.dtype | None = None) -> Kernels:
         return select_kernels(device)
 
     def prepare_model(self, model: nn.Module, kernels: Kernels) -> None:

@@ -26,8 +26,10 @@ class SimulatedModelRunner:
     def __init__(self, cfg: ModelConfig, args: EngineArgs) -> None:
         # The plan of one replica of this engine: its KV budget and its GPU's roofline. Its
         # request lengths are unused here (they only shape the plan's printed tables).
-        inputs = plan_inputs(PlanArgs(model=str(cfg.path), gpu=args.simulate, input_len=1, output_len=1),
-                             args)
+        # The engine's fp8 / fp8_e4m3 is the plan's fp8: 1 byte an element, as the real engine allocates.
+        kv_cache_dtype = "auto" if args.kv_cache_dtype == "auto" else "fp8"
+        inputs = plan_inputs(PlanArgs(model=str(cfg.path), gpu=args.simulate, kv_cache_dtype=kv_cache_dtype,
+                                      input_len=1, output_len=1), args)
         plan = make_plan(inputs)
         self.gpu = inputs.gpu
         self.kv_budget_bytes = plan.kv_budget_bytes_per_gpu

@@ -79,7 +79,8 @@ def make_executor(cfg: ModelConfig, args: EngineArgs, device: torch.device) -> E
     if args.tensor_parallel_size == 1:
         platform_for(device).set_compute_threads(args)
         return UniProcExecutor(ModelRunner(cfg, SINGLE, device, args.load_format, args.seed, args.enforce_eager,
-                                           args.max_num_seqs, args.max_num_batched_tokens))
+                                           args.max_num_seqs, args.max_num_batched_tokens,
+                                           kv_cache_dtype=args.kv_cache_dtype))
     from pagefleet.worker.parallel.tp_executor import TPExecutor
 
     return TPExecutor(cfg, args, device)
