@@ -1,19 +1,22 @@
-"""Decode steps replayed as CUDA graphs: one graph per batch-size bucket, captured at start.
+"""Engine steps replayed as CUDA graphs, captured at start.
 
-An eager decode step of a 32-layer model launches hundreds of kernels one by one from Python,
-and the GPU waits on the host between them. A graph launches them all at once. Each bucket's
-graph runs the model's forward and logits over the fixed-address views of ``StepBuffers``
-(input ids, positions, slots, block table, query starts, sequence lengths), so a step refills
-those buffers and replays the graph of the smallest bucket that holds its batch. Padding rows
-write no KV and are never sampled (``StepBuffers.fill``).
+An eager step of a 32-layer model launches hundreds of kernels one by one from Python, and the
+GPU waits on the host between them. A graph launches them all at once. Every graph runs the
+model over the fixed-address views of ``StepBuffers`` (input ids, positions, slots, block
+table, query starts, sequence lengths), so a step refills those buffers and replays the graph
+of the smallest bucket that holds it. Padding writes no KV and is never sampled
+(``StepBuffers.fill``). Two families:
 
-Buckets are 1, 2, 4, 8, then steps of 8 up to max_num_seqs, as vLLM's. The graphs share one
-memory pool, captured largest first so smaller ones reuse its blocks; each copies its logits
-into one persistent buffer, so no graph keeps an output of its own alive.
+* ``DecodeGraphs``: steps of one token a sequence, by batch size (1, 2, 4, 8, then steps of 8
+  up to max_num_seqs, as vLLM's); the graph includes the logits.
+* ``PrefillGraphs``: any other step (prompts, prefill chunks, mixed batches), by token count,
+  padded to max_num_seqs sequences (the padding ones empty); the logits of the few sampled rows
+  are computed after the replay, eagerly, so one graph serves any number of them.
 
-``DecodeGraphs(capture=False)`` runs the very same static-buffer forward eagerly: the CPU tests
-hold it equal to the engine's ordinary path, and ``--enforce-eager`` comparisons on a GPU can
-run both.
+All graphs share one memory pool, captured largest first so smaller ones reuse its blocks; each
+copies its output into a persistent buffer, so no graph keeps an output of its own alive.
+``capture=False`` runs the very same static-buffer forward eagerly: the CPU tests hold it equal
+to the engine's ordinary path, and the GPU check compares replay against it.
 """
 
 from __future__ import annotations
@@ -36,7 +39,28 @@ def decode_buckets(max_num_seqs: int) -> list[int]:
     return sizes + [max_num_seqs]
 
 
+def token_buckets(max_tokens: int) -> list[int]:
+    """16, 32, 64, 128, 256, then powers of 2 and 1.5 times them (a padded step computes at
+    most a third more than it needs), up to max_tokens (always the last)."""
+    sizes, size = [], 16
+    while size < max_tokens:
+        sizes.append(size)
+        if size >= 512 and size * 3 // 2 < max_tokens:
+            sizes.append(size * 3 // 2)
+        size *= 2
+    return sizes + [max_tokens]
+
+
+def capture_graphs(families: list, pool) -> None:
+    """Capture every family's graphs into one memory pool, in the order given (the family with
+    the largest steps first, so the pool's blocks are cut from its largest graph)."""
+    for family in families:
+        family.capture_all(pool)
+
+
 class DecodeGraphs:
+    kind, unit = "decode", "sequences"
+
     def __init__(self, model, kv_caches, buffers: StepBuffers, max_num_seqs: int, vocab_size: int,
                  capture: bool) -> None:
         self.model = model
@@ -67,15 +91,15 @@ class DecodeGraphs:
             self.logits[:rows].copy_(logits)
 
     @torch.inference_mode()
-    def capture_all(self) -> None:
-        """Capture every bucket's graph (CUDA); the buffers must hold a valid padding-only step."""
+    def capture_all(self, pool=None) -> None:
+        """Capture every bucket's graph (CUDA), into ``pool`` (a new one if None)."""
         if not self.capture:
             return
         started = time.monotonic()
         device = self.buffers.device
         torch.cuda.synchronize(device)
         before = torch.cuda.memory_reserved(device)
-        pool = torch.cuda.graph_pool_handle()
+        pool = torch.cuda.graph_pool_handle() if pool is None else pool
         stream = torch.cuda.Stream(device)
         for rows in reversed(self.buckets):
             self._fill_padding(rows)
@@ -90,8 +114,8 @@ class DecodeGraphs:
         torch.cuda.synchronize(device)
         self.capture_s = time.monotonic() - started
         self.pool_bytes = torch.cuda.memory_reserved(device) - before
-        logger.info("captured %d decode CUDA graphs (batch 1..%d) in %.1f s, %.0f MiB", len(self.graphs),
-                    self.buckets[-1], self.capture_s, self.pool_bytes / 2**20)
+        logger.info("captured %d %s CUDA graphs (%s 1..%d) in %.1f s, %.0f MiB", len(self.graphs), self.kind,
+                    self.unit, self.buckets[-1], self.capture_s, self.pool_bytes / 2**20)
 
     def _fill_padding(self, rows: int) -> None:
         from pagefleet.worker.model_executor.model_runner import StepInput
@@ -110,3 +134,45 @@ class DecodeGraphs:
         if step.logits_indices == list(range(n)):
             return self.logits[:n]
         return self.logits.index_select(0, torch.tensor(step.logits_indices, device=self.logits.device))
+
+
+class PrefillGraphs(DecodeGraphs):
+    kind, unit = "prefill and mixed", "tokens"
+
+    def __init__(self, model, kv_caches, buffers: StepBuffers, max_num_seqs: int, hidden_size: int,
+                 capture: bool) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.buffers = buffers
+        self.max_num_seqs = max_num_seqs
+        self.buckets = token_buckets(buffers.max_tokens)
+        self.capture = capture
+        dtype = model.embed_tokens.weight.dtype
+        # [max_tokens, hidden]: the final hidden states of every bucket's tokens.
+        self.hidden = torch.empty(buffers.max_tokens, hidden_size, dtype=dtype, device=buffers.device)
+        self.graphs = {}
+        self.capture_s = 0.0
+        self.pool_bytes = 0
+
+    def _forward(self, tokens: int) -> None:
+        b, seqs = self.buffers, self.max_num_seqs
+        meta = AttentionMetadata(slot_mapping=b.slot_mapping(tokens), block_table=b.block_table(seqs),
+                                 query_start_loc=b.query_start_loc(seqs), seq_lens=b.seq_lens(seqs))
+        self.hidden[:tokens].copy_(self.model(b.input_ids(tokens), b.positions(tokens), meta, self.kv_caches))
+
+    def _fill_padding(self, tokens: int) -> None:
+        from pagefleet.worker.model_executor.model_runner import StepInput
+
+        self.buffers.fill(StepInput([], [], [], [], [0], [], []), pad_tokens=(tokens, self.max_num_seqs))
+
+    @torch.inference_mode()
+    def run(self, step, tokens: int) -> torch.Tensor | None:
+        """``step``: any StepInput of at most ``tokens`` tokens and max_num_seqs sequences -> its
+        sampling rows' logits."""
+        self.buffers.fill(step, pad_tokens=(tokens, self.max_num_seqs))
+        if self.capture:
+            self.graphs[tokens].replay()
+        else:
+            self._forward(tokens)
+        rows = self.buffers.logits_indices(len(step.logits_indices))
+        return self.model.compute_logits(self.hidden.index_select(0, rows))

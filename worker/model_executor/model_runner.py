@@ -11,7 +11,7 @@ import torch
 from pagefleet.kernels.ops import AttentionPlanner, AttentionSpec, no_plan
 from pagefleet.worker.core.kv_cache_sizing import DEFAULT_CPU_KV_CACHE_BYTES, gpu_kv_budget, kv_bytes_per_block
 from pagefleet.worker.engine.engine_args import DEFAULT_GPU_MEMORY_UTILIZATION
-from pagefleet.worker.model_executor.cuda_graphs import DecodeGraphs
+from pagefleet.worker.model_executor.cuda_graphs import DecodeGraphs, PrefillGraphs, capture_graphs
 from pagefleet.worker.model_executor.loader import load_model
 from pagefleet.worker.model_executor.model import AttentionMetadata
 from pagefleet.worker.model_executor.model_config import ModelConfig, kv_cache_torch_dtype
@@ -69,6 +69,7 @@ class ModelRunner:
         # CUDA: every step's indices go over in one copy (step_buffers.py); CPU builds them in place.
         self.buffers: StepBuffers | None = None
         self.decode_graphs: DecodeGraphs | None = None
+        self.prefill_graphs: PrefillGraphs | None = None
 
     @property
     def compiled_kernels(self) -> bool:
@@ -91,20 +92,22 @@ class ModelRunner:
         if kv_cache_bytes:
             return kv_cache_bytes
         torch.cuda.empty_cache()
+        base = torch.cuda.memory_allocated(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         self._profile_run(max_num_batched_tokens)
         torch.cuda.synchronize(self.device)
         _, total = torch.cuda.mem_get_info(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
         if self.graphs_wanted:
-            # The decode graphs keep a memory pool of their own for good: one decode step of the
-            # largest batch, measured the same way, is set aside for it beside the peak.
+            # The graphs keep a memory pool of their own for good, as large as the largest
+            # graph's step: the largest prefill (measured above) or one decode step of the
+            # largest batch, measured the same way. It is set aside beside the peak.
+            prefill = peak - base
             torch.cuda.empty_cache()
-            base = torch.cuda.memory_allocated(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
             self._profile_run(self.max_num_seqs, decode=True)
             torch.cuda.synchronize(self.device)
-            peak += torch.cuda.max_memory_allocated(self.device) - base
+            peak += max(prefill, torch.cuda.max_memory_allocated(self.device) - base)
         fraction = DEFAULT_GPU_MEMORY_UTILIZATION if gpu_memory_utilization is None else gpu_memory_utilization
         return gpu_kv_budget(total, fraction, peak)
 
@@ -147,23 +150,25 @@ class ModelRunner:
         if self.device.type == "cuda":
             self.buffers = self._step_buffers(block_size)
             if self.graphs_wanted:
-                self.use_decode_graphs(capture=True)
+                self.use_graphs(capture=True)
 
     def _step_buffers(self, block_size: int) -> StepBuffers:
         max_blocks = -(-self.cfg.max_model_len // block_size)
         return StepBuffers(self.max_num_batched_tokens, self.max_num_seqs, max_blocks, self.device)
 
-    def use_decode_graphs(self, capture: bool) -> DecodeGraphs:
-        """Run decode steps over the static step buffers, replayed as CUDA graphs (``capture``) or
+    def use_graphs(self, capture: bool) -> None:
+        """Run every step over the static step buffers, replayed as CUDA graphs (``capture``) or
         eagerly (the CPU tests' way of checking that path against the ordinary one)."""
         if self.plan_attention is not no_plan:
-            raise ValueError(f"decode graphs need kernels that plan nothing on the host, not {self.kernels}")
+            raise ValueError(f"graphs need kernels that plan nothing on the host, not {self.kernels}")
         if self.buffers is None:
             self.buffers = self._step_buffers(self.kv_caches[0][0].shape[1])
         self.decode_graphs = DecodeGraphs(self.model, self.kv_caches, self.buffers, self.max_num_seqs,
                                           self.cfg.vocab_size, capture)
-        self.decode_graphs.capture_all()
-        return self.decode_graphs
+        self.prefill_graphs = PrefillGraphs(self.model, self.kv_caches, self.buffers, self.max_num_seqs,
+                                            self.cfg.hidden_size, capture)
+        if capture:
+            capture_graphs([self.prefill_graphs, self.decode_graphs], torch.cuda.graph_pool_handle())
 
     def _tensors(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         dev = self.device
@@ -185,12 +190,15 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, step: StepInput) -> torch.Tensor | None:
         """Forward one step; [S, vocab] fp32 logits of the sampling rows on rank 0, else None."""
-        num_seqs = len(step.seq_lens)
-        graphs = self.decode_graphs
-        if graphs is not None and len(step.input_ids) == num_seqs:  # one token a sequence: decode
-            rows = graphs.bucket(num_seqs)
-            if rows is not None:
-                return graphs.run(step, rows)
+        num_seqs, num_tokens = len(step.seq_lens), len(step.input_ids)
+        if self.decode_graphs is not None:
+            if num_tokens == num_seqs:  # one token a sequence: decode
+                rows = self.decode_graphs.bucket(num_seqs)
+                if rows is not None:
+                    return self.decode_graphs.run(step, rows)
+            tokens = self.prefill_graphs.bucket(num_tokens)
+            if tokens is not None and num_seqs <= self.max_num_seqs and self.buffers.fits(step):
+                return self.prefill_graphs.run(step, tokens)
         buffers = self.buffers
         if buffers is not None and buffers.fits(step):
             input_ids, positions, meta, logits_indices = buffers.tensors(step, self.plan_attention)

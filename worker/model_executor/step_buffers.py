@@ -77,25 +77,36 @@ class StepBuffers:
         return (len(step.input_ids) <= self.max_tokens and len(step.seq_lens) <= self.max_seqs
                 and max(map(len, step.block_tables)) <= self.max_blocks)
 
-    def fill(self, step, pad_to: int | None = None) -> int:
+    def fill(self, step, pad_to: int | None = None, pad_tokens: tuple[int, int] | None = None) -> int:
         """Write ``step`` (a model_runner.StepInput) into the host buffer and send it; returns the
-        sequence count the device views cover. ``pad_to``: a decode step (one token a sequence)
-        padded to that many rows, each padding row one token at position 0 that writes no KV
-        (slot -1) and reads one token of block 0, so its attention is finite and touches nothing."""
+        sequence count the device views cover.
+
+        ``pad_to``: a decode step (one token a sequence) padded to that many rows, each padding
+        row one token at position 0 that writes no KV (slot -1) and reads one token of block 0, so
+        its attention is finite and touches nothing.
+        ``pad_tokens=(tokens, seqs)``: any step padded to that many tokens and sequences; the
+        padding tokens write no KV and lie past the last sequence (attention leaves them
+        unwritten), the padding sequences are empty (no query, no context)."""
         h = self.host_np
         t, b = len(step.input_ids), len(step.seq_lens)
-        rows = pad_to if pad_to is not None else b
-        n = rows if pad_to is not None else t
+        if pad_tokens is not None:
+            n, rows = pad_tokens
+            h[self.off_qsl + b + 1:self.off_qsl + rows + 1] = t
+            h[self.off_lens + b:self.off_lens + rows] = 0
+        else:
+            rows = pad_to if pad_to is not None else b
+            n = rows if pad_to is not None else t
         h[self.off_ids:self.off_ids + t] = step.input_ids
         h[self.off_pos:self.off_pos + t] = step.positions
         h[self.off_slots:self.off_slots + t] = step.slot_mapping
         h[self.off_qsl:self.off_qsl + b + 1] = step.query_start_loc
         h[self.off_lens:self.off_lens + b] = step.seq_lens
         h[self.off_logits:self.off_logits + len(step.logits_indices)] = step.logits_indices
-        if rows > b:
+        if n > t:
             h[self.off_ids + t:self.off_ids + n] = 0
             h[self.off_pos + t:self.off_pos + n] = 0
             h[self.off_slots + t:self.off_slots + n] = -1
+        if rows > b and pad_tokens is None:
             h[self.off_qsl + b + 1:self.off_qsl + rows + 1] = range(t + 1, t + 1 + rows - b)
             h[self.off_lens + b:self.off_lens + rows] = 1
         table = h[self.off_table:self.off_table + rows * self.max_blocks].reshape(rows, self.max_blocks)
