@@ -15,6 +15,7 @@ from pagefleet.worker.model_executor.loader import load_model
 from pagefleet.worker.model_executor.model import AttentionMetadata
 from pagefleet.worker.model_executor.model_config import ModelConfig
 from pagefleet.worker.model_executor.platform import platform_for
+from pagefleet.worker.model_executor.quantization import resolve_quantization
 from pagefleet.worker.parallel.tp_group import TPGroup
 
 if TYPE_CHECKING:
@@ -38,9 +39,10 @@ class StepInput:
 
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, tp: TPGroup, device: torch.device, load_format: str = "safetensors",
-                 seed: int = 0, enforce_eager: bool = False) -> None:
+                 seed: int = 0, enforce_eager: bool = False, quantization: str | None = None) -> None:
         """enforce_eager: True keeps the platform from compiling kernels of its own (on CPU the
-        C++ decode attention, norms and rotary): the backend's kernels serve."""
+        C++ decode attention, norms and rotary): the backend's kernels serve. quantization:
+        ``EngineArgs.quantization`` (a checkpoint stored in FP8 runs FP8 without it)."""
         self.cfg = cfg
         self.tp = tp
         self.device = device
@@ -49,7 +51,8 @@ class ModelRunner:
         # Decided once, here: a bad PAGEFLEET_KERNELS stops the start instead of failing every step.
         self.kernels = self.platform.select_kernels(device, enforce_eager)
         logger.info("kernels on %s: %s", device, self.kernels)
-        self.model = load_model(cfg, tp, self.kernels, device, load_format, seed)
+        quantization = resolve_quantization(quantization, cfg, device)  # refuses a GPU without FP8 before loading
+        self.model = load_model(cfg, tp, self.kernels, device, load_format, seed, quantization)
         self.platform.prepare_model(self.model, self.kernels)
         attn = self.model.layers[0].self_attn
         self.num_kv_heads = attn.num_kv_heads

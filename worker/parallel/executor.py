@@ -78,7 +78,8 @@ def make_executor(cfg: ModelConfig, args: EngineArgs, device: torch.device) -> E
         return UniProcExecutor(SimulatedModelRunner(cfg, args))
     if args.tensor_parallel_size == 1:
         platform_for(device).set_compute_threads(args)
-        return UniProcExecutor(ModelRunner(cfg, SINGLE, device, args.load_format, args.seed, args.enforce_eager))
+        return UniProcExecutor(ModelRunner(cfg, SINGLE, device, args.load_format, args.seed, args.enforce_eager,
+                                           args.quantization))
     from pagefleet.worker.parallel.tp_executor import TPExecutor
 
     return TPExecutor(cfg, args, device)

@@ -112,8 +112,9 @@ class TPExecutor:
         self._groups = init_process_groups(rank=0, world_size=self.size, device=self.device, host=host,
                                            port=store.port, step_timeout_s=self.step_timeout_s, store=store)
         ray.get(joins, timeout=STARTUP_TIMEOUT_S)
-        loads = [a.load.remote(args.load_format, args.seed) for a in self.actors]
-        runner, report = build_runner(self.cfg, self._groups, self.device, args.load_format, args.seed)
+        loads = [a.load.remote(args.load_format, args.seed, args.quantization) for a in self.actors]
+        runner, report = build_runner(self.cfg, self._groups, self.device, args.load_format, args.seed,
+                                      args.quantization)
         self.load_reports = [report] + ray.get(loads, timeout=STARTUP_TIMEOUT_S)
         for r in self.load_reports:
             logger.info("tensor-parallel rank %d: %.1f MiB of weights, peak RSS +%.1f MiB while loading",

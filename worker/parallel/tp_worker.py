@@ -36,11 +36,11 @@ def peak_rss_bytes() -> int:
 
 
 def build_runner(cfg: ModelConfig, groups: ProcessGroups, device: torch.device, load_format: str,
-                 seed: int) -> tuple[ModelRunner, LoadReport]:
+                 seed: int, quantization: str | None = None) -> tuple[ModelRunner, LoadReport]:
     before = peak_rss_bytes()
     # Tensor-parallel ranks run eagerly: the compiled decode attention is wired and tested for
     # one-rank engines only.
-    runner = ModelRunner(cfg, groups.tp, device, load_format, seed, enforce_eager=True)
+    runner = ModelRunner(cfg, groups.tp, device, load_format, seed, enforce_eager=True, quantization=quantization)
     return runner, LoadReport(groups.tp.rank, runner.weight_bytes(), peak_rss_bytes() - before)
 
 
@@ -71,9 +71,9 @@ class TPWorker:
                                           host=host, port=port, step_timeout_s=step_timeout_s,
                                           init_timeout_s=init_timeout_s)
 
-    def load(self, load_format: str, seed: int) -> LoadReport:
+    def load(self, load_format: str, seed: int, quantization: str | None = None) -> LoadReport:
         torch.manual_seed(seed)
-        self.runner, report = build_runner(self.cfg, self.groups, self.device, load_format, seed)
+        self.runner, report = build_runner(self.cfg, self.groups, self.device, load_format, seed, quantization)
         return report
 
     def available_kv_bytes(self, kv_cache_bytes: int | None, gpu_memory_utilization: float | None,
