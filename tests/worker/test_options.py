@@ -44,6 +44,7 @@ OTHER_VALUES = {
     "max_stop_token_ids": ("8", 8),
     "cpu_omp_threads": ("3", 3),
     "enforce_eager": (None, True),  # --enforce-eager
+    "quantization": ("fp8", "fp8"),
     "simulate": ("h100", "h100"),
     "simulate_efficiency": ("0.73", 0.73),
     "host": ("0.0.0.0", "0.0.0.0"),

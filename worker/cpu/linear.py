@@ -109,8 +109,9 @@ def pack_linear_weights(model: nn.Module, compiled_kernels: bool = False) -> tup
     """Give every module with a ``packed_weight`` slot its packed weight, and let the fastest
     one-row path measured serve one-row inputs (the C++ one only with ``compiled_kernels`` and
     fp32 weights). Returns how many were packed and the measurement (None without packed
-    weights)."""
-    modules = [m for m in model.modules() if hasattr(m, "packed_weight")]
+    weights). FP8 linears (those with a ``weight_scale``) are left alone: fp8.fp8_linear runs them."""
+    modules = [m for m in model.modules()
+               if hasattr(m, "packed_weight") and getattr(m, "weight_scale", None) is None]
     for m in modules:
         m.packed_weight = pack_weight(m.weight)
     packed = [m for m in modules if m.packed_weight is not None]

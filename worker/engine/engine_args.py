@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from pagefleet.cluster.plan.presets import GPUS
 from pagefleet.worker.engine.options import check_choices, option, parse_bytes
-from pagefleet.worker.model_executor.model_config import parse_dtype
+from pagefleet.worker.model_executor.model_config import QUANTIZATIONS, parse_dtype
 from pagefleet.worker.request_check import (
     DEFAULT_MAX_STOP_STRING_CHARS,
     DEFAULT_MAX_STOP_STRINGS,
@@ -90,6 +90,15 @@ class EngineArgs:
                                              "size, cached across "
                                              "starts under ~/.cache/pagefleet/cpu_kernels). CUDA and "
                                              "tensor-parallel engines run the same either way")
+    quantization: str | None = option(None, choices=QUANTIZATIONS,
+                                      help="fp8: FP8 (e4m3) weights, as vLLM's flag. A full-precision checkpoint's "
+                                           "linear layers are quantized as they load, one scale per output "
+                                           "channel, and activations per token at run time; embeddings and "
+                                           "lm_head stay as they are. Halves the weights' memory. CUDA runs "
+                                           "FP8 matmuls on the tensor cores (compute capability 8.9+: Ada, "
+                                           "Hopper; older GPUs are refused); a CPU runs the PyTorch twin of the "
+                                           "same math (slow, for tests). A pre-quantized FP8 checkpoint in the "
+                                           "compressed-tensors layout loads as it is, with or without this flag")
     cpu_omp_threads: int | None = option(None, metavar="N",
                                          help="threads a one-rank CPU engine computes with (default: every "
                                               "core; a served engine computes at the lowest priority, so "

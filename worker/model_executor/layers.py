@@ -12,6 +12,7 @@ from torch import nn
 
 from pagefleet.worker.core.kv_cache_sizing import kv_heads_per_rank
 from pagefleet.worker.cpu.linear import PackedWeight, linear
+from pagefleet.worker.model_executor.fp8 import FP8_DTYPE, check_fp8_shape, fp8_linear, quantize_weight
 from pagefleet.worker.parallel.tp_group import TPGroup
 
 
@@ -22,7 +23,53 @@ class TensorSlice(Protocol):
     def __getitem__(self, index) -> torch.Tensor: ...
 
 
-class ColumnParallelLinear(nn.Module):
+class QuantizableLinear(nn.Module):
+    """What the tensor-parallel linears share: the product itself, plain or FP8 (fp8.py).
+
+    An FP8 linear holds ``weight`` [out, in] in float8_e4m3fn and ``weight_scale`` [out] fp32,
+    one scale per output row of this rank (so fused q|k|v and gate|up keep each part's own)."""
+
+    weight: nn.Parameter
+    packed_weight: PackedWeight | None
+
+    def quantize_fp8(self) -> None:
+        """Replace the loaded weight by its FP8 copy and per-output-channel scales; the
+        full-precision weight is freed (and never packed for oneDNN)."""
+        weight, scale = quantize_weight(self.weight.data)
+        check_fp8_shape(weight)
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.weight_scale = nn.Parameter(scale, requires_grad=False)
+        self.packed_weight = None
+
+    def hold_fp8_checkpoint(self) -> None:
+        """Make room for a pre-quantized checkpoint's FP8 weight and its scales, loaded as they are."""
+        check_fp8_shape(self.weight)
+        self.weight = nn.Parameter(torch.empty_like(self.weight, dtype=FP8_DTYPE), requires_grad=False)
+        self.weight_scale = nn.Parameter(torch.empty(self.weight.shape[0], dtype=torch.float32,
+                                                     device=self.weight.device), requires_grad=False)
+        self.packed_weight = None
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        # x: [T, in] -> [T, out]
+        if self.weight_scale is not None:
+            return fp8_linear(x, self.weight, self.weight_scale, bias, x.dtype)
+        return linear(x, self.weight, bias, self.packed_weight)
+
+
+def _load_scale(dst: torch.Tensor, src: TensorSlice, start: int, end: int) -> None:
+    """dst: [end - start] rows of this rank's ``weight_scale``; src: a checkpoint's scale, per channel
+    ([rows, 1] or [rows], rows start:end read) or per tensor ([1] or [], spread over every row)."""
+    shape = list(src.get_shape() if hasattr(src, "get_shape") else src.shape)  # a slice or a tensor
+    if shape in ([], [1], [1, 1]):
+        dst.fill_(src[...].reshape(()).item())
+    elif len(shape) in (1, 2) and shape[1:] in ([], [1]):
+        dst.copy_(src[start:end].reshape(-1))
+    else:
+        raise ValueError(f"a weight_scale of shape {shape}: pagefleet loads per-channel ([out, 1]) or "
+                         "per-tensor ([1]) FP8 weight scales")
+
+
+class ColumnParallelLinear(QuantizableLinear):
     """Output features split over ranks; ``out_sizes`` are the rank-local sizes of the
     logical outputs merged into one matmul (q|k|v or gate|up)."""
 
@@ -37,6 +84,7 @@ class ColumnParallelLinear(nn.Module):
         self.bias = (nn.Parameter(torch.zeros(sum(out_sizes), dtype=dtype, device=device), requires_grad=False)
                      if bias else None)
         self.packed_weight: PackedWeight | None = None  # cpu_linear.pack_linear_weights, after loading
+        self.register_parameter("weight_scale", None)  # [out] fp32 once FP8 (QuantizableLinear)
 
     def shard_rows(self, shard: int) -> tuple[int, int]:
         """Which rows of logical output ``shard``'s full checkpoint tensor this rank holds."""
@@ -47,10 +95,13 @@ class ColumnParallelLinear(nn.Module):
         start, end = self.shard_rows(shard)
         dst = getattr(self, kind)
         off = self.offsets[shard]
+        if kind == "weight_scale":
+            _load_scale(dst.data[off:off + end - start], src, start, end)
+            return
         dst.data[off:off + end - start].copy_(src[start:end])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.packed_weight)
+        return self.matmul(x, self.bias)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -73,7 +124,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         return head * self.head_dim, (head + 1) * self.head_dim
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(QuantizableLinear):
     """Input features split over ranks; partial sums meet in an all-reduce."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup,
@@ -88,16 +139,20 @@ class RowParallelLinear(nn.Module):
         self.bias = (nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device), requires_grad=False)
                      if bias else None)
         self.packed_weight: PackedWeight | None = None
+        self.register_parameter("weight_scale", None)  # [out] fp32 once FP8 (QuantizableLinear)
 
     def load(self, kind: str, shard: int, src: TensorSlice) -> None:
         if kind == "bias":
             self.bias.data.copy_(src[:])
             return
+        if kind == "weight_scale":  # output rows are not split: every rank holds them all
+            _load_scale(self.weight_scale.data, src, 0, self.weight_scale.shape[0])
+            return
         start = self.tp.rank * self.in_per_rank
         self.weight.data.copy_(src[:, start:start + self.in_per_rank])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear(x, self.weight, None, self.packed_weight)
+        y = self.matmul(x, None)
         y = self.tp.all_reduce(y)
         if self.bias is not None:
             y = y + self.bias  # added once, after the sum

@@ -14,6 +14,7 @@ from tqdm.auto import tqdm
 from pagefleet.kernels.ops import Kernels
 from pagefleet.worker.model_executor.model import LlamaForCausalLM
 from pagefleet.worker.model_executor.model_config import ModelConfig
+from pagefleet.worker.model_executor.quantization import hold_fp8_checkpoint, quantize_fp8
 from pagefleet.worker.parallel.tp_group import TPGroup
 
 logger = logging.getLogger(__name__)
@@ -37,9 +38,14 @@ def checkpoint_files(path: Path) -> list[Path]:
 
 
 def load_model(cfg: ModelConfig, tp: TPGroup, kernels: Kernels, device: torch.device,
-               load_format: str = "safetensors", seed: int = 0) -> LlamaForCausalLM:
+               load_format: str = "safetensors", seed: int = 0, quantization: str | None = None) -> LlamaForCausalLM:
+    """``quantization``: what ``quantization.resolve_quantization`` decided ("fp8" or None). A
+    checkpoint stored in FP8 loads its weights as they are; others are quantized once loaded."""
     with torch.device(device):
         model = LlamaForCausalLM(cfg, tp, kernels, device)
+    prequantized = load_format != "dummy" and cfg.quantization == "fp8"
+    if prequantized:
+        hold_fp8_checkpoint(model)
     if load_format == "dummy":
         _init_dummy(model, seed)
     else:
@@ -49,6 +55,8 @@ def load_model(cfg: ModelConfig, tp: TPGroup, kernels: Kernels, device: torch.de
             size = sum(p.numel() * p.element_size() for p in model.parameters())
             logger.info("loaded the weights of %s (%.2f GiB on this rank) in %.1f s", cfg.path.name, size / 2**30,
                         time.monotonic() - started)
+    if quantization == "fp8" and not prequantized:
+        quantize_fp8(model)
     return model.eval()
 
 

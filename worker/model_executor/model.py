@@ -147,7 +147,8 @@ class LlamaForCausalLM(nn.Module):
         return None if logits is None else logits.float()
 
     def modules_by_checkpoint_name(self) -> dict[str, tuple[nn.Module, str, int]]:
-        """Checkpoint tensor name -> (module that loads it, 'weight'|'bias', shard index)."""
+        """Checkpoint tensor name -> (module that loads it, 'weight'|'bias'|'weight_scale', shard index).
+        A kind the module does not hold (no bias; a scale while the weights are not FP8) is not expected."""
         table: dict[str, tuple[nn.Module, str, int]] = {
             "model.embed_tokens.weight": (self.embed_tokens, "weight", 0),
             "model.norm.weight": (self.norm, "weight", 0),
@@ -157,13 +158,14 @@ class LlamaForCausalLM(nn.Module):
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
             attn, mlp = layer.self_attn, layer.mlp
-            for kind in ("weight", "bias"):
+            for kind in ("weight", "bias", "weight_scale"):
                 for shard, name in enumerate(("q_proj", "k_proj", "v_proj")):
                     table[f"{p}self_attn.{name}.{kind}"] = (attn.qkv_proj, kind, shard)
                 for shard, name in enumerate(("gate_proj", "up_proj")):
                     table[f"{p}mlp.{name}.{kind}"] = (mlp.gate_up_proj, kind, shard)
                 table[f"{p}mlp.down_proj.{kind}"] = (mlp.down_proj, kind, 0)
-            table[f"{p}self_attn.o_proj.weight"] = (attn.o_proj, "weight", 0)
+            for kind in ("weight", "weight_scale"):
+                table[f"{p}self_attn.o_proj.{kind}"] = (attn.o_proj, kind, 0)
             table[f"{p}input_layernorm.weight"] = (layer.input_layernorm, "weight", 0)
             table[f"{p}post_attention_layernorm.weight"] = (layer.post_attention_layernorm, "weight", 0)
             if attn.q_norm is not None:

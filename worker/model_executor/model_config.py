@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from pagefleet.worker.model_executor.compressed_tensors import checkpoint_quantization
+
 if TYPE_CHECKING:
     import torch
 
@@ -16,6 +18,7 @@ if TYPE_CHECKING:
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
 DTYPES = ("float32", "bfloat16", "float16")
+QUANTIZATIONS = ("fp8",)  # EngineArgs.quantization (quantization.py)
 _DTYPE_ALIASES = {"half": "float16", "fp16": "float16", "float": "float32", "fp32": "float32", "bf16": "bfloat16"}
 
 
@@ -45,6 +48,9 @@ class ModelConfig:
     # The checkpoint directory as --model named it (as given, and absolute) when no name was chosen:
     # vLLM serves a local model under that argument, so its clients send it. Accepted, never listed.
     model_path_names: tuple[str, ...] = ()
+    # The checkpoint's own quantization: "fp8" where its weights are stored in FP8
+    # (compressed_tensors.py), None for full-precision weights.
+    quantization: str | None = None
 
     @property
     def served_model_name(self) -> str:
@@ -165,6 +171,7 @@ def load_model_config(model: str, *, dtype: str = "auto", max_model_len: int | N
         qk_norm=arch == "Qwen3ForCausalLM",
         dtype=resolve_dtype(dtype, cfg),
         eos_token_ids=tuple(eos),
+        quantization=checkpoint_quantization(cfg, path),
     )
 
 

@@ -16,6 +16,7 @@ from pagefleet.worker.model_executor.loader import load_model
 from pagefleet.worker.model_executor.model import AttentionMetadata
 from pagefleet.worker.model_executor.model_config import ModelConfig, kv_cache_torch_dtype
 from pagefleet.worker.model_executor.platform import platform_for
+from pagefleet.worker.model_executor.quantization import resolve_quantization
 from pagefleet.worker.model_executor.step_buffers import StepBuffers
 from pagefleet.worker.parallel.tp_group import TPGroup
 
@@ -41,12 +42,14 @@ class StepInput:
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, tp: TPGroup, device: torch.device, load_format: str = "safetensors",
                  seed: int = 0, enforce_eager: bool = False, max_num_seqs: int = 64,
-                 max_num_batched_tokens: int = 2048, kv_cache_dtype: str = "auto") -> None:
+                 max_num_batched_tokens: int = 2048, kv_cache_dtype: str = "auto",
+                 quantization: str | None = None) -> None:
         """enforce_eager: True keeps the platform from compiling kernels of its own (on CPU the
-        C++ decode attention, norms and rotary; on CUDA the decode graphs): the backend's kernels
+        C++ decode attention, norms and rotary; on CUDA the graphs): the backend's kernels
         serve, launched one by one. max_num_seqs, max_num_batched_tokens: the engine's step limits,
-        which size the step buffers and the decode graphs. kv_cache_dtype:
-        ``EngineArgs.kv_cache_dtype`` (auto: the model's dtype; fp8: e4m3)."""
+        which size the step buffers and the graphs. kv_cache_dtype: ``EngineArgs.kv_cache_dtype``
+        (auto: the model's dtype; fp8: e4m3). quantization: ``EngineArgs.quantization`` (a
+        checkpoint stored in FP8 runs FP8 without it)."""
         self.cfg = cfg
         self.tp = tp
         self.device = device
@@ -59,7 +62,8 @@ class ModelRunner:
         self.kv_cache_dtype = kv_cache_torch_dtype(kv_cache_dtype, cfg.dtype)
         self.kernels = self.platform.select_kernels(device, enforce_eager, self.kv_cache_dtype)
         logger.info("kernels on %s: %s", device, self.kernels)
-        self.model = load_model(cfg, tp, self.kernels, device, load_format, seed)
+        quantization = resolve_quantization(quantization, cfg, device)  # refuses a GPU without FP8 before loading
+        self.model = load_model(cfg, tp, self.kernels, device, load_format, seed, quantization)
         self.platform.prepare_model(self.model, self.kernels)
         attn = self.model.layers[0].self_attn
         self.num_kv_heads = attn.num_kv_heads

@@ -80,7 +80,7 @@ def make_executor(cfg: ModelConfig, args: EngineArgs, device: torch.device) -> E
         platform_for(device).set_compute_threads(args)
         return UniProcExecutor(ModelRunner(cfg, SINGLE, device, args.load_format, args.seed, args.enforce_eager,
                                            args.max_num_seqs, args.max_num_batched_tokens,
-                                           kv_cache_dtype=args.kv_cache_dtype))
+                                           kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization))
     from pagefleet.worker.parallel.tp_executor import TPExecutor
 
     return TPExecutor(cfg, args, device)

@@ -112,9 +112,10 @@ class TPExecutor:
         self._groups = init_process_groups(rank=0, world_size=self.size, device=self.device, host=host,
                                            port=store.port, step_timeout_s=self.step_timeout_s, store=store)
         ray.get(joins, timeout=STARTUP_TIMEOUT_S)
-        loads = [a.load.remote(args.load_format, args.seed, args.kv_cache_dtype) for a in self.actors]
+        loads = [a.load.remote(args.load_format, args.seed, args.kv_cache_dtype, args.quantization)
+                 for a in self.actors]
         runner, report = build_runner(self.cfg, self._groups, self.device, args.load_format, args.seed,
-                                      args.kv_cache_dtype)
+                                      args.kv_cache_dtype, args.quantization)
         self.load_reports = [report] + ray.get(loads, timeout=STARTUP_TIMEOUT_S)
         for r in self.load_reports:
             logger.info("tensor-parallel rank %d: %.1f MiB of weights, peak RSS +%.1f MiB while loading",

@@ -36,12 +36,13 @@ def peak_rss_bytes() -> int:
 
 
 def build_runner(cfg: ModelConfig, groups: ProcessGroups, device: torch.device, load_format: str,
-                 seed: int, kv_cache_dtype: str = "auto") -> tuple[ModelRunner, LoadReport]:
+                 seed: int, kv_cache_dtype: str = "auto",
+                 quantization: str | None = None) -> tuple[ModelRunner, LoadReport]:
     before = peak_rss_bytes()
     # Tensor-parallel ranks run eagerly: the compiled decode attention is wired and tested for
     # one-rank engines only.
     runner = ModelRunner(cfg, groups.tp, device, load_format, seed, enforce_eager=True,
-                         kv_cache_dtype=kv_cache_dtype)
+                         kv_cache_dtype=kv_cache_dtype, quantization=quantization)
     return runner, LoadReport(groups.tp.rank, runner.weight_bytes(), peak_rss_bytes() - before)
 
 
@@ -72,9 +73,11 @@ class TPWorker:
                                           host=host, port=port, step_timeout_s=step_timeout_s,
                                           init_timeout_s=init_timeout_s)
 
-    def load(self, load_format: str, seed: int, kv_cache_dtype: str = "auto") -> LoadReport:
+    def load(self, load_format: str, seed: int, kv_cache_dtype: str = "auto",
+             quantization: str | None = None) -> LoadReport:
         torch.manual_seed(seed)
-        self.runner, report = build_runner(self.cfg, self.groups, self.device, load_format, seed, kv_cache_dtype)
+        self.runner, report = build_runner(self.cfg, self.groups, self.device, load_format, seed, kv_cache_dtype,
+                                           quantization)
         return report
 
     def available_kv_bytes(self, kv_cache_bytes: int | None, gpu_memory_utilization: float | None,
