@@ -29,6 +29,17 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     return rms_norm(new_residual, weight, eps), new_residual
 
 
+def fp8_weight_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                      bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """x: [T, K] float; weight: [N, K] float8_e4m3fn; weight_scale: [N] fp32; bias: [N] or None
+    -> [T, N] out_dtype: the activations as they are times the e4m3 weight, summed in fp32, then
+    scaled per output channel (plus bias) and rounded once."""
+    y = (x.float() @ weight.float().t()) * weight_scale
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(out_dtype)
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     # x: [T, 2*I] (gate | up) -> [T, I]
     gate, up = x.chunk(2, dim=-1)

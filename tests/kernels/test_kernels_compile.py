@@ -29,7 +29,7 @@ try:  # compiler internals (stable through triton 3.x); another triton skips rat
 except ImportError as e:  # pragma: no cover
     pytest.skip(f"triton's ahead-of-time compile API is not available: {e}", allow_module_level=True)
 
-from pagefleet.kernels import activation, kv_cache_write, paged_attention, rms_norm, rotary  # noqa: E402
+from pagefleet.kernels import activation, fp8_weight_matmul, kv_cache_write, paged_attention, rms_norm, rotary  # noqa: E402,E501
 from pagefleet.kernels.testing import make_paged_batch  # noqa: E402
 from pagefleet.kernels.triton_kernel import TritonKernel  # noqa: E402
 
@@ -117,6 +117,13 @@ LAUNCHERS = {
     "paged_attention_split_decode_fp16_fp8_cache": lambda: paged_attention.paged_attention(
         *_fp8_caches(_llama8b_batch([(1, 20)], torch.float16)), 128**-0.5, k_scale=0.5, v_scale=2.0,
         num_kv_splits=8),
+    # FP8 weights, few tokens: Llama-3-8B's gate|up (wide: 64 columns a program) and down (16).
+    "fp8_weight_matmul_wide": lambda: fp8_weight_matmul.fp8_weight_matmul(
+        torch.randn(1, 4096).bfloat16(), torch.zeros(28672, 4096, dtype=torch.float8_e4m3fn), torch.ones(28672),
+        None, torch.bfloat16),
+    "fp8_weight_matmul_narrow": lambda: fp8_weight_matmul.fp8_weight_matmul(
+        torch.randn(64, 14336).bfloat16(), torch.zeros(4096, 14336, dtype=torch.float8_e4m3fn), torch.ones(4096),
+        torch.randn(4096).bfloat16(), torch.bfloat16),
 }
 
 

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
+from pagefleet.kernels import reference
 from pagefleet.worker import LLM, SamplingParams
 from pagefleet.worker.cpu.linear import onednn_available
 from pagefleet.worker.engine.engine_args import EngineArgs
@@ -24,6 +25,7 @@ from pagefleet.worker.model_executor.compressed_tensors import checkpoint_quanti
 from pagefleet.worker.model_executor.fp8 import (
     FP8_DTYPE,
     FP8_MAX,
+    WEIGHT_ONLY_MAX_TOKENS,
     check_fp8_device,
     dequantize_weight,
     fp8_linear,
@@ -88,7 +90,21 @@ def test_per_token_scales_map_each_rows_absmax_to_448_and_a_zero_row_to_zeros():
     assert torch.equal(q[[0, 1, 3, 4, 5]].float().abs().amax(dim=1), torch.full((5,), FP8_MAX))
 
 
-@pytest.mark.parametrize("tokens", [1, 3, 17])
+def test_few_tokens_multiply_fp8_weights_with_the_activations_as_they_are():
+    g = torch.Generator().manual_seed(5)
+    w, sw = quantize_weight(torch.randn(48, 80, generator=g))
+    bias = torch.randn(48, generator=g)
+    for tokens in (1, 17, WEIGHT_ONLY_MAX_TOKENS):
+        x = torch.randn(tokens, 80, generator=g).to(torch.bfloat16)
+        got = fp8_linear(x, w, sw, bias, torch.float32)
+        assert torch.equal(got, reference.fp8_weight_matmul(x, w, sw, bias, torch.float32))
+        ref = x.double() @ (w.double() * sw.double()[:, None]).t() + bias.double()
+        bound = (80 + 2) * FP32_EPS * (x.double().abs() @ (w.double().abs() * sw.double()[:, None]).t()
+                                       + bias.double().abs())
+        assert ((got.double() - ref).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("tokens", [WEIGHT_ONLY_MAX_TOKENS + 1, 80])
 def test_fp8_linear_equals_the_dequantized_product_up_to_fp32_summation(tokens):
     g = torch.Generator().manual_seed(tokens)
     x = torch.randn(tokens, 80, generator=g).to(torch.bfloat16)
@@ -107,7 +123,7 @@ def test_fp8_linear_equals_the_dequantized_product_up_to_fp32_summation(tokens):
 
 def test_fp8_linear_is_within_e4m3_rounding_of_the_full_precision_product():
     g = torch.Generator().manual_seed(3)
-    x = torch.randn(9, 80, generator=g).to(torch.bfloat16)
+    x = torch.randn(WEIGHT_ONLY_MAX_TOKENS + 9, 80, generator=g).to(torch.bfloat16)
     w_full = (torch.randn(48, 80, generator=g) * 0.02).to(torch.bfloat16)
     w, sw = quantize_weight(w_full)
     got = fp8_linear(x, w, sw, None, torch.float32).double()

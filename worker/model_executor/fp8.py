@@ -1,10 +1,13 @@
-"""FP8 weights (``--quantization fp8``): e4m3 weights with one fp32 scale per output channel,
-activations quantized per token on the fly, as vLLM's FP8 W8A8 with dynamic per-token scales.
+"""FP8 weights (``--quantization fp8``): e4m3 weights with one fp32 scale per output channel.
+Decode-sized steps multiply them with the activations as they are (weight-only: the step is
+bound by reading the weights); larger ones quantize the activations per token on the fly, as
+vLLM's FP8 W8A8 with dynamic per-token scales.
 
-On a CUDA device of compute capability 8.9+ (Ada, Hopper) the product is ``torch._scaled_mm``
-with row-wise scales, the tensor cores' FP8 path. Elsewhere a PyTorch twin computes the same
-math in fp32: the reference the CUDA path is compared against, and what CPU engines run (slow;
-it dequantizes the weight on every call, for tests). This file needs nothing beyond torch.
+On a CUDA device of compute capability 8.9+ (Ada, Hopper) the larger products are
+``torch._scaled_mm`` with row-wise scales, the tensor cores' FP8 path, and the decode-sized ones
+a Triton kernel. Elsewhere PyTorch twins compute the same math in fp32: the references the CUDA
+paths are compared against, and what CPU engines run (slow; they dequantize the weight on every
+call, for tests). This file imports Triton only when a CUDA tensor first needs it.
 """
 
 from __future__ import annotations
@@ -12,6 +15,8 @@ from __future__ import annotations
 import functools
 
 import torch
+
+from pagefleet.kernels import reference
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
@@ -22,6 +27,9 @@ _MIN_ABSMAX = 1e-12
 # torch._scaled_mm needs the weight's dimensions in multiples of 16 (the token count may be
 # anything with row-wise scales).
 _SCALED_MM_ALIGN = 16
+# Token counts up to this read FP8 weights with the activations as they are (kernels/fp8_weight_matmul.py's
+# MAX_TOKENS, repeated here so that this file imports no Triton).
+WEIGHT_ONLY_MAX_TOKENS = 64
 
 
 def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -85,7 +93,16 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
                out_dtype: torch.dtype) -> torch.Tensor:
     """x: [T, in]; weight: [out, in] FP8; weight_scale: [out] fp32; bias: [out] or None -> [T, out] out_dtype.
 
-    Activations are quantized per token here, every call (dynamic scales, nothing calibrated)."""
+    Up to ``WEIGHT_ONLY_MAX_TOKENS`` tokens (decode) the step is bound by reading the weight: the
+    activations stay as they are and only the weight is FP8 (kernels/fp8_weight_matmul.py on
+    CUDA, its twin elsewhere). Above, activations are quantized per token here, every call
+    (dynamic scales, nothing calibrated), for the FP8 tensor cores."""
+    if x.shape[0] <= WEIGHT_ONLY_MAX_TOKENS:
+        if x.is_cuda:
+            from pagefleet.kernels.fp8_weight_matmul import fp8_weight_matmul  # imports triton: on first use
+
+            return fp8_weight_matmul(x, weight, weight_scale, bias, out_dtype)
+        return reference.fp8_weight_matmul(x, weight, weight_scale, bias, out_dtype)
     x_fp8, x_scale = quantize_per_token(x)
     if x.is_cuda and scaled_mm_supported(x.device):
         return fp8_matmul_cuda(x_fp8, x_scale, weight, weight_scale, bias, out_dtype)
