@@ -171,6 +171,59 @@ def check_correctness(run: Run) -> None:
         _attention(run, "paged_attention", dtype, mixed)
         _attention(run, "paged_attention_decode", dtype, decode)  # CUDA: split-KV chosen for 4 x 8 programs
         _attention(run, "paged_attention_split_kv", dtype, decode, num_kv_splits=8)
+        _fp8_kv(run, dtype, k, v, slots, mixed, decode)
+        _fp8_weights(run, dtype, gen)
+
+
+def _fp8_weights(run: Run, dtype, gen) -> None:
+    """The few-token FP8-weight product against its twin: the same exact products in fp32 summed
+    in another order (K eps32 sum|x w| s), then one rounding to the dtype (1 eps |expected|)."""
+    from pagefleet.kernels.fp8_weight_matmul import fp8_weight_matmul
+
+    eps32 = torch.finfo(torch.float32).eps
+    shapes = [(1, 48, 80), (7, 80, 300)] if run.dry_run else [(1, 28672, 4096), (64, 4096, 14336), (5, 6144, 4096)]
+    for tokens, n, k in shapes:
+        x = torch.randn(tokens, k, generator=gen).to(run.device, dtype)
+        w = (torch.randn(n, k, generator=gen) * 100).clamp(-448, 448).to(run.device, torch.float8_e4m3fn)
+        scale = (torch.rand(n, generator=gen) * 0.01 + 1e-4).to(run.device)
+        got = fp8_weight_matmul(x, w, scale, None, dtype).double()
+        want = reference.fp8_weight_matmul(x, w, scale, None, dtype).double()
+        bound = (k * eps32 * (x.double().abs() @ w.double().abs().t()) * scale.double()
+                 + torch.finfo(dtype).eps * want.abs())
+        run.emit("correctness", kernel="fp8_weight_matmul", dtype=str(dtype).removeprefix("torch."),
+                 shape=f"{tokens} tokens x [{n}, {k}]", max_abs_error=float((got - want).abs().max()),
+                 tolerance="K eps32 sum|x w| s + eps |expected|", ok=bool(((got - want).abs() <= bound).all()))
+
+
+def _fp8_kv(run: Run, dtype, k, v, slots, mixed, decode) -> None:
+    """The FP8 (e4m3) KV cache: the write bit-exact against the twin (the hardware cast against
+    torch's), attention over fp8 caches within the twin's bound (ATTENTION_EPS + 1 eps for the
+    v_scale multiply), at scales other than 1."""
+    fp8 = torch.float8_e4m3fn
+    k_scale, v_scale = 0.37, 3.0
+    shape = (k.shape[0] // 16 + 2, 16, *k.shape[1:])
+    caches = [torch.zeros(shape, dtype=fp8, device=run.device) for _ in range(4)]
+    write_kv_cache(k, v, caches[0], caches[1], slots, k_scale=k_scale, v_scale=v_scale)
+    reference.write_kv_cache(k, v, caches[2], caches[3], slots, k_scale=k_scale, v_scale=v_scale)
+    exact = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in ((caches[0], caches[2]),
+                                                                                 (caches[1], caches[3])))
+    run.emit("correctness", kernel="write_kv_cache_fp8", dtype=str(dtype).removeprefix("torch."),
+             shape=f"{k.shape[0]} tokens, every 5th padding, scales {k_scale}/{v_scale}",
+             max_abs_error=0.0 if exact else None, tolerance="bit-exact", ok=exact)
+    for name, seqs, splits in (("paged_attention_fp8", mixed, None), ("paged_attention_split_kv_fp8", decode, 8)):
+        batch = make_paged_batch(seqs, num_q_heads=4 if run.dry_run else 32, num_kv_heads=2 if run.dry_run else 8,
+                                 head_dim=64 if run.dry_run else 128, block_size=16, dtype=dtype, device=run.device)
+        key_cache = reference.quantize_kv(batch.key_cache, k_scale, fp8)
+        value_cache = reference.quantize_kv(batch.value_cache, v_scale, fp8)
+        args = (batch.query, key_cache, value_cache, batch.block_table, batch.query_start_loc, batch.seq_lens)
+        scale = batch.query.shape[-1] ** -0.5
+        out = paged_attention(*args, scale, k_scale=k_scale, v_scale=v_scale, num_kv_splits=splits)
+        expected = reference.paged_attention(*args, scale, k_scale=k_scale, v_scale=v_scale)
+        err = float((out.double() - expected.double()).abs().max())
+        max_v = float(value_cache.float().abs().max()) * v_scale
+        tol = (ATTENTION_EPS + 1) * torch.finfo(dtype).eps * max_v
+        run.emit("correctness", kernel=name, dtype=str(dtype).removeprefix("torch."), seqs=seqs,
+                 max_abs_error=err, tolerance=tol, ok=err <= tol)
 
 
 # -------------------------------------------------------------------- bandwidth

@@ -1,14 +1,15 @@
-"""The GPU check's engine section: offline throughput and single-stream per-token latency of a
-random-weight Llama-3-8B-shaped model in bf16, as fractions of the memory-bandwidth roofline,
-and where a single-stream decode step's time goes (the device's kernel time against the step's
-wall time, kernel launches per step, the costliest kernels: torch.profiler).
+"""The GPU check's engine section: a random-weight Llama-3-8B-shaped model as four engines (bf16
+with decode CUDA graphs, bf16 eager, FP8 weights, FP8 KV cache), each measured for single-stream
+decode, the TTFT of a 512-token prompt and offline throughput against the memory-bandwidth
+roofline, and the FP8 ones for next-token logits against bf16's. The first engine sizes its KV
+pool from device memory, replays its graphs against the same forward run eagerly, and profiles
+where a decode step's time goes (device kernel time against wall time, kernel launches).
 Run through gpu_check.py, which passes its ``Run`` (device, peak bandwidth, time budget, emit)."""
 
 from __future__ import annotations
 
-import contextlib
+import gc
 import json
-import os
 import statistics
 import tempfile
 import time
@@ -45,49 +46,127 @@ def write_checkpoint_config(path: Path, shape: dict) -> None:
         path)
 
 
+# The engines the check compares, each a set of LLM options over the same random weights:
+# (name, options, the throughput batches it runs).
+VARIANTS = [
+    ("bf16, CUDA graphs", {}, (64, 256)),
+    ("bf16, eager", {"enforce_eager": True}, (64,)),
+    ("fp8 weights", {"quantization": "fp8"}, (64, 256)),
+    ("fp8 KV cache", {"kv_cache_dtype": "fp8"}, (64, 256)),
+]
+
+
 def check_engine(run) -> None:  # run: gpu_check.Run
+    """Every variant: start-up (KV pool, graphs), next-token logits on a fixed prompt set against
+    the first variant's (cosine similarity, greedy agreement), single-stream decode, the TTFT of
+    one 512-token prompt, offline throughput; the first also graph replay against the same
+    forward run eagerly, and a profile of its decode steps."""
+    tiny = run.dry_run
+    shape = TINY if tiny else LLAMA3_8B
+    with tempfile.TemporaryDirectory() as tmp:
+        write_checkpoint_config(Path(tmp), shape)
+        reference = None
+        for name, options, batches in VARIANTS:
+            if run.out_of_time():
+                run.emit("skipped", what=f"engine {name}", reason="time budget")
+                continue
+            try:
+                reference = _check_variant(run, tmp, shape, name, options, batches, reference)
+            except Exception as e:  # one variant's failure must not hide the others'
+                run.emit("error", section=f"engine {name}", error=f"{type(e).__name__}: {e}"[:2000])
+            gc.collect()
+            if run.device.type == "cuda":
+                torch.cuda.empty_cache()
+                run.emit("engine_released", variant=name,
+                         allocated_bytes_after=torch.cuda.memory_allocated(run.device))
+
+
+def _check_variant(run, tmp: str, shape: dict, name: str, options: dict, batches: tuple, reference):
     from pagefleet.worker import LLM, SamplingParams
 
     tiny = run.dry_run
-    shape = TINY if tiny else LLAMA3_8B
-    num_seqs, prompt_len, output_len = (4, 8, 4) if tiny else (64, 128, 256)
+    prompt_len, output_len = (8, 4) if tiny else (128, 256)
     single_prompt, single_output = (8, 6) if tiny else (128, 128)
+    batches = (4,) if tiny else batches
     head_dim = shape["hidden_size"] // shape["num_attention_heads"]
-    kv_per_token = 2 * shape["num_hidden_layers"] * shape["num_key_value_heads"] * head_dim * 2  # bf16
-    with tempfile.TemporaryDirectory() as tmp:
-        write_checkpoint_config(Path(tmp), shape)
-        t0 = time.monotonic()
-        def make_llm():
-            return LLM(model=tmp, load_format="dummy", dtype="bfloat16", device=run.device.type, block_size=16,
-                       max_num_seqs=num_seqs, max_num_batched_tokens=8192 if not tiny else 256,
-                       kv_cache_bytes=(num_seqs * (prompt_len + output_len) + 64 * 16) * kv_per_token,
-                       # The pool is sized for this workload, not for the model's 8K context.
-                       max_model_len=max(prompt_len + output_len, single_prompt + single_output),
-                       enable_prefix_caching=False)
+    kv_elem = 1 if options.get("kv_cache_dtype") == "fp8" else 2
+    kv_per_token = 2 * shape["num_hidden_layers"] * shape["num_key_value_heads"] * head_dim * kv_elem
+    first = reference is None
+    t0 = time.monotonic()
+    kwargs = dict(model=tmp, load_format="dummy", dtype="bfloat16", device=run.device.type, block_size=16,
+                  max_num_batched_tokens=8192 if not tiny else 256, enable_prefix_caching=False,
+                  max_model_len=1024 if not tiny else 64, **options)
+    if tiny:
+        # The CPU engine's compiled kernels plan attention on the host, which a graph cannot:
+        # the dry run takes the twins, and the graph variant their static-buffer path uncaptured.
+        kwargs.update(max_num_seqs=4, kv_cache_bytes=(4 * 64 + 64) * kv_per_token, enforce_eager=True)
+    elif not first:
+        # The first engine sizes its pool from device memory (the default); the others take a
+        # fixed pool that holds the largest batch, so they start fast.
+        kwargs["kv_cache_bytes"] = (max(batches) * (prompt_len + output_len) + 4096) * kv_per_token
+    llm = LLM(**kwargs)
+    startup_s = time.monotonic() - t0
+    runner = llm.engine.executor.runner
+    if tiny and not options:
+        runner.use_graphs(capture=False)  # CPU: the static-buffer path the GPU captures
+    model = runner.model
+    graphs = runner.decode_graphs
+    weight_bytes = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers())
+                       if t is not model.cos_sin)
+    step_weight_bytes = weight_bytes - model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
+    pool = llm.engine.pool
+    run.emit("engine_setup", variant=name, options=options,
+             model="Llama-3-8B-shaped, random weights" if not tiny else "tiny llama",
+             weight_bytes=weight_bytes, decode_step_weight_bytes=step_weight_bytes, startup_s=round(startup_s, 1),
+             kernels=str(model.kernels), max_num_seqs=llm.engine.args.max_num_seqs,
+             kv_pool_blocks=pool.num_blocks, kv_pool_bytes=pool.num_blocks * runner.kv_bytes_per_block(16),
+             kv_pool_sized_by="profile run" if "kv_cache_bytes" not in kwargs else "kv_cache_bytes",
+             decode_graphs=len(graphs.graphs) if graphs else 0,
+             prefill_graphs=len(runner.prefill_graphs.graphs) if graphs else 0,
+             graph_capture_s=round(graphs.capture_s + runner.prefill_graphs.capture_s, 2) if graphs else None,
+             graph_pool_bytes=graphs.pool_bytes + runner.prefill_graphs.pool_bytes if graphs else None)
 
-        llm = make_llm()
-        model = llm.engine.executor.runner.model
-        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        # A decode step reads every weight but the embedding table, of which it gathers a few rows.
-        step_weight_bytes = weight_bytes - model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
-        run.emit("engine_setup", model="Llama-3-8B-shaped, random weights" if not tiny else "tiny llama",
-                 weight_bytes=weight_bytes, decode_step_weight_bytes=step_weight_bytes,
-                 load_s=round(time.monotonic() - t0, 1),
-                 kernels=model.kernels.backend)
+    gen = torch.Generator().manual_seed(0)
+    vocab = shape["vocab_size"]
+    logits = _prompt_logits(runner, [torch.randint(10, vocab, (16 if tiny else 64,), generator=gen).tolist()
+                                     for _ in range(2 if tiny else 8)])
+    if reference is None:
+        reference = logits
+    else:
+        cos = torch.nn.functional.cosine_similarity(logits.double(), reference.double(), dim=-1)
+        run.emit("engine_logits_vs_bf16", variant=name, positions=int(cos.numel()),
+                 cosine_min=round(float(cos.min()), 5), cosine_mean=round(float(cos.mean()), 5),
+                 greedy_agreement=round(float((logits.argmax(-1) == reference.argmax(-1)).double().mean()), 4),
+                 note="random weights: greedy agreement is a weak signal")
 
-        gen = torch.Generator().manual_seed(0)
-        prompts = [{"prompt_token_ids": torch.randint(10, shape["vocab_size"], (prompt_len,), generator=gen).tolist()}
-                   for _ in range(num_seqs)]
-        params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
-        # Warm-up on the measured shapes compiles their kernel variants (prefill; decode of the
-        # full batch without splits; decode of one sequence with split-KV) outside the clock.
-        warm = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
-        llm.generate(prompts, warm)
-        llm.generate(prompts[:1], warm)
+    prompts = [{"prompt_token_ids": torch.randint(10, vocab, (prompt_len,), generator=gen).tolist()}
+               for _ in range(max(batches))]
+    warm = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    llm.generate(prompts, warm)  # compiles every prefill and decode shape measured below
+    llm.generate(prompts[:1], warm)
 
+    latency = _single_stream(llm, SamplingParams, prompts[0]["prompt_token_ids"][:single_prompt], single_output,
+                             name)
+    ctx = single_prompt + single_output / 2
+    roofline_s = (step_weight_bytes + ctx * kv_per_token) / run.peak if run.peak else None
+    run.emit("engine_single_stream", variant=name, prompt_len=single_prompt, output_len=single_output,
+             per_token_latency_ms=round(latency * 1e3, 3),
+             roofline_ms=round(roofline_s * 1e3, 3) if roofline_s else None,
+             fraction_of_roofline=round(roofline_s / latency, 4) if roofline_s else None)
+
+    ttft_len = 16 if tiny else 512
+    run.emit("engine_ttft", variant=name, prompt_len=ttft_len,
+             ttft_ms=round(_ttft(llm, SamplingParams, vocab, ttft_len, gen) * 1e3, 3),
+             note="one prefill step of an idle engine, sampling included (median of 3)")
+
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    for num_seqs in batches:
+        if run.out_of_time():
+            run.emit("skipped", what=f"throughput {name} x{num_seqs}", reason="time budget")
+            continue
         run.sync()
         t0 = time.perf_counter()
-        outs = llm.generate(prompts, params)
+        outs = llm.generate(prompts[:num_seqs], params)
         run.sync()
         wall = time.perf_counter() - t0
         tokens = sum(len(o.outputs[0].token_ids) for o in outs)
@@ -95,34 +174,99 @@ def check_engine(run) -> None:  # run: gpu_check.Run
         # sequence's KV so far (mean context prompt + output / 2).
         step_bytes = step_weight_bytes + num_seqs * (prompt_len + output_len / 2) * kv_per_token
         roofline = num_seqs * run.peak / step_bytes if run.peak else None
-        run.emit("engine_throughput", num_requests=num_seqs, prompt_len=prompt_len, output_len=output_len,
-                 output_tokens=tokens, wall_s=round(wall, 3), output_tokens_per_s=round(tokens / wall, 1),
+        run.emit("engine_throughput", variant=name, num_requests=num_seqs, prompt_len=prompt_len,
+                 output_len=output_len, output_tokens=tokens, wall_s=round(wall, 3),
+                 output_tokens_per_s=round(tokens / wall, 1),
                  roofline_tokens_per_s=round(roofline, 1) if roofline else None,
                  fraction_of_roofline=round(tokens / wall / roofline, 4) if roofline else None,
                  note="wall time includes the prefill of every prompt")
 
-        kernels = ["auto"] if tiny or run.out_of_time() else ["auto", "torch"]
-        for choice in kernels:
-            if choice != "auto":
-                # Kernels are chosen once per engine: a second engine runs on the PyTorch twins.
-                llm.shutdown()
-                with _kernels_env(choice):
-                    llm = make_llm()
-            latency = _single_stream(llm, SamplingParams, prompts[0]["prompt_token_ids"][:single_prompt],
-                                     single_output, choice)
-            ctx = single_prompt + single_output / 2
-            roofline_s = (step_weight_bytes + ctx * kv_per_token) / run.peak if run.peak else None
-            run.emit("engine_single_stream", kernels=choice, prompt_len=single_prompt, output_len=single_output,
-                     per_token_latency_ms=round(latency * 1e3, 3),
-                     roofline_ms=round(roofline_s * 1e3, 3) if roofline_s else None,
-                     fraction_of_roofline=round(roofline_s / latency, 4) if roofline_s else None)
-            if choice == "auto":
-                run.emit("engine_step_profile", kernels=choice,
-                         **_step_profile(llm, SamplingParams, prompts[0]["prompt_token_ids"][:single_prompt], run,
-                                         steps=min(8, single_output - 2)))
-                run.emit("engine_decode_graph_probe", kernels=choice,
-                         **_graph_probe(llm, run, context=min(single_prompt + single_output // 2,
-                                                              single_prompt + single_output - 1)))
+    if first or options.get("quantization"):
+        if graphs is not None and first:
+            for rows, prompt in ((1, 0), (64, 0), (256, 0), (0, 512), (63, 500)) if not tiny else (
+                    (1, 0), (3, 0), (0, 12), (2, 9)):
+                if rows <= llm.engine.args.max_num_seqs:
+                    run.emit("engine_graph_vs_eager", variant=name,
+                             **_graph_vs_eager(runner, rows, run, context=20 if tiny else 100, prompt=prompt))
+        run.emit("engine_step_profile", variant=name,
+                 **_step_profile(llm, SamplingParams, prompts[0]["prompt_token_ids"][:single_prompt], run,
+                                 steps=min(8, single_output - 2)))
+    llm.shutdown()
+    return reference
+
+
+def _prompt_logits(runner, prompts: list[list[int]]) -> torch.Tensor:
+    """Next-token logits at every position of each prompt, one prefill each, over the pool's first
+    blocks (run on an idle engine): [sum of lengths, vocab] fp32."""
+    from pagefleet.worker.model_executor.model_runner import StepInput
+
+    block_size = runner.kv_caches[0][0].shape[1]
+    out = []
+    for ids in prompts:
+        n = len(ids)
+        step = StepInput(ids, list(range(n)), list(range(n)), [list(range(-(-n // block_size)))], [0, n], [n],
+                         list(range(n)))
+        out.append(runner.execute(step).float().cpu())
+    return torch.cat(out)
+
+
+def _ttft(llm, sampling_params_cls, vocab: int, prompt_len: int, gen) -> float:
+    engine = llm.engine
+    times = []
+    for i in range(4):  # the first compiles this prompt length's kernels: left out
+        ids = torch.randint(10, vocab, (prompt_len,), generator=gen).tolist()
+        engine.add_request(f"ttft-{i}", ids, sampling_params_cls(temperature=0.0, max_tokens=1, ignore_eos=True))
+        t0 = time.perf_counter()
+        while engine.has_unfinished():
+            engine.step()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:])
+
+
+def _graph_vs_eager(runner, rows: int, run, context: int, prompt: int = 0, iters: int = 20) -> dict:
+    """``rows`` decode rows at ``context`` tokens (with ``prompt``: one more sequence prefilling a
+    ``prompt``-token prompt beside them, a mixed step) through the graph of their bucket and
+    through the same static-buffer forward run eagerly: equal logits, and milliseconds of each.
+    Writes KV into the pool's first blocks: run it with no request in flight."""
+    from pagefleet.worker.model_executor.model_runner import StepInput
+
+    block_size = runner.kv_caches[0][0].shape[1]
+    per_seq = -(-max(context, prompt) // block_size)
+    tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(rows + (prompt > 0))]
+    ids, pos, slots = [11] * rows, [context - 1] * rows, [t[-1] * block_size + (context - 1) % block_size
+                                                          for t in tables[:rows]]
+    starts, lens = list(range(rows + 1)), [context] * rows
+    if prompt:
+        ids += list(range(100, 100 + prompt))
+        pos += list(range(prompt))
+        slots += [tables[-1][p // block_size] * block_size + p % block_size for p in range(prompt)]
+        starts.append(rows + prompt)
+        lens.append(prompt)
+    step = StepInput(ids, pos, slots, tables, starts, lens, list(range(rows)) + ([len(ids) - 1] if prompt else []))
+    graphs = runner.prefill_graphs if prompt else runner.decode_graphs
+    bucket = graphs.bucket(len(ids) if prompt else rows)
+
+    def ms_per_step() -> float:
+        graphs.run(step, bucket)
+        run.sync()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            graphs.run(step, bucket)
+        run.sync()
+        return (time.perf_counter() - t0) / iters * 1e3
+
+    captured = graphs.capture
+    replayed = graphs.run(step, bucket).clone()
+    replay_ms = ms_per_step()
+    graphs.capture = False
+    try:
+        eager = graphs.run(step, bucket).clone()
+        eager_ms = ms_per_step()
+    finally:
+        graphs.capture = captured
+    return {"kind": graphs.kind, "rows": rows, "prompt": prompt, "bucket": bucket, "context": context,
+            "captured": captured, "outputs_equal": bool(torch.equal(replayed, eager)),
+            "replay_ms": round(replay_ms, 3), "eager_ms": round(eager_ms, 3), "speedup": round(eager_ms / replay_ms, 2)}
 
 
 def _single_stream(llm, sampling_params_cls, prompt: list[int], output_len: int, name: str) -> float:
@@ -141,7 +285,7 @@ def _single_stream(llm, sampling_params_cls, prompt: list[int], output_len: int,
 def _step_profile(llm, sampling_params_cls, prompt: list[int], run, steps: int) -> dict:
     """``steps`` single-stream decode steps under torch.profiler: per step, the wall time, the
     device's kernel time (the rest is the host: Python, launches, the sampler's sync) and the
-    kernel launches; the five kernels with the most device time."""
+    kernel launches; the twelve kernels with the most device time."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -164,77 +308,10 @@ def _step_profile(llm, sampling_params_cls, prompt: list[int], run, steps: int) 
         if event.device_type == DeviceType.CUDA:
             kernels.setdefault(event.name, []).append(event.time_range.elapsed_us())
     device_us = sum(sum(v) for v in kernels.values())
-    top = sorted(kernels.items(), key=lambda kv: -sum(kv[1]))[:5]
+    top = sorted(kernels.items(), key=lambda kv: -sum(kv[1]))[:12]
     return {"steps": steps, "wall_ms_per_step": round(wall / steps * 1e3, 3),
             "device_kernel_ms_per_step": round(device_us / steps / 1e3, 3),
             "device_busy_fraction": round(device_us / 1e6 / wall, 4) if wall else None,
-            "kernel_launches_per_step": round(sum(len(v) for v in kernels.values()) / steps, 1),
+            "kernel_events_per_step": round(sum(len(v) for v in kernels.values()) / steps, 1),
             "top_kernels": [{"name": name[:80], "ms_per_step": round(sum(v) / steps / 1e3, 3),
                              "launches_per_step": round(len(v) / steps, 1)} for name, v in top]}
-
-
-def _graph_probe(llm, run, context: int, iters: int = 20) -> dict:
-    """The model's forward pass for one decode row at ``context`` tokens, eagerly and replayed as
-    a CUDA graph (the same kernels on the same static tensors): milliseconds of each and whether
-    their outputs are equal. What capturing decode steps would save; the engine does not yet.
-    The step writes its KV into the pool's first blocks: run it with no request in flight."""
-    from pagefleet.worker.model_executor.model_runner import StepInput
-
-    runner = llm.engine.executor.runner
-    block_size = runner.kv_caches[0][0].shape[1]
-    blocks = list(range(-(-context // block_size)))  # the pool's first blocks, in order
-    slot = blocks[-1] * block_size + (context - 1) % block_size
-    step = StepInput([0], [context - 1], [slot], [blocks], [0, 1], [context], [0])
-    with torch.inference_mode():  # as the engine builds them
-        input_ids, positions, meta, _ = runner._tensors(step)
-
-    def forward():
-        return runner.model(input_ids, positions, meta, runner.kv_caches)
-
-    def ms_per_call(fn) -> float:
-        fn()
-        run.sync()
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        run.sync()
-        return (time.perf_counter() - t0) / iters * 1e3
-
-    with torch.inference_mode():
-        eager = forward().clone()
-        eager_ms = ms_per_call(forward)
-        if run.device.type != "cuda":
-            return {"context": context, "eager_forward_ms": round(eager_ms, 3), "graph_replay_ms": None,
-                    "outputs_equal": None, "note": "CUDA graphs need a CUDA device"}
-        try:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):  # warm-up off the default stream, as capture requires
-                for _ in range(2):
-                    forward()
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                captured = forward()
-            graph.replay()
-            run.sync()
-        except Exception as e:  # what stops a capture is the finding; the section goes on
-            return {"context": context, "eager_forward_ms": round(eager_ms, 3), "graph_replay_ms": None,
-                    "outputs_equal": None, "capture_error": f"{type(e).__name__}: {str(e)[:300]}"}
-        equal = bool(torch.equal(captured, eager))
-        graph_ms = ms_per_call(graph.replay)
-    return {"context": context, "eager_forward_ms": round(eager_ms, 3), "graph_replay_ms": round(graph_ms, 3),
-            "speedup": round(eager_ms / graph_ms, 2), "outputs_equal": equal}
-
-
-@contextlib.contextmanager
-def _kernels_env(choice: str):
-    saved = os.environ.get("PAGEFLEET_KERNELS")
-    os.environ["PAGEFLEET_KERNELS"] = choice
-    try:
-        yield
-    finally:
-        if saved is None:
-            os.environ.pop("PAGEFLEET_KERNELS", None)
-        else:
-            os.environ["PAGEFLEET_KERNELS"] = saved

@@ -12,7 +12,8 @@ pytest.importorskip("triton")
 
 ROOT = Path(__file__).resolve().parents[2]
 KERNELS = {"rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_embedding", "write_kv_cache",
-           "paged_attention", "paged_attention_decode", "paged_attention_split_kv"}
+           "paged_attention", "paged_attention_decode", "paged_attention_split_kv", "write_kv_cache_fp8",
+           "paged_attention_fp8", "paged_attention_split_kv_fp8", "fp8_weight_matmul"}
 BANDWIDTH = {"torch_copy (practical ceiling)", "paged_attention_decode", "paged_attention_decode_small_batch",
              "rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_embedding", "write_kv_cache"}
 
@@ -40,17 +41,31 @@ def test_gpu_check_dry_run_prints_every_result():
     assert {b["kernel"] for b in bandwidth} == BANDWIDTH
     assert all(b["bytes"] > 0 and b["time_us"] > 0 and "fraction_of_peak" in b for b in bandwidth)
 
-    (setup,) = by_check["engine_setup"]
-    assert setup["weight_bytes"] > setup["decode_step_weight_bytes"] > 0
-    (throughput,) = by_check["engine_throughput"]
-    assert throughput["output_tokens"] == throughput["num_requests"] * throughput["output_len"] == 16
-    assert {"output_tokens_per_s", "roofline_tokens_per_s", "fraction_of_roofline"} <= throughput.keys()
-    (single,) = by_check["engine_single_stream"]
-    assert single["per_token_latency_ms"] > 0
-    assert {"roofline_ms", "fraction_of_roofline"} <= single.keys()
-    (profile,) = by_check["engine_step_profile"]
-    # on CPU no device kernel is seen: the whole step is host time
-    assert (profile["steps"], profile["device_kernel_ms_per_step"], profile["kernel_launches_per_step"]) == (4, 0, 0)
-    assert profile["wall_ms_per_step"] > 0 and profile["top_kernels"] == []
-    (probe,) = by_check["engine_decode_graph_probe"]
-    assert probe["eager_forward_ms"] > 0 and (probe["graph_replay_ms"], probe["outputs_equal"]) == (None, None)
+    variants = ["bf16, CUDA graphs", "bf16, eager", "fp8 weights", "fp8 KV cache"]
+    assert [s["variant"] for s in by_check["engine_setup"]] == variants
+    for setup in by_check["engine_setup"]:
+        assert setup["weight_bytes"] > setup["decode_step_weight_bytes"] > 0
+        assert (setup["kv_pool_blocks"], setup["kv_pool_sized_by"]) == (20, "kv_cache_bytes")  # 320 tokens
+    assert [t["variant"] for t in by_check["engine_throughput"]] == variants
+    for throughput in by_check["engine_throughput"]:
+        assert throughput["output_tokens"] == throughput["num_requests"] * throughput["output_len"] == 16
+        assert {"output_tokens_per_s", "roofline_tokens_per_s", "fraction_of_roofline"} <= throughput.keys()
+    assert [s["variant"] for s in by_check["engine_single_stream"]] == variants
+    assert all(s["per_token_latency_ms"] > 0 for s in by_check["engine_single_stream"])
+    assert [t["variant"] for t in by_check["engine_ttft"]] == variants
+    # Every other engine against the first on the same weights: bf16 eager gives the same logits.
+    logits = {line["variant"]: line for line in by_check["engine_logits_vs_bf16"]}
+    assert list(logits) == variants[1:]
+    assert logits["bf16, eager"]["cosine_min"] == 1.0 and logits["bf16, eager"]["greedy_agreement"] == 1.0
+    assert all(line["positions"] == 32 for line in logits.values())
+    # On CPU the graph path runs uncaptured, and equals the eager forward exactly.
+    graph_lines = by_check["engine_graph_vs_eager"]
+    assert [(g["kind"], g["rows"], g["prompt"], g["bucket"], g["captured"], g["outputs_equal"])
+            for g in graph_lines] == [("decode", 1, 0, 1, False, True), ("decode", 3, 0, 4, False, True),
+                                      ("prefill and mixed", 0, 12, 16, False, True),
+                                      ("prefill and mixed", 2, 9, 16, False, True)]
+    profiles = by_check["engine_step_profile"]
+    assert [p["variant"] for p in profiles] == ["bf16, CUDA graphs", "fp8 weights"]
+    for profile in profiles:  # on CPU no device kernel is seen: the whole step is host time
+        assert (profile["steps"], profile["device_kernel_ms_per_step"], profile["kernel_events_per_step"]) == (4, 0, 0)
+        assert profile["wall_ms_per_step"] > 0 and profile["top_kernels"] == []
