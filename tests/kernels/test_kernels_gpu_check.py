@@ -41,7 +41,7 @@ def test_gpu_check_dry_run_prints_every_result():
     assert {b["kernel"] for b in bandwidth} == BANDWIDTH
     assert all(b["bytes"] > 0 and b["time_us"] > 0 and "fraction_of_peak" in b for b in bandwidth)
 
-    variants = ["bf16, CUDA graphs", "bf16, eager", "fp8 weights", "fp8 KV cache"]
+    variants = ["bf16, CUDA graphs", "fp8 weights", "fp8 KV cache", "bf16, eager"]
     assert [s["variant"] for s in by_check["engine_setup"]] == variants
     for setup in by_check["engine_setup"]:
         assert setup["weight_bytes"] > setup["decode_step_weight_bytes"] > 0
