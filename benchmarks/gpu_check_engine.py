@@ -1,7 +1,7 @@
-"""The GPU check's engine section: a random-weight Llama-3-8B-shaped model as four engines (bf16
-with CUDA graphs, FP8 weights, FP8 KV cache, bf16 eager), each measured for single-stream
-decode, the TTFT of a 512-token prompt and offline throughput against the memory-bandwidth
-roofline, and the FP8 ones for next-token logits against bf16's. The first engine sizes its KV
+"""The GPU check's engine section: a random-weight Llama-3-8B-shaped model as five engines (bf16
+with CUDA graphs, the same with greedy windows of 8 decode steps, FP8 weights, FP8 KV cache,
+bf16 eager), each measured for single-stream decode, the TTFT of a 512-token prompt and offline
+throughput against the memory-bandwidth roofline, and for next-token logits against the first's. The first engine sizes its KV
 pool from device memory, replays its graphs against the same forward run eagerly, and profiles
 where a decode step's time goes (device kernel time against wall time, kernel launches).
 Run through gpu_check.py, which passes its ``Run`` (device, peak bandwidth, time budget, emit)."""
@@ -50,6 +50,7 @@ def write_checkpoint_config(path: Path, shape: dict) -> None:
 # (name, options, the throughput batches it runs).
 VARIANTS = [
     ("bf16, CUDA graphs", {}, (64, 256)),
+    ("bf16, greedy windows of 8", {"num_scheduler_steps": 8}, (64, 256)),
     ("fp8 weights", {"quantization": "fp8"}, (64, 256)),
     ("fp8 KV cache", {"kv_cache_dtype": "fp8"}, (64, 256)),
     ("bf16, eager", {"enforce_eager": True}, (64,)),  # last: the slowest, and what matters least
@@ -107,7 +108,7 @@ def _check_variant(run, tmp: str, shape: dict, name: str, options: dict, batches
     llm = LLM(**kwargs)
     startup_s = time.monotonic() - t0
     runner = llm.engine.executor.runner
-    if tiny and not options:
+    if tiny and not options.get("enforce_eager"):
         runner.use_graphs(capture=False)  # CPU: the static-buffer path the GPU captures
     model = runner.model
     graphs = runner.decode_graphs
@@ -270,16 +271,16 @@ def _graph_vs_eager(runner, rows: int, run, context: int, prompt: int = 0, iters
 
 
 def _single_stream(llm, sampling_params_cls, prompt: list[int], output_len: int, name: str) -> float:
-    """Median seconds per decode step of one request (the first step, its prefill, is left out)."""
+    """Seconds per output token of one request after its first (the prefill step's) token: the
+    decode steps' time over their tokens (a greedy window's step gives several)."""
     engine = llm.engine
     engine.add_request(f"single-{name}", prompt, sampling_params_cls(temperature=0.0, max_tokens=output_len,
                                                                     ignore_eos=True))
-    steps = []
+    engine.step()  # prefill, and the first token
+    t0 = time.perf_counter()
     while engine.has_unfinished():
-        t0 = time.perf_counter()
-        engine.step()  # samples on the host: the step's GPU work is finished when it returns
-        steps.append(time.perf_counter() - t0)
-    return statistics.median(steps[1:])
+        engine.step()  # the step's tokens are on the host when it returns
+    return (time.perf_counter() - t0) / (output_len - 1)
 
 
 def _step_profile(llm, sampling_params_cls, prompt: list[int], run, steps: int) -> dict:

@@ -68,6 +68,16 @@ class EngineArgs:
     log_stats_interval: float = option(10.0, metavar="SECONDS",
                                        help="seconds between engine stats lines (throughput, queue, KV usage, "
                                             "prefix hits) while busy; 0 turns them off")
+    num_scheduler_steps: int = option(1, metavar="N",
+                                      help="decode steps per scheduling round, as vLLM's flag: the GPU runs N "
+                                           "decode steps back to back, each fed the previous one's greedy tokens "
+                                           "on the device, while the host checks the tokens already out (stops, "
+                                           "text), so the GPU does not wait on the host between steps. Applies "
+                                           "to rounds of plain greedy decoding on one GPU with CUDA graphs (no "
+                                           "prompt in the step; no logprobs, penalties, grammar or min_tokens "
+                                           "left); others run one step at a time. Tokens then arrive N at a "
+                                           "time, and a sequence that stops mid-round has computed the rest "
+                                           "for nothing")
     stream_interval: int = option(1, metavar="N",
                                   help="tokens per streamed delta, as vLLM's flag: a request's first and last "
                                        "tokens go out at once, the others once N have gathered, so the "
@@ -142,7 +152,7 @@ class EngineArgs:
             raise ValueError("trust_remote_code is not supported: pagefleet never runs code from a model "
                              "directory; it runs Llama, Mistral, Qwen2 and Qwen3 checkpoints with its own code")
         for name in ("max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size", "max_stop_strings",
-                     "max_stop_string_chars", "max_stop_token_ids", "stream_interval"):
+                     "max_stop_string_chars", "max_stop_token_ids", "stream_interval", "num_scheduler_steps"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")

@@ -40,6 +40,14 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+def _greedy_only(seq: Sequence) -> bool:
+    """Whether ``seq``'s next tokens are plain argmaxes of its logits (what a greedy window runs
+    on the device): greedy, and nothing the sampler does on the host."""
+    p = seq.params
+    return (p.greedy and p.logprobs is None and seq.grammar is None and p.repetition_penalty == 1.0
+            and not p.presence_penalty and not p.frequency_penalty and seq.num_output_tokens >= p.min_tokens)
+
+
 def resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -199,6 +207,8 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if not out.scheduled:
             return self._collect(arrived_done)
+        if self.args.num_scheduler_steps > 1 and (done := self._greedy_window(out, started)) is not None:
+            return self._collect(done | arrived_done)
         step = build_step_input(out, self.args.block_size, self.kv.block_ids)
         try:
             logits = self.executor.execute(step)
@@ -214,6 +224,52 @@ class LLMEngine:
         took = time.monotonic() - started
         self.step_time_s = took if not self.step_time_s else 0.8 * self.step_time_s + 0.2 * took
         return self._collect({item.seq.request_id for item in out.scheduled} | arrived_done)
+
+    def _greedy_window(self, out, started: float) -> set[str] | None:
+        """Several decode steps of ``out``'s sequences in one go (``num_scheduler_steps``), the
+        device feeding each step the previous one's greedy tokens while the host checks those
+        already out; the request ids it stepped, or None (nothing run) where the round does not
+        qualify: a prompt in the step, a sequence sampling on the host (not greedy, logprobs,
+        penalties, a grammar, min_tokens to go), no room for the window's KV, or a runner without
+        CUDA graphs' static buffers."""
+        seqs = [item.seq for item in out.scheduled]
+        window = self.args.num_scheduler_steps
+        if (out.preempted or not all(item.num_new_tokens == 1 and item.sample for item in out.scheduled)
+                or any(s.num_tokens + window > self.model_config.max_model_len or not _greedy_only(s)
+                       for s in seqs)):
+            return None
+        # Room for the window's tokens now (a full pool: step by step instead). The first
+        # token's slot was allocated by the schedule; blocks are published only over known tokens.
+        if not all(self.kv.allocate(s, window) for s in seqs):
+            return None
+        steps = [build_step_input(out, self.args.block_size, self.kv.block_ids)]
+        for j in range(1, window):
+            first = steps[0]
+            positions = [p + j for p in first.positions]
+            tables = first.block_tables
+            bs = self.args.block_size
+            slots = [t[p // bs] * bs + p % bs for t, p in zip(tables, positions)]
+            steps.append(type(first)([0] * len(seqs), positions, slots, tables, first.query_start_loc,
+                                     [n + j for n in first.seq_lens], first.logits_indices))
+        runs = self.executor.decode_greedy(steps) if hasattr(self.executor, "decode_greedy") else None
+        if runs is None:
+            return None
+        try:
+            for tokens in runs:
+                for seq, token in zip(seqs, tokens, strict=True):
+                    if seq.is_finished:
+                        continue  # stopped earlier in the window: the rest of its tokens are dropped
+                    seq.num_computed_tokens += 1
+                    seq.append_token(token)
+                    self._postprocess(seq)
+                self.kv.commit_step()
+        except BaseException:
+            self.kv.unpublish_step()
+            raise
+        self.num_steps += window
+        took = (time.monotonic() - started) / window
+        self.step_time_s = took if not self.step_time_s else 0.8 * self.step_time_s + 0.2 * took
+        return {seq.request_id for seq in seqs}
 
     def _postprocess(self, seq: Sequence) -> None:
         """Detokenize a sequence's new token and end it if that token stops it."""

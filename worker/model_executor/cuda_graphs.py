@@ -24,6 +24,7 @@ from __future__ import annotations
 import bisect
 import logging
 import time
+from collections.abc import Iterator
 
 import torch
 
@@ -134,6 +135,43 @@ class DecodeGraphs:
         if step.logits_indices == list(range(n)):
             return self.logits[:n]
         return self.logits.index_select(0, torch.tensor(step.logits_indices, device=self.logits.device))
+
+    @torch.inference_mode()
+    def run_greedy(self, steps: list, rows: int) -> Iterator[list[int]]:
+        """Decode steps back to back, each taking the previous one's greedy tokens as its input:
+        ``steps`` are the StepInputs of one window over the same sequences (the first with its
+        input ids, the others with their positions, slots and lengths; their input ids unread).
+        Every step is queued on the device at once; the argmax tokens of each come back as it
+        finishes, so the caller checks step j while the device runs step j + 1."""
+        b, n, k = self.buffers, len(steps[0].seq_lens), len(steps)
+        device = b.device
+        b.fill(steps[0], pad_to=rows)
+        # [k, 3, n]: each later step's positions, slots and sequence lengths, sent in one copy.
+        ahead = torch.tensor([[s.positions, s.slot_mapping, s.seq_lens] for s in steps], dtype=torch.int64,
+                             device=device)
+        tokens = torch.empty(k, n, dtype=torch.int64, device=device)
+        on_gpu = device.type == "cuda"
+        host = torch.empty(k, n, dtype=torch.int64, pin_memory=True) if on_gpu else tokens
+        done = []
+        for j in range(k):
+            if j:
+                b.positions(n).copy_(ahead[j, 0])
+                b.slot_mapping(n).copy_(ahead[j, 1])
+                b.seq_lens(n).copy_(ahead[j, 2])
+                b.input_ids(n).copy_(tokens[j - 1])
+            if self.capture:
+                self.graphs[rows].replay()
+            else:
+                self._forward(rows)
+            torch.argmax(self.logits[:n], dim=-1, out=tokens[j])
+            if on_gpu:
+                host[j].copy_(tokens[j], non_blocking=True)
+                done.append(torch.cuda.Event())
+                done[-1].record()
+        for j in range(k):
+            if on_gpu:
+                done[j].synchronize()
+            yield host[j].tolist()
 
 
 class PrefillGraphs(DecodeGraphs):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -190,6 +191,13 @@ class ModelRunner:
         return (torch.tensor(step.input_ids, dtype=torch.int64, device=dev),
                 torch.tensor(step.positions, dtype=torch.int64, device=dev), meta,
                 torch.tensor(step.logits_indices, dtype=torch.int64, device=dev))
+
+    def decode_greedy(self, steps: list[StepInput]) -> Iterator[list[int]] | None:
+        """Run ``steps`` (one window of decode steps over the same sequences, ``DecodeGraphs.run_greedy``)
+        and yield each one's greedy tokens; None where this runner cannot (no static buffers)."""
+        graphs = self.decode_graphs
+        rows = graphs.bucket(len(steps[0].seq_lens)) if graphs is not None else None
+        return None if rows is None else graphs.run_greedy(steps, rows)
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> torch.Tensor | None:

@@ -58,6 +58,12 @@ class UniProcExecutor:
     def execute(self, step: StepInput) -> torch.Tensor | None:
         return self._runner().execute(step)
 
+    def decode_greedy(self, steps: list[StepInput]):
+        """Several greedy decode steps in one go (``ModelRunner.decode_greedy``); None where the
+        runner cannot. One rank only: a tensor-parallel executor has no such method."""
+        runner = self._runner()
+        return runner.decode_greedy(steps) if isinstance(runner, ModelRunner) else None
+
     def check_health(self) -> None:
         self._runner()  # no other process to lose: only a shut-down executor is unhealthy
 
