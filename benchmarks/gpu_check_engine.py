@@ -1,9 +1,10 @@
 """The GPU check's engine section: a random-weight Llama-3-8B-shaped model as five engines (bf16
 with CUDA graphs, the same with greedy windows of 8 decode steps, FP8 weights, FP8 KV cache,
 bf16 eager), each measured for single-stream decode, the TTFT of a 512-token prompt and offline
-throughput against the memory-bandwidth roofline, and for next-token logits against the first's. The first engine sizes its KV
-pool from device memory, replays its graphs against the same forward run eagerly, and profiles
-where a decode step's time goes (device kernel time against wall time, kernel launches).
+throughput against the memory-bandwidth roofline, and for next-token logits against the first's.
+The first engine sizes its KV pool from device memory, replays its graphs against the same
+forward run eagerly, and profiles where a decode step's time goes (device kernel time against
+wall time, kernel launches); the FP8-weight one profiles its decode steps too.
 Run through gpu_check.py, which passes its ``Run`` (device, peak bandwidth, time budget, emit)."""
 
 from __future__ import annotations
