@@ -11,6 +11,8 @@ cores with per-token activation scales (worker/model_executor/fp8.py).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton.language as tl
 
@@ -39,6 +41,7 @@ def _fp8_weight_matmul_kernel(
     BLOCK_K: tl.constexpr,
     UPCAST: tl.constexpr,         # interpreter: dots on fp32 copies (bf16 is uint16 in numpy)
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 activations (no tf32 rounding)
+    LOAD_NK: tl.constexpr,        # load weight tiles [BLOCK_N, BLOCK_K] (rows along memory), then transpose
 ):
     offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -52,7 +55,11 @@ def _fp8_weight_matmul_kernel(
         kk = k0 + offs_k
         k_mask = kk < k
         x = tl.load(x_rows + kk[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
-        w = tl.load(w_cols + kk[:, None], mask=k_mask[:, None] & n_mask[None, :], other=0.0)  # [BLOCK_K, BLOCK_N]
+        if LOAD_NK:
+            w = tl.trans(tl.load(w_ptr + offs_n.to(tl.int64)[:, None] * stride_w + kk[None, :],
+                                 mask=n_mask[:, None] & k_mask[None, :], other=0.0))  # [BLOCK_K, BLOCK_N]
+        else:
+            w = tl.load(w_cols + kk[:, None], mask=k_mask[:, None] & n_mask[None, :], other=0.0)  # [BLOCK_K, BLOCK_N]
         w = w.to(x_ptr.dtype.element_ty)  # exact: every e4m3 value is a bf16, fp16 and fp32 value
         if UPCAST:
             x = x.to(tl.float32)
@@ -65,10 +72,29 @@ def _fp8_weight_matmul_kernel(
              mask=m_mask[:, None] & n_mask[None, :])
 
 
+@dataclass(frozen=True, slots=True)
+class FP8MatmulConfig:
+    """Launch shape (the default comes from ``default_config``; benchmarks sweep others)."""
+
+    block_n: int     # output columns a program; power of 2, >= 16
+    block_k: int     # weight bytes a row per tile; power of 2, >= 16
+    num_warps: int
+    num_stages: int
+    load_nk: bool = False  # weight tiles loaded row-major and transposed in registers
+
+
+def default_config(n: int) -> FP8MatmulConfig:
+    # Few output columns a program (16 for the 4096-wide projections) so that a narrow layer
+    # still spreads over every SM: each program streams BLOCK_N rows of the weight.
+    return FP8MatmulConfig(block_n=64 if n >= 16384 else 16, block_k=256, num_warps=4, num_stages=4)
+
+
 def fp8_weight_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                      bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+                      bias: torch.Tensor | None, out_dtype: torch.dtype,
+                      config: FP8MatmulConfig | None = None) -> torch.Tensor:
     """x: [T, K] float, T <= MAX_TOKENS; weight: [N, K] float8_e4m3fn; weight_scale: [N] fp32;
-    bias: [N] or None -> [T, N] out_dtype: (x @ weight.T) * weight_scale + bias, fp32 sums."""
+    bias: [N] or None -> [T, N] out_dtype: (x @ weight.T) * weight_scale + bias, fp32 sums.
+    config: force the launch shape (tests, tuning)."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"need x [T, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
     if weight.dtype != torch.float8_e4m3fn or weight_scale.shape != (weight.shape[0],):
@@ -84,17 +110,15 @@ def fp8_weight_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch
     out = torch.empty((num_tokens, n), dtype=out_dtype, device=device)
     if num_tokens == 0 or n == 0:
         return out
-    # 16 rows is the tl.dot minimum. Few output columns a program (16 for the 4096-wide
-    # projections) so that a narrow layer still spreads over every SM: each program streams
-    # BLOCK_N rows of the weight, 256 bytes of each at a time.
-    block_m = max(16, 1 << (num_tokens - 1).bit_length())
-    block_n = 64 if n >= 16384 else 16
-    grid = (-(-n // block_n), -(-num_tokens // block_m))
+    config = config or default_config(n)
+    block_m = max(16, 1 << (num_tokens - 1).bit_length())  # 16 rows: the tl.dot minimum
+    grid = (-(-n // config.block_n), -(-num_tokens // block_m))
     _fp8_weight_matmul_kernel.on(device)[grid](
         x_ptr=x, w_ptr=weight, scale_ptr=weight_scale, bias_ptr=bias if bias is not None else weight_scale,
         out_ptr=out, num_tokens=num_tokens, n=n, k=k, stride_x=x.stride(0), stride_w=weight.stride(0),
-        stride_out=out.stride(0), HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=256,
-        UPCAST=interpreted(device), DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        num_warps=4, num_stages=4,
+        stride_out=out.stride(0), HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k, UPCAST=interpreted(device),
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", LOAD_NK=config.load_nk,
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out

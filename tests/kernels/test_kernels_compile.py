@@ -124,6 +124,9 @@ LAUNCHERS = {
     "fp8_weight_matmul_narrow": lambda: fp8_weight_matmul.fp8_weight_matmul(
         torch.randn(64, 14336).bfloat16(), torch.zeros(4096, 14336, dtype=torch.float8_e4m3fn), torch.ones(4096),
         torch.randn(4096).bfloat16(), torch.bfloat16),
+    "fp8_weight_matmul_load_nk": lambda: fp8_weight_matmul.fp8_weight_matmul(
+        torch.randn(1, 4096).bfloat16(), torch.zeros(4096, 4096, dtype=torch.float8_e4m3fn), torch.ones(4096),
+        None, torch.bfloat16, config=fp8_weight_matmul.FP8MatmulConfig(32, 512, 8, 3, load_nk=True)),
 }
 
 

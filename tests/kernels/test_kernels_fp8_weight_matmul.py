@@ -12,7 +12,11 @@ import torch
 pytest.importorskip("triton")
 
 from pagefleet.kernels import reference  # noqa: E402
-from pagefleet.kernels.fp8_weight_matmul import MAX_TOKENS, fp8_weight_matmul  # noqa: E402
+from pagefleet.kernels.fp8_weight_matmul import (  # noqa: E402
+    MAX_TOKENS,
+    FP8MatmulConfig,
+    fp8_weight_matmul,
+)
 
 FP8 = torch.float8_e4m3fn
 EPS32 = torch.finfo(torch.float32).eps
@@ -35,8 +39,19 @@ def test_fp8_weight_matmul_matches_twin(dtype, tokens, n, k):
         got = fp8_weight_matmul(x, w, scale, b, dtype)
         want = reference.fp8_weight_matmul(x, w, scale, b, dtype)
         assert got.shape == want.shape == (tokens, n) and got.dtype == dtype
-        bound = k * EPS32 * (x.float().abs() @ w.float().abs().t()) * scale + torch.finfo(dtype).eps * want.float().abs()
+        bound = (k * EPS32 * (x.float().abs() @ w.float().abs().t()) * scale
+                 + torch.finfo(dtype).eps * want.float().abs())
         assert ((got.float() - want.float()).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("config", [FP8MatmulConfig(32, 64, 4, 2, load_nk=True), FP8MatmulConfig(16, 128, 8, 3)])
+def test_every_launch_shape_computes_the_same_product(config):
+    x, w, scale, bias = _operands(9, 80, 300, torch.bfloat16, seed=1)
+    got = fp8_weight_matmul(x, w, scale, bias, torch.bfloat16, config=config)
+    want = reference.fp8_weight_matmul(x, w, scale, bias, torch.bfloat16)
+    bound = (300 * EPS32 * (x.float().abs() @ w.float().abs().t()) * scale
+             + torch.finfo(torch.bfloat16).eps * want.float().abs())
+    assert ((got.float() - want.float()).abs() <= bound).all()
 
 
 def test_the_twin_is_the_dequantized_product():
