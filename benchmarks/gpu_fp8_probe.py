@@ -23,7 +23,8 @@ import torch
 
 from pagefleet.kernels.fp8_weight_matmul import FP8MatmulConfig, default_config, fp8_weight_matmul
 
-from gpu_check_engine import LLAMA3_8B, TINY, _prompt_logits, write_checkpoint_config  # beside this file
+from fp8_weights_check import time_ms  # beside this file
+from gpu_check_engine import LLAMA3_8B, TINY, _prompt_logits, write_checkpoint_config
 
 CONFIGS = [FP8MatmulConfig(*c) for c in [
     (16, 256, 4, 4, False), (32, 256, 4, 4, False), (64, 256, 4, 4, False), (64, 128, 4, 4, False),
@@ -36,19 +37,11 @@ def emit(**fields) -> None:
 
 
 def time_us(fn, device, iters: int = 20) -> float:
+    if device.type == "cuda":
+        return time_ms(fn, iters) * 1e3
+    t0 = time.perf_counter()  # the dry run: one call, to prove the path
     fn()
-    if device.type != "cuda":
-        t0 = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t0) * 1e6
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / iters
+    return (time.perf_counter() - t0) * 1e6
 
 
 def sweep(device, tiny: bool) -> None:

@@ -64,14 +64,16 @@ class DecodeGraphs:
 
     def __init__(self, model, kv_caches, buffers: StepBuffers, max_num_seqs: int, vocab_size: int,
                  capture: bool) -> None:
+        self._setup(model, kv_caches, buffers, decode_buckets(max_num_seqs), capture)
+        # [max_num_seqs, vocab] fp32: every bucket's logits land in its leading rows.
+        self.logits = torch.empty(max_num_seqs, vocab_size, dtype=torch.float32, device=buffers.device)
+
+    def _setup(self, model, kv_caches, buffers: StepBuffers, buckets: list[int], capture: bool) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.buffers = buffers
-        self.buckets = decode_buckets(max_num_seqs)
+        self.buckets = buckets
         self.capture = capture
-        device = buffers.device
-        # [max_num_seqs, vocab] fp32: every bucket's logits land in its leading rows.
-        self.logits = torch.empty(max_num_seqs, vocab_size, dtype=torch.float32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.capture_s = 0.0
         self.pool_bytes = 0
@@ -179,18 +181,11 @@ class PrefillGraphs(DecodeGraphs):
 
     def __init__(self, model, kv_caches, buffers: StepBuffers, max_num_seqs: int, hidden_size: int,
                  capture: bool) -> None:
-        self.model = model
-        self.kv_caches = kv_caches
-        self.buffers = buffers
+        self._setup(model, kv_caches, buffers, token_buckets(buffers.max_tokens), capture)
         self.max_num_seqs = max_num_seqs
-        self.buckets = token_buckets(buffers.max_tokens)
-        self.capture = capture
-        dtype = model.embed_tokens.weight.dtype
         # [max_tokens, hidden]: the final hidden states of every bucket's tokens.
-        self.hidden = torch.empty(buffers.max_tokens, hidden_size, dtype=dtype, device=buffers.device)
-        self.graphs = {}
-        self.capture_s = 0.0
-        self.pool_bytes = 0
+        self.hidden = torch.empty(buffers.max_tokens, hidden_size, dtype=model.embed_tokens.weight.dtype,
+                                  device=buffers.device)
 
     def _forward(self, tokens: int) -> None:
         b, seqs = self.buffers, self.max_num_seqs
