@@ -86,17 +86,21 @@ class Scheduler:
 
     def update_from_output(self, out: SchedulerOutput, sampled: "SamplerOutput | None") -> list[Sequence]:
         """After the step ran: advance each scheduled sequence's progress and append the sampled
-        tokens (``sampled`` rows are ``out.sampled_seqs()``). Returns the sequences that got a token."""
+        tokens (``sampled`` rows are ``out.sampled_seqs()``), except to sequences that ended while the
+        step ran. Returns the sequences that got a token."""
         for item in out.scheduled:
             item.seq.num_computed_tokens += item.num_new_tokens
         if sampled is None:
             return []
-        seqs = out.sampled_seqs()
-        for seq, token, logprob in zip(seqs, sampled.token_ids, sampled.logprobs, strict=True):
+        got = []
+        for seq, token, logprob in zip(out.sampled_seqs(), sampled.token_ids, sampled.logprobs, strict=True):
+            if seq.is_finished:
+                continue  # ended while this step ran (a stop string found late): its token is dropped
             seq.append_token(token)
             if logprob is not None:
                 seq.logprobs.append(logprob)
-        return seqs
+            got.append(seq)
+        return got
 
     @staticmethod
     def _parent_ready(parent: Sequence) -> bool:

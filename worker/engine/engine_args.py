@@ -68,6 +68,12 @@ class EngineArgs:
     log_stats_interval: float = option(10.0, metavar="SECONDS",
                                        help="seconds between engine stats lines (throughput, queue, KV usage, "
                                             "prefix hits) while busy; 0 turns them off")
+    async_output_proc: bool | None = option(None, help="finish a step's outputs (detokenizing, stop strings, the "
+                                                        "deltas) while the device runs the next step, as vLLM's async "
+                                                        "output processing: a stop string then ends its sequence one "
+                                                        "step late, the extra token dropped. Default: on where the "
+                                                        "device computes asynchronously (CUDA, --simulate), off on "
+                                                        "CPU")
     num_scheduler_steps: int = option(1, metavar="N",
                                       help="decode steps per scheduling round, as vLLM's flag: the GPU runs N "
                                            "decode steps back to back, each fed the previous one's greedy tokens "

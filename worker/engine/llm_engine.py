@@ -21,6 +21,7 @@ from pagefleet.worker.core.sequence import Sequence, finish_reason
 from pagefleet.worker.core.worker_load import worker_load
 from pagefleet.worker.engine.detokenizer import IncrementalDetokenizer
 from pagefleet.worker.engine.engine_args import EngineArgs
+from pagefleet.worker.engine.greedy_window import run_greedy_window
 from pagefleet.worker.engine.resumed import ResumedStart, new_detokenizer, resumed_start
 from pagefleet.worker.metrics.stats import EngineStats
 from pagefleet.worker.model_executor.model_config import model_config_of
@@ -38,14 +39,6 @@ if TYPE_CHECKING:
     import xgrammar as xgr
 
 logger = logging.getLogger(__name__)
-
-
-def _greedy_only(seq: Sequence) -> bool:
-    """Whether ``seq``'s next tokens are plain argmaxes of its logits (what a greedy window runs
-    on the device): greedy, and nothing the sampler does on the host."""
-    p = seq.params
-    return (p.greedy and p.logprobs is None and seq.grammar is None and p.repetition_penalty == 1.0
-            and not p.presence_penalty and not p.frequency_penalty and seq.num_output_tokens >= p.min_tokens)
 
 
 def resolve_device(device: str) -> torch.device:
@@ -94,6 +87,12 @@ class LLMEngine:
         self._seq_ids = count()
         self.kv_events: KVEventSource | None = None  # set by enable_kv_events
         self.num_steps = 0
+        # async_output_proc: the previous step's sequences whose outputs wait (detokenize, stop
+        # strings) and the request ids its deltas cover; deltas already built for the next return.
+        self.async_output = args.async_output_proc if args.async_output_proc is not None else (
+            self.device.type == "cuda" or args.simulate is not None)
+        self._deferred: tuple[list[Sequence], set[str]] | None = None
+        self._deferred_deltas: list[RequestOutputDelta] = []
         # Recent seconds per step that ran something (moving average; 0 until one ran): the KV
         # events publish it, so admission control can tell when running sequences will end.
         self.step_time_s = 0.0
@@ -190,6 +189,11 @@ class LLMEngine:
         seqs = self.requests.get(request_id)
         if seqs is None:
             return None
+        if self._deferred is not None:  # its last token's text first, as a step would have made it
+            for seq in self._deferred[0]:
+                if seq.request_id == request_id and not seq.is_finished:
+                    self.postprocess(seq)
+            self._deferred = ([q for q in self._deferred[0] if q.request_id != request_id], self._deferred[1])
         for seq in seqs:
             self.scheduler.finish(seq, "abort")
         self._finished_on_arrival.discard(request_id)
@@ -206,72 +210,68 @@ class LLMEngine:
         started = time.monotonic()
         out = self.scheduler.schedule()
         if not out.scheduled:
-            return self._collect(arrived_done)
-        if self.args.num_scheduler_steps > 1 and (done := self._greedy_window(out, started)) is not None:
-            return self._collect(done | arrived_done)
+            return self._finish_deferred() + self._collect(arrived_done)
+        if self.args.num_scheduler_steps > 1:
+            earlier = self._finish_deferred()
+            done = run_greedy_window(self, out, started)
+            if done is not None:
+                return earlier + self._collect(done | arrived_done)
+            self._deferred_deltas = earlier
         step = build_step_input(out, self.args.block_size, self.kv.block_ids)
         try:
             logits = self.executor.execute(step)
         except BaseException:
             self.kv.unpublish_step()  # blocks hashed for this step hold no valid KV
             raise
+        # Asynchronous devices (CUDA, a simulated GPU) are computing now: the host finishes the
+        # previous step's outputs meanwhile.
+        earlier = self._finish_deferred()
         self.kv.commit_step()
         sampled_seqs = out.sampled_seqs()
         sampled = self.sampler(logits, sampled_seqs) if sampled_seqs else None
-        for seq in self.scheduler.update_from_output(out, sampled):
-            self._postprocess(seq)
+        got = self.scheduler.update_from_output(out, sampled)
         self.num_steps += 1
         took = time.monotonic() - started
         self.step_time_s = took if not self.step_time_s else 0.8 * self.step_time_s + 0.2 * took
-        return self._collect({item.seq.request_id for item in out.scheduled} | arrived_done)
+        stepped = {item.seq.request_id for item in out.scheduled} | arrived_done
+        if not self.async_output:
+            for seq in got:
+                self.postprocess(seq)
+            return earlier + self._collect(stepped)
+        # EOS, stop ids and lengths end sequences now, before the next schedule; the rest
+        # (detokenizing, stop strings, the deltas) waits for the next step's device time, if a
+        # next step there is.
+        waiting = [seq for seq in got if not self._ends_now(seq)]
+        if not (self.scheduler.running or self.scheduler.waiting):
+            for seq in waiting:
+                self.postprocess(seq)
+            return earlier + self._collect(stepped)
+        self._deferred = (waiting, stepped)
+        return earlier
 
-    def _greedy_window(self, out, started: float) -> set[str] | None:
-        """Several decode steps of ``out``'s sequences in one go (``num_scheduler_steps``), the
-        device feeding each step the previous one's greedy tokens while the host checks those
-        already out; the request ids it stepped, or None (nothing run) where the round does not
-        qualify: a prompt in the step, a sequence sampling on the host (not greedy, logprobs,
-        penalties, a grammar, min_tokens to go), no room for the window's KV, or a runner without
-        CUDA graphs' static buffers."""
-        seqs = [item.seq for item in out.scheduled]
-        window = self.args.num_scheduler_steps
-        if (out.preempted or not all(item.num_new_tokens == 1 and item.sample for item in out.scheduled)
-                or any(s.num_tokens + window > self.model_config.max_model_len or not _greedy_only(s)
-                       for s in seqs)):
-            return None
-        # Room for the window's tokens now (a full pool: step by step instead). The first
-        # token's slot was allocated by the schedule; blocks are published only over known tokens.
-        if not all(self.kv.allocate(s, window) for s in seqs):
-            return None
-        steps = [build_step_input(out, self.args.block_size, self.kv.block_ids)]
-        for j in range(1, window):
-            first = steps[0]
-            positions = [p + j for p in first.positions]
-            tables = first.block_tables
-            bs = self.args.block_size
-            slots = [t[p // bs] * bs + p % bs for t, p in zip(tables, positions)]
-            steps.append(type(first)([0] * len(seqs), positions, slots, tables, first.query_start_loc,
-                                     [n + j for n in first.seq_lens], first.logits_indices))
-        runs = self.executor.decode_greedy(steps) if hasattr(self.executor, "decode_greedy") else None
-        if runs is None:
-            return None
-        try:
-            for tokens in runs:
-                for seq, token in zip(seqs, tokens, strict=True):
-                    if seq.is_finished:
-                        continue  # stopped earlier in the window: the rest of its tokens are dropped
-                    seq.num_computed_tokens += 1
-                    seq.append_token(token)
-                    self._postprocess(seq)
-                self.kv.commit_step()
-        except BaseException:
-            self.kv.unpublish_step()
-            raise
-        self.num_steps += window
-        took = (time.monotonic() - started) / window
-        self.step_time_s = took if not self.step_time_s else 0.8 * self.step_time_s + 0.2 * took
-        return {seq.request_id for seq in seqs}
+    def _ends_now(self, seq: Sequence) -> bool:
+        """Finish ``seq`` now (detokenized, stop strings first, as ever) when its newest token ends
+        it whatever the text says; True if it did."""
+        if finish_reason(seq, None, self.model_config.eos_token_ids, self.model_config.max_model_len) is None:
+            return False
+        self.postprocess(seq)
+        return True
 
-    def _postprocess(self, seq: Sequence) -> None:
+    def _finish_deferred(self) -> list[RequestOutputDelta]:
+        """The previous step's deferred outputs (``async_output_proc``): detokenize its sequences,
+        end those a stop string ends (their token of the step now running is then dropped), and
+        build its deltas."""
+        deltas, self._deferred_deltas = self._deferred_deltas, []
+        if self._deferred is None:
+            return deltas
+        seqs, request_ids = self._deferred
+        self._deferred = None
+        for seq in seqs:
+            if not seq.is_finished:  # an abort may have ended it since
+                self.postprocess(seq)
+        return deltas + self._collect(request_ids)
+
+    def postprocess(self, seq: Sequence) -> None:
         """Detokenize a sequence's new token and end it if that token stops it."""
         self.generation_tokens_total += 1
         allowed = seq.num_output_tokens >= seq.params.min_tokens
@@ -284,7 +284,9 @@ class LLMEngine:
         """One delta per request, holding each sequence with new output or a new finish."""
         deltas = []
         for rid in request_ids:
-            seqs = self.requests[rid]
+            seqs = self.requests.get(rid)
+            if seqs is None:
+                continue  # ended and reported while its last step ran (async_output_proc)
             parts = [d for d in (self._sequence_delta(seq) for seq in seqs) if d is not None]
             finished = all(s.is_finished for s in seqs)
             deltas.append(RequestOutputDelta(rid, parts, seqs[0].num_prompt_tokens, seqs[0].num_cached_tokens,

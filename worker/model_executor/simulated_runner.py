@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import NamedTuple
 
 from pagefleet.cluster.plan.capacity import make_plan, step_roofline
 from pagefleet.cluster.plan.cli import PlanArgs, plan_inputs
@@ -20,6 +21,12 @@ from pagefleet.worker.model_executor.model_config import ModelConfig
 from pagefleet.worker.model_executor.model_runner import StepInput
 
 logger = logging.getLogger(__name__)
+
+
+class SimulatedForward(NamedTuple):
+    """A step queued on the simulated GPU: what the runner returns in place of logits."""
+
+    ready_at: float  # time.perf_counter() when the GPU has finished it
 
 
 class SimulatedModelRunner:
@@ -37,6 +44,7 @@ class SimulatedModelRunner:
         self.roofline: StepRoofline = step_roofline(inputs, plan.decode_weight_bytes_per_gpu,
                                                     plan.kv_bytes_per_token_per_gpu)
         self.efficiency = args.simulate_efficiency
+        self.ready_at = 0.0  # when the simulated GPU finishes what is queued on it
         logger.info("simulated %s (%d GPU(s) per replica): steps at %g of the roofline", self.gpu.name,
                     args.tensor_parallel_size, self.efficiency)
 
@@ -56,11 +64,13 @@ class SimulatedModelRunner:
         """The roofline's time of this step on one GPU, over the efficiency."""
         return self.roofline.cost(work_of(step)).seconds / self.efficiency
 
-    def execute(self, step: StepInput) -> None:
-        """Wait the step's time; no logits (the simulated sampler draws the tokens). Sleeps: an
-        engine waiting on its simulated GPU uses no CPU, as one waiting on a real GPU need not."""
-        sleep_until(time.perf_counter() + self.step_seconds(step))
-        return None
+    def execute(self, step: StepInput) -> SimulatedForward:
+        """Queue the step on the simulated GPU and return at once, as a CUDA launch does: it starts
+        when the GPU finishes what was queued before and takes the step's time. No logits: the
+        simulated sampler waits for it (sleeping: an engine waiting on its simulated GPU uses no
+        CPU, as one waiting on a real GPU need not) and draws the tokens."""
+        self.ready_at = max(time.perf_counter(), self.ready_at) + self.step_seconds(step)
+        return SimulatedForward(self.ready_at)
 
 
 def work_of(step: StepInput) -> StepWork:

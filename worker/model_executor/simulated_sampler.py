@@ -21,6 +21,7 @@ import torch
 from pagefleet.worker.core.sequence import Sequence
 from pagefleet.worker.model_executor.sampler import Sampler, SamplerOutput
 from pagefleet.worker.model_executor.seeding import draw_key, splitmix64
+from pagefleet.worker.model_executor.simulated_runner import SimulatedForward, sleep_until
 from pagefleet.worker.outputs import TokenLogprob
 
 # The drawn token's logit over the others' 0: e^40 outweighs any vocabulary.
@@ -37,7 +38,9 @@ class SimulatedSampler:
         self.rng = random.Random(seed)
         self.sampler = Sampler(eos_token_ids)
 
-    def __call__(self, logits: None, seqs: list[Sequence]) -> SamplerOutput:
+    def __call__(self, forward: SimulatedForward, seqs: list[Sequence]) -> SamplerOutput:
+        """``forward``: the step as the simulated runner queued it; its tokens exist once it is done."""
+        sleep_until(forward.ready_at)
         tokens = [self.draw(seq) for seq in seqs]
         logprobs: list[TokenLogprob | None] = [None] * len(seqs)
         full = [i for i, s in enumerate(seqs) if s.grammar is not None or s.params.logprobs is not None]

@@ -7,8 +7,9 @@ asynchronous copy; the device tensors are views of one device buffer at the same
 Those addresses never change, which is also what lets a CUDA graph read them
 (``cuda_graphs.DecodeGraphs``): a graph's inputs are these views, refilled each step.
 
-Reuse is safe because every step ends in a device-to-host copy of the sampled ids: by the time
-the host writes the next step's indices, the device has read this step's copy.
+The host buffer is rewritten only once the device has read the last copy out of it (an event
+recorded after the copy): a step that samples nothing does not wait for its device work, and
+the next step's indices must not overwrite what a queued copy has yet to read.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ class StepBuffers:
         self.host_np = self.host.numpy()
         # On CPU the host buffer is the device buffer: no copy at all.
         self.dev = torch.zeros(size, dtype=torch.int64, device=device) if pin else self.host
+        self._sent: torch.cuda.Event | None = None  # recorded after the last copy out of the host buffer
 
     # Device views at fixed addresses (what a captured graph reads).
     def input_ids(self, n: int) -> torch.Tensor:
@@ -87,6 +89,8 @@ class StepBuffers:
         ``pad_tokens=(tokens, seqs)``: any step padded to that many tokens and sequences; the
         padding tokens write no KV and lie past the last sequence (attention leaves them
         unwritten), the padding sequences are empty (no query, no context)."""
+        if self._sent is not None:
+            self._sent.synchronize()  # the last copy has left the host buffer (at once, as a rule)
         h = self.host_np
         t, b = len(step.input_ids), len(step.seq_lens)
         if pad_tokens is not None:
@@ -117,6 +121,8 @@ class StepBuffers:
         if self.dev is not self.host:
             used = self.off_table + rows * self.max_blocks
             self.dev[:used].copy_(self.host[:used], non_blocking=True)
+            self._sent = torch.cuda.Event()
+            self._sent.record()
         return rows
 
     def tensors(self, step, plan_attention) -> StepTensors:
