@@ -105,7 +105,7 @@ def test_an_engine_on_the_static_decode_path_generates_the_same_tokens(tiny_chec
     assert all(len(t) == 12 for t in expected)
 
 
-def test_a_step_sampling_every_prompt_position_fits_and_keeps_the_block_table(tiny_checkpoint):
+def test_a_step_sampling_every_prompt_position_fits_and_keeps_the_block_table():
     # A scoring step samples every position: more logits rows than sequences.
     buffers = StepBuffers(max_tokens=8, max_seqs=2, max_blocks=2, device=torch.device("cpu"))
     step = StepInput(input_ids=[1, 2, 3, 4, 5, 6, 7], positions=list(range(7)), slot_mapping=list(range(7)),
