@@ -88,11 +88,10 @@ class LLMEngine:
         self.kv_events: KVEventSource | None = None  # set by enable_kv_events
         self.num_steps = 0
         # async_output_proc: the previous step's sequences whose outputs wait (detokenize, stop
-        # strings) and the request ids its deltas cover; deltas already built for the next return.
+        # strings) and the request ids its deltas cover.
         self.async_output = args.async_output_proc if args.async_output_proc is not None else (
             self.device.type == "cuda" or args.simulate is not None)
         self._deferred: tuple[list[Sequence], set[str]] | None = None
-        self._deferred_deltas: list[RequestOutputDelta] = []
         # Recent seconds per step that ran something (moving average; 0 until one ran): the KV
         # events publish it, so admission control can tell when running sequences will end.
         self.step_time_s = 0.0
@@ -211,12 +210,12 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if not out.scheduled:
             return self._finish_deferred() + self._collect(arrived_done)
+        earlier: list[RequestOutputDelta] = []
         if self.args.num_scheduler_steps > 1:
             earlier = self._finish_deferred()
             done = run_greedy_window(self, out, started)
             if done is not None:
                 return earlier + self._collect(done | arrived_done)
-            self._deferred_deltas = earlier
         step = build_step_input(out, self.args.block_size, self.kv.block_ids)
         try:
             logits = self.executor.execute(step)
@@ -225,7 +224,7 @@ class LLMEngine:
             raise
         # Asynchronous devices (CUDA, a simulated GPU) are computing now: the host finishes the
         # previous step's outputs meanwhile.
-        earlier = self._finish_deferred()
+        earlier += self._finish_deferred()
         self.kv.commit_step()
         sampled_seqs = out.sampled_seqs()
         sampled = self.sampler(logits, sampled_seqs) if sampled_seqs else None
@@ -261,15 +260,14 @@ class LLMEngine:
         """The previous step's deferred outputs (``async_output_proc``): detokenize its sequences,
         end those a stop string ends (their token of the step now running is then dropped), and
         build its deltas."""
-        deltas, self._deferred_deltas = self._deferred_deltas, []
         if self._deferred is None:
-            return deltas
+            return []
         seqs, request_ids = self._deferred
         self._deferred = None
         for seq in seqs:
             if not seq.is_finished:  # an abort may have ended it since
                 self.postprocess(seq)
-        return deltas + self._collect(request_ids)
+        return self._collect(request_ids)
 
     def postprocess(self, seq: Sequence) -> None:
         """Detokenize a sequence's new token and end it if that token stops it."""

@@ -118,7 +118,7 @@ class ModelRunner:
 
     @property
     def graphs_wanted(self) -> bool:
-        """Decode runs as CUDA graphs: on CUDA, one rank, unless enforce_eager."""
+        """Steps run as CUDA graphs: on CUDA, one rank, unless enforce_eager."""
         return self.device.type == "cuda" and self.tp.size == 1 and not self.enforce_eager
 
     def _profile_run(self, num_tokens: int, decode: bool = False) -> None:
