@@ -166,8 +166,10 @@ def start_pagefleet(ckpt: str, workdir: Path, log_name: str = "pagefleet-serve",
 
 
 def serve_flags(args) -> list[str]:
-    """The `pagefleet serve` flags of ``--simulate``, ``--workers`` and ``--stream-interval``."""
-    flags = ["--workers", str(args.workers), "--stream-interval", str(args.stream_interval)]
+    """The `pagefleet serve` flags of ``--simulate``, ``--workers``, ``--ingress-replicas`` and
+    ``--stream-interval``."""
+    flags = ["--workers", str(args.workers), "--ingress-replicas", str(getattr(args, "ingress_replicas", 1)),
+             "--stream-interval", str(args.stream_interval)]
     if args.simulate:
         flags += ["--simulate", args.simulate, "--simulate-efficiency", str(args.simulate_efficiency)]
     return flags
@@ -421,6 +423,7 @@ def main() -> None:
                         "llama-3-8b")
     p.add_argument("--simulate-efficiency", type=float, default=1.0)
     p.add_argument("--workers", type=int, default=1, help="pagefleet serve's worker replicas")
+    p.add_argument("--ingress-replicas", type=int, default=1, help="pagefleet serve's OpenAI ingress replicas")
     p.add_argument("--stream-interval", type=int, default=1, help="pagefleet serve's tokens per streamed chunk")
     p.add_argument("--prompts-per-stream", type=int, default=3,
                    help="requests each of the C client streams sends (more: fixed costs weigh less per token)")
@@ -433,6 +436,7 @@ def main() -> None:
     info = {"machine": machine(), "input_len": args.input_len, "output_len": args.output_len,
             **({"simulate": args.simulate, "simulate_efficiency": args.simulate_efficiency} if args.simulate else {}),
             **({"workers": args.workers} if args.workers > 1 else {}),
+            **({"ingress_replicas": args.ingress_replicas} if args.ingress_replicas > 1 else {}),
             **({"stream_interval": args.stream_interval} if args.stream_interval > 1 else {}),
             **({"label": args.label} if args.label else {})}
     have_vllm = (Path(args.vllm_venv) / "bin" / "python").is_file()

@@ -26,8 +26,6 @@ from pagefleet.router.openai.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
-from pagefleet.router.openai.tool_choice import ToolCallOptions, tool_plan
-from pagefleet.router.openai.tool_parsers import get_tool_parser
 from pagefleet.router.openai.responses import ChatResponseBuilder, CompletionResponseBuilder, ResponseBuilder
 from pagefleet.router.openai.tool_choice import ToolCallOptions, tool_plan
 from pagefleet.router.openai.tool_parsers import get_tool_parser
