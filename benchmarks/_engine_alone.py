@@ -44,16 +44,8 @@ def run(engine: LLMEngine, prompts: list[list[int]], output_len: int, concurrenc
     last_chunk: dict[int, float] = {}
     waiting = list(range(len(prompts)))[::-1]
     running: set[int] = set()
-    started, cpu_started = time.perf_counter(), time.process_time()
-    sched_started = thread_sched(os.getpid())  # this process's threads: the engine's and OpenMP's
-    while waiting or running:
-        while waiting and len(running) < concurrency:
-            i = waiting.pop()
-            results[i].start_time = time.perf_counter()
-            results[i].prompt_len = len(prompts[i])
-            engine.add_request(str(i), prompts[i], params)
-            running.add(i)
-        deltas = engine.step()
+
+    def take(deltas: list) -> None:
         now = time.perf_counter()
         for delta in deltas:
             i, r = int(delta.request_id), results[int(delta.request_id)]
@@ -68,6 +60,19 @@ def run(engine: LLMEngine, prompts: list[list[int]], output_len: int, concurrenc
             if delta.finished:
                 r.latency, r.success = now - r.start_time, True
                 running.discard(i)
+
+    # As a served engine does: a step's deltas are taken while the next step runs (async output).
+    engine.on_early_outputs = take
+    started, cpu_started = time.perf_counter(), time.process_time()
+    sched_started = thread_sched(os.getpid())  # this process's threads: the engine's and OpenMP's
+    while waiting or running:
+        while waiting and len(running) < concurrency:
+            i = waiting.pop()
+            results[i].start_time = time.perf_counter()
+            results[i].prompt_len = len(prompts[i])
+            engine.add_request(str(i), prompts[i], params)
+            running.add(i)
+        take(engine.step())
     cpu_s = time.process_time() - cpu_started  # every thread of this process
     sched = thread_sched(os.getpid())
     m = compute_metrics(results, time.perf_counter() - started, PERCENTILES)

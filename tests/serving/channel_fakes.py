@@ -47,7 +47,8 @@ class IdleEngineParts:
 
 
 class SteppedEngine(IdleEngineParts):
-    """Every running request gets its next delta when the test sets that step's event."""
+    """Every running request gets its next delta when the test sets that step's event (all but
+    the last to ``forward`` when the replica gives one)."""
 
     def __init__(self, args):
         self.model_config = SimpleNamespace(served_model_name="m", max_model_len=64)
@@ -56,14 +57,18 @@ class SteppedEngine(IdleEngineParts):
         self.closed: list[str] = []
 
     async def generate(self, request_id, prompt_token_ids, params, extra_keys=(), block_hashes=None, span=None,
-                       resume=None):
+                       resume=None, forward=None):
         if request_id in self.started and request_id not in self.closed:  # as AsyncLLMEngine refuses it
             raise ValueError(f"request id {request_id!r} is already running")
         self.started.append(request_id)
         try:
             for step in range(params.max_tokens):
                 await self.steps[step].wait()
-                yield delta(request_id, step, step == params.max_tokens - 1)
+                last = step == params.max_tokens - 1
+                if forward is not None and not last:  # as AsyncLLMEngine hands them on
+                    forward(delta(request_id, step))
+                else:
+                    yield delta(request_id, step, last)
         finally:
             self.closed.append(request_id)
 

@@ -103,6 +103,51 @@ def test_consumer_leaving_aborts_and_frees_blocks(engine):
     assert s.num_free_blocks == s.num_total_blocks
 
 
+def test_forward_takes_every_delta_but_the_last_which_the_stream_yields(engine):
+    ids = engine.tokenizer.encode("forwarded prompt")
+    params = SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True)
+
+    async def main():
+        forwarded: list[RequestOutputDelta] = []
+        yielded = [d async for d in engine.generate("fwd", ids, params, forward=forwarded.append)]
+        return forwarded, yielded
+
+    forwarded, yielded = asyncio.run(main())
+    assert len(yielded) == 1 and yielded[0].finished and yielded[0].sequences[0].finish_reason == "length"
+    assert forwarded and not any(d.finished for d in forwarded)
+    tokens = [t for d in forwarded + yielded for t in d.sequences[0].token_ids]
+    want = asyncio.run(collect(engine, "plain", ids, params))
+    assert tokens == [t for d in want for t in d.sequences[0].token_ids]
+    assert "".join(d.sequences[0].text for d in forwarded + yielded) == "".join(d.sequences[0].text for d in want)
+
+
+def test_a_forwarding_stream_closed_early_forwards_nothing_more_and_frees_blocks(engine):
+    ids = engine.tokenizer.encode("abandoned forwarded request " * 4)
+
+    async def main():
+        forwarded: list[RequestOutputDelta] = []
+        gen = engine.generate("fwd-gone", ids, SamplingParams(max_tokens=500, ignore_eos=True),
+                              forward=forwarded.append)
+        pending = asyncio.ensure_future(gen.__anext__())
+        while len(forwarded) < 3:
+            await asyncio.sleep(0.005)
+        pending.cancel()
+        await asyncio.gather(pending, return_exceptions=True)
+        await gen.aclose()
+        at_close = len(forwarded)
+        for _ in range(100):  # the engine thread applies the abort before its next step
+            await asyncio.sleep(0.01)
+            s = engine.stats()
+            if s.num_running == 0 and s.num_free_blocks == s.num_total_blocks:
+                break
+        await asyncio.sleep(0.05)
+        return at_close, len(forwarded), engine.stats()
+
+    at_close, at_end, s = asyncio.run(main())
+    assert at_end == at_close >= 3
+    assert s.num_running == 0 and s.num_free_blocks == s.num_total_blocks
+
+
 def test_bad_input_raises_before_anything_is_queued(engine):
     async def main(ids, params):
         return await collect(engine, "bad", ids, params)

@@ -132,12 +132,18 @@ class AsyncLLMEngine:
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        extra_keys: tuple = (), block_hashes: bytes = b"",
-                       span=None, resume: ResumeState | None = None) -> AsyncIterator[RequestOutputDelta]:
+                       span=None, resume: ResumeState | None = None,
+                       forward: Callable[[RequestOutputDelta], None] | None = None,
+                       ) -> AsyncIterator[RequestOutputDelta]:
         """Stream a request's deltas. Bad input raises ValueError before anything is queued;
         if the consumer stops early the request is aborted and its blocks freed. ``span``: the
         request's tracing span, which the engine thread marks when it takes the request in and
         when its first and last tokens come (``worker.tracing``). ``resume``: continue the one
-        sequence another replica had generated this far (``LLMEngine.add_request``)."""
+        sequence another replica had generated this far (``LLMEngine.add_request``).
+
+        ``forward``: called on this loop with each delta but the last as it comes, which the
+        stream then does not yield (it yields the last, or raises): a worker replica puts them
+        on its delta channel with no task waking per delta."""
         self._raise_if_dead()
         self.engine.check(prompt_token_ids, params, block_hashes, resume)  # the engine thread does not check again
         grammar = resumed = None
@@ -148,7 +154,7 @@ class AsyncLLMEngine:
                                               resume, grammar)
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already running")
-        q: asyncio.Queue = asyncio.Queue()
+        q: asyncio.Queue = asyncio.Queue() if forward is None else _Forwarding(forward)
         self._streams[request_id] = (asyncio.get_running_loop(), q)
         if span is not None:
             self._spans[request_id] = [span, False]
@@ -177,6 +183,8 @@ class AsyncLLMEngine:
                 if error is not None:
                     raise error
         finally:
+            if forward is not None:
+                q.closed = True  # what the engine thread still hands on goes nowhere, as a dropped queue's would
             if not finished:
                 self._send(AbortRequest(request_id))
             self._streams.pop(request_id, None)
@@ -265,6 +273,15 @@ class AsyncLLMEngine:
         for loop, items in by_loop.items():
             loop.call_soon_threadsafe(_put_all, items)
 
+    def _deliver_early(self, deltas: list[RequestOutputDelta]) -> None:
+        """The previous step's deltas, handed on while this step's device work runs (async output
+        processing), with their metrics taken now."""
+        now = time.monotonic()
+        self._stats = self.engine.stats()
+        self._metrics.after_step(self._step_started or now, now, self._stats, deltas)
+        self._last_progress = now
+        self._deliver_step(deltas)
+
     def _mark_tokens(self, delta: RequestOutputDelta) -> None:
         traced = self._spans.get(delta.request_id)
         if traced is not None:
@@ -327,6 +344,7 @@ class AsyncLLMEngine:
         if self._stopped:  # the constructor did not finish: free the weights and KV cache now
             self.engine.shutdown()
             return
+        self.engine.on_early_outputs = self._deliver_early
         self._run()
 
     def _run(self) -> None:
@@ -394,6 +412,24 @@ class HeldDeltas:
 
     def __len__(self) -> int:
         return len(self._held)
+
+
+class _Forwarding(asyncio.Queue):
+    """A stream's queue that hands its deltas on to ``forward`` as they are put, but the last one
+    (and errors), which it keeps for the stream."""
+
+    def __init__(self, forward: Callable[[RequestOutputDelta], None]) -> None:
+        super().__init__()
+        self.forward = forward
+        self.closed = False
+
+    def put_nowait(self, item) -> None:
+        if self.closed:
+            return
+        if isinstance(item, RequestOutputDelta) and not item.finished:
+            self.forward(item)
+        else:
+            super().put_nowait(item)
 
 
 def _put_all(items: list[tuple[asyncio.Queue, RequestOutputDelta]]) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from itertools import count
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from transformers import AutoTokenizer
@@ -92,6 +92,10 @@ class LLMEngine:
         self.async_output = args.async_output_proc if args.async_output_proc is not None else (
             self.device.type == "cuda" or args.simulate is not None)
         self._deferred: tuple[list[Sequence], set[str]] | None = None
+        # Takes the previous step's deltas as soon as they are built, while this step's device work
+        # runs, rather than from step()'s return once it has finished: without it a token would
+        # reach its client a whole step after it was made. None: step() returns them.
+        self.on_early_outputs: Callable[[list[RequestOutputDelta]], None] | None = None
         # Recent seconds per step that ran something (moving average; 0 until one ran): the KV
         # events publish it, so admission control can tell when running sequences will end.
         self.step_time_s = 0.0
@@ -212,7 +216,7 @@ class LLMEngine:
             return self._finish_deferred() + self._collect(arrived_done)
         earlier: list[RequestOutputDelta] = []
         if self.args.num_scheduler_steps > 1:
-            earlier = self._finish_deferred()
+            earlier = self._hand_early(self._finish_deferred())
             done = run_greedy_window(self, out, started)
             if done is not None:
                 return earlier + self._collect(done | arrived_done)
@@ -224,7 +228,7 @@ class LLMEngine:
             raise
         # Asynchronous devices (CUDA, a simulated GPU) are computing now: the host finishes the
         # previous step's outputs meanwhile.
-        earlier += self._finish_deferred()
+        earlier = self._hand_early(earlier + self._finish_deferred())
         self.kv.commit_step()
         sampled_seqs = out.sampled_seqs()
         sampled = self.sampler(logits, sampled_seqs) if sampled_seqs else None
@@ -268,6 +272,13 @@ class LLMEngine:
             if not seq.is_finished:  # an abort may have ended it since
                 self.postprocess(seq)
         return self._collect(request_ids)
+
+    def _hand_early(self, deltas: list[RequestOutputDelta]) -> list[RequestOutputDelta]:
+        """``deltas`` to ``on_early_outputs`` now, if set (then none are left for step() to return)."""
+        if deltas and self.on_early_outputs is not None:
+            self.on_early_outputs(deltas)
+            return []
+        return deltas
 
     def postprocess(self, seq: Sequence) -> None:
         """Detokenize a sequence's new token and end it if that token stops it."""

@@ -97,22 +97,22 @@ class WorkerReplica:
         try:
             self._start_publishing()
             self.num_requests_total += 1
-            deltas = self.engine.generate(request.request_id, request.prompt_token_ids, request.params,
-                                          request.extra_keys, request.block_hashes, span=span,
-                                          resume=request.resume)
             channel = None if request.channel is None else self._channels.get(request.channel)
             if channel is None or not channel.attached:  # no channel, or nobody reads it yet: this stream
+                deltas = self._generate(request, span, None)
                 if request.channel is not None:
                     yield Placed(self.replica_id, on_channel=False)
                 async for delta in deltas:
                     yield delta
                 return
+            forwarded = _Count(channel.put)
+            deltas = self._generate(request, span, forwarded)
             channel.requests += 1
             # The engine takes the request while Serve sends the Placed, not once it is sent.
             pump = asyncio.ensure_future(_put_on(channel, deltas))  # it closes ``deltas`` when it ends
             try:
                 yield Placed(self.replica_id)
-                yield Ended(await pump)
+                yield Ended(await pump + forwarded.count)
             finally:
                 channel.requests -= 1
                 self._drop_if_unused(request.channel)
@@ -124,6 +124,14 @@ class WorkerReplica:
             if deltas is not None and pump is None:
                 await deltas.aclose()  # at once, not when collected: a cancelled request is aborted now
             tracing.end(span, error)
+
+    def _generate(self, request: WorkerRequest, span: Any,
+                  forward: Callable[[RequestOutputDelta], None] | None) -> AsyncIterator[RequestOutputDelta]:
+        """The engine's stream of ``request``. With ``forward`` the engine may hand deltas to it as
+        they come rather than yield them (``AsyncLLMEngine.generate``); an engine that yields every
+        delta is as right, only dearer."""
+        return self.engine.generate(request.request_id, request.prompt_token_ids, request.params, request.extra_keys,
+                                    request.block_hashes, span=span, resume=request.resume, forward=forward)
 
     async def channel(self, request: ChannelOpen) -> AsyncIterator[bytes | SocketOffer]:
         """A caller's delta channel (``worker.replica.wire``): an encoded empty list once attached,
@@ -194,6 +202,21 @@ class WorkerReplica:
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()
+
+
+class _Count:
+    """``fn`` (a channel's ``put``), counting its calls: the engine hands most of a request's deltas
+    to it directly (``AsyncLLMEngine.generate``'s ``forward``)."""
+
+    __slots__ = ("fn", "count")
+
+    def __init__(self, fn: Callable[[RequestOutputDelta], None]) -> None:
+        self.fn = fn
+        self.count = 0
+
+    def __call__(self, delta: RequestOutputDelta) -> None:
+        self.fn(delta)
+        self.count += 1
 
 
 async def _put_on(channel: DeltaChannel, deltas: AsyncIterator[RequestOutputDelta]) -> int:
