@@ -7,6 +7,8 @@ import logging
 import time
 from collections import Counter
 
+import pytest
+
 from pagefleet.worker import AsyncLLMEngine, EngineArgs, SamplingParams
 from pagefleet.worker.metrics.collector import EngineMetricsBatch
 from pagefleet.worker.metrics.engine_metrics import EngineMetrics
@@ -38,7 +40,9 @@ async def _run(engine, rid, ids, params):
     return deltas
 
 
-def test_recorded_batches_match_what_the_requests_got(tiny_checkpoint):
+@pytest.mark.parametrize("async_output", [False, True])
+def test_recorded_batches_match_what_the_requests_got(tiny_checkpoint, async_output):
+    """The same counts whether a step's deltas go out with it or while the next step runs."""
     recorder = Recorder()
     models = []
 
@@ -47,8 +51,9 @@ def test_recorded_batches_match_what_the_requests_got(tiny_checkpoint):
         return recorder
 
     engine = AsyncLLMEngine(EngineArgs(model=str(tiny_checkpoint(arch="llama")), dtype="float32",
-                                       kv_cache_bytes=16 << 20), metrics=make)
+                                       kv_cache_bytes=16 << 20, async_output_proc=async_output), metrics=make)
     try:
+        assert engine.engine.async_output is async_output
         ids = engine.tokenizer.encode("metrics test prompt")
         jobs = [("a", ids, SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)),
                 ("b", ids[:4], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, n=2)),

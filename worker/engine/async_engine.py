@@ -95,6 +95,7 @@ class AsyncLLMEngine:
         self.stall_timeout_s = stall_timeout_s
         self.step_timeout_s = step_timeout_s or float(os.environ.get(STEP_TIMEOUT_ENV, DEFAULT_STEP_TIMEOUT_S))
         self._step_started: float | None = None  # monotonic start of the step running now
+        self._last_step_started = 0.0  # and of the one before it, whose deltas come early (async output)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -278,7 +279,7 @@ class AsyncLLMEngine:
         processing), with their metrics taken now."""
         now = time.monotonic()
         self._stats = self.engine.stats()
-        self._metrics.after_step(self._step_started or now, now, self._stats, deltas)
+        self._metrics.after_step(self._last_step_started, now, self._stats, deltas)
         self._last_progress = now
         self._deliver_step(deltas)
 
@@ -364,6 +365,7 @@ class AsyncLLMEngine:
                     deltas = self.engine.step()
                 finally:
                     self._step_started = None
+                    self._last_step_started = started
                 self._stats = self.engine.stats()  # before delivery: a reader of a delta sees its step's stats
                 self._metrics.after_step(started, time.monotonic(), self._stats, deltas)
                 self._publish_kv_events()
