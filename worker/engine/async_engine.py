@@ -276,11 +276,17 @@ class AsyncLLMEngine:
 
     def _deliver_early(self, deltas: list[RequestOutputDelta]) -> None:
         """The previous step's deltas, handed on while this step's device work runs (async output
-        processing), with their metrics taken now."""
+        processing)."""
+        self._hand_on(self._last_step_started, deltas)
+
+    def _hand_on(self, step_started: float, deltas: list[RequestOutputDelta]) -> None:
+        """Deltas of the step that began at ``step_started``: its stats first (a reader of a delta
+        sees its step's stats), its metrics, then the streams."""
         now = time.monotonic()
         self._stats = self.engine.stats()
-        self._metrics.after_step(self._last_step_started, now, self._stats, deltas)
-        self._last_progress = now
+        self._metrics.after_step(step_started, now, self._stats, deltas)
+        if deltas:  # a step that schedules nothing while work waits is no progress
+            self._last_progress = now
         self._deliver_step(deltas)
 
     def _mark_tokens(self, delta: RequestOutputDelta) -> None:
@@ -366,12 +372,8 @@ class AsyncLLMEngine:
                 finally:
                     self._step_started = None
                     self._last_step_started = started
-                self._stats = self.engine.stats()  # before delivery: a reader of a delta sees its step's stats
-                self._metrics.after_step(started, time.monotonic(), self._stats, deltas)
                 self._publish_kv_events()
-                if deltas:  # a step that schedules nothing while work waits is no progress
-                    self._last_progress = time.monotonic()
-                self._deliver_step(deltas)
+                self._hand_on(started, deltas)
         except BaseException as e:  # the loop must never die silently
             logger.exception("engine loop died")
             self._error = e
