@@ -45,10 +45,11 @@ def main() -> int:
         rates: dict[bool, list[float]] = {False: [], True: []}
         for _ in range(args.rounds):
             for async_output in (False, True):
-                rate = run(args.simulate, args.model, batch, args.prompt_len, args.output_len, async_output)
+                # The medians are taken over the rates as printed, so a reader can recompute them.
+                rate = round(run(args.simulate, args.model, batch, args.prompt_len, args.output_len, async_output), 1)
                 rates[async_output].append(rate)
                 print(json.dumps({"gpu": args.simulate, "model": args.model, "batch": batch,
-                                  "async_output_proc": async_output, "output_tokens_per_s": round(rate, 1)}),
+                                  "async_output_proc": async_output, "output_tokens_per_s": rate}),
                       flush=True)
         print(json.dumps({"gpu": args.simulate, "batch": batch, "median_off": round(statistics.median(rates[False])),
                           "median_on": round(statistics.median(rates[True])),

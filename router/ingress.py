@@ -11,7 +11,10 @@ handle; their deltas come back on this ingress's delta channel to that replica
 (one TCP connection per replica, or a Serve stream where it cannot connect, carrying every
 request's deltas of a step: ``router.worker_client.delta_mux``), their errors on their own
 stream. Closing a request's stream cancels the handle's response, which cancels the worker-side
-generator, which aborts the request in the engine.
+generator, which aborts the request in the engine. A request whose ranking puts first a replica
+that this ingress's channel to is an open connection goes on that connection instead (Serve's
+handle call is the largest hop before the engine); if the replica refuses it (full), through
+Serve after all.
 """
 
 from __future__ import annotations
@@ -39,7 +42,8 @@ from pagefleet.router.openai.service import Job, OpenAIService
 from pagefleet.router.openai.tool_choice import ToolCallOptions
 from pagefleet.router.routing.admission import AdmissionCounters
 from pagefleet.router.routing.kv_routing import KVRoutingClient, KVRoutingOptions, RoutingCounters
-from pagefleet.router.worker_client.delta_mux import ChannelMux, read_deltas, watch
+from pagefleet.router.routing.request_router import routable
+from pagefleet.router.worker_client.delta_mux import ChannelLost, ChannelMux, ReplicaBusy, read_deltas, watch
 from pagefleet.router.worker_client.failover import StreamProgress
 from pagefleet.router.worker_client.worker_errors import WorkerHealth, worker_failure
 from pagefleet.worker import tracing
@@ -116,10 +120,11 @@ class HandleWorkerClient:
                  health: WorkerHealth | None = None, metrics: RouterMetrics | None = None,
                  follower: ViewFollower | None = None) -> None:
         self._stream = handle.options(method_name="generate", stream=True)
+        self._deployment = (handle.app_name, handle.deployment_name)
         self.metrics = metrics or RouterMetrics()
         self.metrics.start_at_zero("delta_channels_opened", {"transport": "socket"}, {"transport": "serve_stream"})
         self.metrics.start_at_zero("failovers", {"reason": "worker_failed"})
-        self.metrics.start_at_zero("worker_resends", {"reason": "worker_failed"})
+        self.metrics.start_at_zero("worker_resends", {"reason": "worker_failed"}, {"reason": "connection_lost"})
         self.mux = ChannelMux(handle.options(method_name="channel", stream=True).remote,
                               on_opened=lambda transport: self.metrics.inc("delta_channels_opened",
                                                                            transport=transport))
@@ -165,16 +170,29 @@ class HandleWorkerClient:
         """One worker request's deltas. Sent again while none came; when its replica fails after
         some came, each unfinished sequence goes on on another replica from what it had generated
         (``ResumeState``), so the client's stream continues without a seam."""
-        q = self.mux.register(request.request_id)  # before sending: its deltas may arrive before its Placed
-        attempt = 1
+        base_id = request.request_id
+        q = self.mux.register(base_id)  # before sending: its deltas may arrive before its Placed
+        attempt, sends, on_connection, again = 1, 1, True, False
         try:
             while True:
+                if again:
+                    # Sent again under an id of its own: the replica the last send ran on may hold
+                    # that id until its abort lands between two steps, and anything that send still
+                    # puts on its way goes to no queue.
+                    self.mux.release(request.request_id)
+                    sends += 1
+                    request.request_id = f"{base_id}#{sends}"
+                    q = self.mux.register(request.request_id)
+                    again = False
                 response = None
                 started = finished = False
                 try:
                     tracing.event(job.span, "sent")
-                    response = self._stream.remote(request)  # may refuse at once: Serve's queue is full
-                    async for delta in await self._placed(request.request_id, response, q):
+                    deltas = self._sent(request, q) if on_connection else None
+                    if deltas is None:
+                        response = self._stream.remote(request)  # may refuse at once: Serve's queue is full
+                        deltas = await self._placed(request.request_id, response, q)
+                    async for delta in deltas:
                         if not started and self.kv is not None and failovers == 0:
                             self.kv.record_realised(delta.num_cached_tokens)
                         started = True
@@ -182,7 +200,19 @@ class HandleWorkerClient:
                         progress.add(delta)
                         yield delta
                     return
+                except ReplicaBusy:  # refused on the connection, nothing ran: through Serve, which queues it
+                    on_connection = False
                 except Exception as exc:  # noqa: BLE001 — each becomes an OpenAI error (or a retry) below
+                    again = True
+                    if isinstance(exc, ChannelLost) and not started:
+                        # The connection it was sent on ended before any of its output came: the
+                        # replica closes a channel idle for a few seconds and a request sent just then
+                        # goes with it, or the replica went away. Nothing reached the client and the
+                        # replica aborts whatever of it ran, so it goes through Serve as a refused one
+                        # does, with its ranking and without spending an attempt (a failure there would).
+                        on_connection = False
+                        self.metrics.inc("worker_resends", reason="connection_lost")
+                        continue
                     error, retry = worker_failure(exc)
                     if error.status_code == 429:
                         self.metrics.inc("admission_rejections", reason="worker_queue_full")
@@ -193,19 +223,14 @@ class HandleWorkerClient:
                     attempt += 1
                     logger.warning("request %s: worker unavailable before its first output (%s); attempt %d of %d",
                                    job.request_id, type(exc).__name__, attempt, MAX_ATTEMPTS)
-                    # Sent again under an id of its own: the replica the last send ran on may hold
-                    # that id until its abort lands between two steps, and anything that send still
-                    # puts on its way goes to no queue. Its first choice failed: the request router
-                    # picks again.
-                    self.mux.release(request.request_id)
-                    request.request_id = f"{job.request_id}#{attempt}"
-                    request.ranking = None
-                    q = self.mux.register(request.request_id)
+                    request.ranking = None  # its first choice failed: the request router picks again
                     self.metrics.inc("worker_resends", reason="worker_failed")
                 finally:
-                    if not finished and response is not None:
-                        with contextlib.suppress(Exception):  # a refused or failed call re-raises on cancel
-                            response.cancel()
+                    if not finished:
+                        self.mux.abort(request.request_id)  # sent on a connection and still running there
+                        if response is not None:
+                            with contextlib.suppress(Exception):  # a refused or failed call re-raises on cancel
+                                response.cancel()
         finally:
             self.mux.release(request.request_id)
         logger.warning("request %s: its worker replica failed mid-stream; %d sequence(s) go on elsewhere",
@@ -218,6 +243,16 @@ class HandleWorkerClient:
         follows = [self._follow(job, r, progress, failovers + 1) for r in resumed]
         async for delta in merge_streams(follows):
             yield delta
+
+    def _sent(self, request: WorkerRequest, q: asyncio.Queue) -> AsyncIterator[RequestOutputDelta] | None:
+        """The request's deltas (``ReplicaBusy`` first if the replica refuses it) once sent on the
+        channel connection of its first-ranked replica; None when it has no ranking, that replica
+        no open connection, or Serve no longer routes there (one it is stopping): it goes through
+        Serve."""
+        replica_id = request.ranking[0] if request.ranking else None
+        if replica_id is None or not routable(*self._deployment, replica_id) or not self.mux.send(request, replica_id):
+            return None
+        return read_deltas(q)
 
     async def _placed(self, request_id: str, response: Any, q: asyncio.Queue) -> AsyncIterator[RequestOutputDelta]:
         """Where a sent request's deltas come from, once its ``Placed`` says: its queue, fed by the

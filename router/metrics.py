@@ -53,7 +53,7 @@ ROUTER_METRICS: dict[str, MetricSpec] = {
         "pagefleet_router_worker_resends", "counter",
         "Requests the ingress sent to a worker again before any of their output reached the client, by "
         "reason (worker_failed: the worker replica failed or was unavailable; each is one of the request's "
-        "few attempts).",
+        "few attempts; connection_lost: the channel connection it was sent on ended first, not an attempt).",
         tag_keys=("reason",)),
     "admission_queue_length": MetricSpec(
         "pagefleet_router_admission_queue_length", "gauge",

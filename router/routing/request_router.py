@@ -17,7 +17,9 @@ blocks: ``choose_replicas`` only computes. Each choice is counted in
 which knows the scheduler's reason).
 
 A replica's delta channel (``ChannelOpen``, ``worker.replica.wire``) goes to the replica it
-names and nowhere else, whatever the policy, and counts no sequences.
+names and nowhere else, whatever the policy, and counts no sequences. ``routable`` tells the
+ingress whether a replica is still one Serve routes to (one Serve is stopping is not), before it
+sends a request on that replica's channel connection instead of through Serve.
 
 Every router is FIFO (``FIFOMixin``): Serve gives each choice to the oldest
 pending request. It has to be: the handle calls of one HTTP request (a
@@ -30,7 +32,9 @@ length (an await) can two routing tasks finish out of order and swap.
 
 from __future__ import annotations
 
+import importlib
 import random
+import weakref
 from collections import Counter
 from typing import Any, List, Optional, TypeVar
 
@@ -53,6 +57,18 @@ from pagefleet.worker.replica.wire import ChannelOpen, WorkerRequest
 
 _MODULE = "pagefleet.router.routing.request_router"
 T = TypeVar("T")
+
+# (app, deployment) -> a request router of it in this process (Serve makes them, for each handle).
+_ROUTERS: dict[tuple[str, str], weakref.ReferenceType] = {}
+
+
+def routable(app_name: str, deployment_name: str, replica_id: str) -> bool:
+    """Whether a request router of the deployment in this process has ``replica_id`` among the
+    replicas it routes to now (False when there is no such router here)."""
+    ref = _ROUTERS.get((app_name, deployment_name))
+    router = ref() if ref is not None else None
+    return router is not None and any(r.unique_id == replica_id for r in router.curr_replicas)
+
 
 def _argument(pending_request: Optional[PendingRequest], kind: type[T]) -> T | None:
     """The call's argument if it is a ``kind`` (a ``WorkerRequest``, a ``ChannelOpen``), else None."""
@@ -88,6 +104,12 @@ class _PagefleetRouter(FIFOMixin, RequestRouter):
         if self.POLICY is not None:
             self.metrics.start_at_zero("routing_decisions",
                                        *({"policy": self.POLICY, "reason": r} for r in self.REASONS))
+        deployment = getattr(self, "_deployment_id", None)
+        if deployment is not None:
+            # Through the imported module: Serve may hand this process the class pickled by value,
+            # whose globals (this module's registry among them) are then a copy of their own.
+            registry = importlib.import_module(_MODULE)._ROUTERS
+            registry[(deployment.app_name, deployment.name)] = weakref.ref(self)
 
     async def choose_replicas(self, candidate_replicas: List[RunningReplica],
                               pending_request: Optional[PendingRequest] = None) -> List[List[RunningReplica]]:

@@ -6,8 +6,11 @@ call's own Serve stream; either carries the same encoded frames.
 
 A request registers its queue before it is sent (its first deltas can arrive before its
 ``Placed``), says where it was placed, and reads its queue (``read_deltas``), where the
-request's own stream also puts its ``Ended`` or its error (``watch``). The reader of a replica's
-channel runs while requests are placed there: it opens the channel again if the stream breaks
+request's own stream also puts its ``Ended`` or its error (``watch``). A request whose
+first-ranked replica's channel is an open connection is sent on that connection instead of
+through Serve (``send``; ``wire`` says why); the replica answers it on the channel alone: deltas,
+or a ``Notice`` that it is full (``ReplicaBusy``: the ingress sends it through Serve) or that it
+failed. The reader of a replica's channel runs while requests are placed there: it opens the channel again if the stream breaks
 (the replica keeps what was not taken) or ends (the replica closes a channel idle for a few
 seconds), and stops once no request of this ingress runs there: the replica is gone and its
 requests have failed on their own streams, or traffic stopped.
@@ -24,9 +27,22 @@ from typing import Any, AsyncIterator, Callable
 
 import msgspec
 
+from pagefleet.worker.errors import EngineDeadError
 from pagefleet.worker.outputs import RequestOutputDelta, merge_deltas
 from pagefleet.worker.replica.delta_channel import keep_alive
-from pagefleet.worker.replica.wire import FRAME_HEADER, MAX_FRAME_BYTES, ChannelOpen, Ended, SocketOffer, decode_batch
+from pagefleet.worker.replica.wire import (
+    FRAME_HEADER,
+    MAX_FRAME_BYTES,
+    Abort,
+    ChannelOpen,
+    Ended,
+    Notice,
+    SocketOffer,
+    WorkerRequest,
+    decode_batch,
+    encode_commands,
+)
+from pagefleet.worker.request_check import InvalidRequest
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +62,26 @@ class LostOutputError(RuntimeError):
     """The replica sent more deltas than arrived (a channel broke with them in flight)."""
 
 
+class ReplicaBusy(RuntimeError):
+    """The replica refused a request sent on its channel connection: nothing of it ran."""
+
+
+class ChannelLost(ConnectionError):
+    """The channel connection a request was sent on ended before the request finished (the
+    replica's process or node went away, or the connection broke): the replica aborted it."""
+
+
+def notice_error(notice: Notice, replica_id: str) -> Exception:
+    """The exception a ``Notice`` stands for, as a Serve call to the replica would have raised it."""
+    if notice.kind == "refused":
+        return ReplicaBusy(f"worker replica {replica_id} holds as many requests as it may")
+    if notice.kind == "invalid":
+        return InvalidRequest(notice.message, notice.param, notice.code)
+    if notice.kind == "engine_dead":
+        return EngineDeadError(notice.message)
+    return RuntimeError(f"worker replica {replica_id}: {notice.message}")
+
+
 @dataclass(slots=True)
 class MuxCounters:
     channels_opened: int = 0
@@ -53,6 +89,8 @@ class MuxCounters:
     batches: int = 0
     deltas: int = 0
     unclaimed: int = 0  # deltas of no running request (cancelled meanwhile, or a send that failed)
+    sent: int = 0  # requests sent on a channel connection
+    refused: int = 0  # of those, refused by the replica (then sent through Serve)
 
 
 class SocketUnusable(ConnectionError):
@@ -70,6 +108,14 @@ class _FrameReader(asyncio.Protocol):
         self._buf = bytearray()
         self.frames = 0
         self.done: asyncio.Future = asyncio.get_running_loop().create_future()
+
+    @property
+    def open(self) -> bool:
+        """Attached (the replica's first frame came) and not ended."""
+        return self.frames > 0 and not self.done.done() and not self._transport.is_closing()
+
+    def send(self, commands: list[WorkerRequest | Abort]) -> None:
+        self._transport.write(encode_commands(commands))  # type: ignore[attr-defined]
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport
@@ -129,6 +175,8 @@ class ChannelMux:
         self._replica_of: dict[str, str] = {}  # request id -> replica it was placed on
         self._on: dict[str, set[str]] = {}  # replica -> request ids placed there
         self._readers: dict[str, asyncio.Task] = {}
+        self._connections: dict[str, _FrameReader] = {}  # replica -> its channel's open connection
+        self._sent: set[str] = set()  # requests sent on their replica's connection, still running there
         self.counters = MuxCounters()
 
     def register(self, request_id: str) -> asyncio.Queue:
@@ -146,8 +194,30 @@ class ChannelMux:
         if replica_id not in self._readers:
             self._readers[replica_id] = asyncio.ensure_future(self._read(replica_id))
 
+    def send(self, request: WorkerRequest, replica_id: str) -> bool:
+        """Sends ``request`` on the replica's channel connection and says so, or says it has none
+        open (the request goes through Serve). Its deltas, refusal or error come to its queue."""
+        connection = self._connections.get(replica_id)
+        if connection is None or not connection.open:
+            return False
+        self.placed(request.request_id, replica_id)
+        self._sent.add(request.request_id)
+        connection.send([request])
+        self.counters.sent += 1
+        return True
+
+    def abort(self, request_id: str) -> None:
+        """Stops a request sent on a connection that has not finished (its client went away)."""
+        if request_id not in self._sent:
+            return
+        self._sent.remove(request_id)
+        connection = self._connections.get(self._replica_of.get(request_id, ""))
+        if connection is not None and connection.open:
+            connection.send([Abort(request_id)])
+
     def release(self, request_id: str) -> None:
         self._queues.pop(request_id, None)
+        self._sent.discard(request_id)
         self._unplace(request_id)
 
     def _unplace(self, request_id: str) -> None:
@@ -198,6 +268,7 @@ class ChannelMux:
                 offer.host, offer.port), CONNECT_TIMEOUT_S)
         except (OSError, asyncio.TimeoutError) as exc:
             raise SocketUnusable(f"connecting to {offer.host}:{offer.port}: {exc!r}") from exc
+        self._connections[replica_id] = reader
         try:
             keep_alive(transport.get_extra_info("socket"))
             self.counters.channels_opened += 1
@@ -207,10 +278,21 @@ class ChannelMux:
                 raise SocketUnusable(f"{offer.host}:{offer.port} closed the connection unanswered")
         finally:
             transport.close()
+            if self._connections.get(replica_id) is reader:
+                del self._connections[replica_id]
+            self._lose_sent(replica_id)
+
+    def _lose_sent(self, replica_id: str) -> None:
+        """The requests sent on a replica's connection that ended: the replica aborts them."""
+        for request_id in [r for r in self._sent if self._replica_of.get(r) == replica_id]:
+            self._sent.discard(request_id)
+            q = self._queues.get(request_id)
+            if q is not None:
+                q.put_nowait(ChannelLost(f"the channel connection to worker replica {replica_id} ended"))
 
     def _dispatch(self, replica_id: str, body: bytes | memoryview) -> None:
-        """Hands each delta of one channel item to its request's queue (``msgspec.ValidationError``
-        or ``DecodeError`` for an item that is not a delta batch)."""
+        """Hands each delta (or notice) of one channel item to its request's queue
+        (``msgspec.ValidationError`` or ``DecodeError`` for an item that is not a delta batch)."""
         batch = decode_batch(body)
         self.counters.batches += 1
         self.counters.deltas += len(batch)
@@ -221,8 +303,16 @@ class ChannelMux:
             # that failed has an id of its own, whose queue is gone: its late deltas go to no one.
             if q is None or self._replica_of.get(request_id, replica_id) != replica_id:
                 self.counters.unclaimed += 1
-            else:
+            elif isinstance(item, RequestOutputDelta):
+                if item.finished:
+                    self._sent.discard(request_id)
                 q.put_nowait(item)
+            else:  # a request sent on the connection that did not run, or failed
+                self._sent.discard(request_id)
+                if item.kind == "refused":  # it goes through Serve, to this replica or another
+                    self._unplace(request_id)
+                    self.counters.refused += 1
+                q.put_nowait(notice_error(item, replica_id))
 
 
 async def watch(response: Any, q: asyncio.Queue) -> None:

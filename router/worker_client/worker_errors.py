@@ -2,8 +2,10 @@
 
 A failure reaches the ingress as a Ray or Serve exception whose text holds a
 traceback, file paths, process ids and addresses: none of that goes to the
-client. A request the engine refused is a 400 with the engine's own message; a replica that died, or whose engine loop died, is a 503 that may be retried on
-another replica if the request had produced nothing yet; Serve's queue for
+client (one sent on a channel connection comes back as the engine's own exception, or
+``ChannelLost`` when the connection ended). A request the engine refused is a 400 with the
+engine's own message; a replica that died, or whose engine loop died, or whose connection ended, is
+a 503 that may be retried on another replica if the request had produced nothing yet; Serve's queue for
 the workers being full is admission control's 429; anything else is a 500 whose details go to the log only.
 """
 
@@ -18,11 +20,12 @@ from ray import exceptions as ray_exceptions, serve
 from ray.serve import exceptions as serve_exceptions
 
 from pagefleet.router.openai.errors import OpenAIError, bad_request, internal_error, too_many_requests, unavailable
+from pagefleet.router.worker_client.delta_mux import ChannelLost
 from pagefleet.worker.errors import EngineDeadError
 from pagefleet.worker.request_check import InvalidRequest
 
 _REPLICA_GONE = (ray_exceptions.RayActorError, ray_exceptions.ActorUnavailableError,
-                 serve_exceptions.ReplicaUnavailableError, serve_exceptions.DeploymentUnavailableError)
+                 serve_exceptions.ReplicaUnavailableError, serve_exceptions.DeploymentUnavailableError, ChannelLost)
 HEALTH_CACHE_S = 1.0
 
 

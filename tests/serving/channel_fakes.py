@@ -73,6 +73,32 @@ class SteppedEngine(IdleEngineParts):
             self.closed.append(request_id)
 
 
+class ReplicaHandle:
+    """The worker deployment's Serve handle over one real replica: Serve calls become direct calls.
+    ``generate_calls``: (request id, ranking) of each request that went through Serve."""
+
+    app_name = "app"
+    deployment_name = "PagefleetWorker"
+
+    def __init__(self, replica) -> None:
+        self.replica = replica
+        self.generate_calls: list[tuple[str, list[str] | None]] = []
+
+    def options(self, method_name, stream):
+        return _ReplicaMethod(self, method_name)
+
+
+class _ReplicaMethod:
+    def __init__(self, handle: ReplicaHandle, name: str) -> None:
+        self.handle, self.name = handle, name
+
+    def remote(self, arg):
+        if self.name == "channel":
+            return Call(self.handle.replica.channel(arg))
+        self.handle.generate_calls.append((arg.request_id, arg.ranking))
+        return Call(self.handle.replica.generate(arg))
+
+
 class Call:
     """A replica's ``channel`` call as the mux sees a Serve stream of it."""
 

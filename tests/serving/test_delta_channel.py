@@ -5,10 +5,12 @@ hands each delta to its request."""
 from __future__ import annotations
 
 import asyncio
+import pickle
 import socket
 import time
 from types import SimpleNamespace
 
+import msgspec
 import pytest
 
 from pagefleet.router.routing.request_router import KVRouter, RoundRobinRouter
@@ -381,8 +383,8 @@ def test_a_socket_offer_is_claimed_once_and_a_wrong_token_gets_nothing():
         call = replica.channel(ChannelOpen("c1", "local", socket=True))
         offer = await call.__anext__()
         assert isinstance(offer, SocketOffer) and len(offer.token) == TOKEN_BYTES
-        with pytest.raises(StopAsyncIteration):  # the offer is the call's one item
-            await call.__anext__()
+        # The offer is the call's one item; the call lasts until the connection that claims it ends.
+        call_ended = asyncio.ensure_future(call.__anext__())
 
         async def claim(token: bytes) -> bytes:
             reader, writer = await asyncio.open_connection(offer.host, offer.port)
@@ -394,15 +396,29 @@ def test_a_socket_offer_is_claimed_once_and_a_wrong_token_gets_nothing():
 
         assert await claim(bytes(TOKEN_BYTES)) == b""  # closed, nothing sent
         assert replica._channels == {}
+        assert not call_ended.done()
         first = await claim(offer.token)
         assert first == encode_frame([])  # attached: the channel's first batch
+        with pytest.raises(StopAsyncIteration):  # that connection is closed: the call ends
+            await asyncio.wait_for(call_ended, 2.0)
         assert await claim(offer.token) == b""  # used once already
         replica._channel_server.close()
 
     asyncio.run(run())
 
 
-def test_a_peer_that_sends_anything_after_its_token_is_closed():
+def _frame(body: bytes) -> bytes:
+    return FRAME_HEADER.pack(len(body)) + body
+
+
+@pytest.mark.parametrize("frame", [
+    _frame(b"x"),  # not msgpack
+    _frame(pickle.dumps([WorkerRequest("a", [1], SamplingParams())])),  # pickled: never decoded as such
+    _frame(msgspec.msgpack.encode([{"request_id": "a", "prompt_token_ids": [1], "params": {"n": 0}}])),  # n < 1
+    _frame(msgspec.msgpack.encode([["a", "b"]])),  # an abort of two ids
+    FRAME_HEADER.pack(MAX_FRAME_BYTES + 1),  # longer than any frame of ours
+], ids=["not_msgpack", "pickle", "invalid_params", "bad_abort", "too_long"])
+def test_a_peer_that_sends_a_frame_that_is_not_requests_is_closed_and_nothing_runs(frame):
     async def run():
         replica = WorkerReplica(EngineArgs(), engine_factory=SteppedEngine, channel_host="127.0.0.1")
         replica._channel("c1").requests = 1  # a request runs there: the channel would not end on its own
@@ -411,9 +427,10 @@ def test_a_peer_that_sends_anything_after_its_token_is_closed():
         writer.write(offer.token)
         assert await asyncio.wait_for(reader.readexactly(len(encode_frame([]))), 2.0) == encode_frame([])
         assert replica._channels["c1"].attached
-        writer.write(b"\x00\x00\x00\x01x")  # what a request sent on the connection would look like
+        writer.write(frame)
         assert await asyncio.wait_for(reader.read(1 << 16), 2.0) == b""  # closed
         await until(lambda: not replica._channels["c1"].attached)
+        assert replica.engine.started == [] and replica.num_ongoing == 0
         writer.close()
         replica._channel_server.close()
 

@@ -53,6 +53,7 @@ class ScriptedEngine(IdleEngineParts):
 class _Handle:
     """Serve's handle over two replicas: requests go to the first until its engine has died."""
 
+    app_name = "app"
     deployment_name = "PagefleetWorker"
 
     def __init__(self, first: WorkerReplica, second: WorkerReplica) -> None:

@@ -313,6 +313,10 @@ def test_zero_drift_after_a_thousand_requests_with_aborts(server):
     channels = ingress().channel_counters.remote().result()
     assert channels.deltas - channels_before.deltas >= 0.9 * NUM_REQUESTS
     assert channels.channels_opened == channels.socket_channels >= 1
+    # and nearly all were sent on those connections rather than through a Serve handle call (the
+    # first to a replica opens its channel through Serve; one the replica refused went through Serve)
+    on_connections = (channels.sent - channels_before.sent) - (channels.refused - channels_before.refused)
+    assert on_connections >= 0.9 * NUM_REQUESTS
     views = assert_views_equal_pools(scheduler)
     counters = ray.get(scheduler.counters.remote())
     # the stream alone was exact: no batch lost, no snapshot needed to repair a view

@@ -11,7 +11,7 @@ from pagefleet.worker.engine.engine_args import EngineArgs
 from pagefleet.worker.replica.deployment import WorkerReplica
 from pagefleet.worker.sampling_params import SamplingParams
 
-from channel_fakes import Call, SteppedEngine
+from channel_fakes import ReplicaHandle, SteppedEngine
 
 CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 TRACEPARENT = f"00-{CLIENT_TRACE}-00f067aa0ba902b7-01"
@@ -47,33 +47,12 @@ def test_a_refused_request_ends_its_span_failed(client, fake, recorded):
     assert not span.status.is_ok and _events(span) == ["prepared"]
 
 
-class _ReplicaHandle:
-    deployment_name = "PagefleetWorker"
-
-    def __init__(self, replica: WorkerReplica) -> None:
-        self.replica = replica
-
-    def options(self, method_name, stream):
-        return self if method_name == "generate" else _Channel(self.replica)
-
-    def remote(self, request):
-        return Call(self.replica.generate(request))
-
-
-class _Channel:
-    def __init__(self, replica: WorkerReplica) -> None:
-        self.replica = replica
-
-    def remote(self, request):
-        return Call(self.replica.channel(request))
-
-
 def test_the_worker_replicas_span_is_the_ingress_spans_child(recorded):
     async def run():
         replica = WorkerReplica(EngineArgs(), engine_factory=SteppedEngine, channel_host="127.0.0.1")
         for step in replica.engine.steps:
             step.set()
-        client = HandleWorkerClient(_ReplicaHandle(replica))
+        client = HandleWorkerClient(ReplicaHandle(replica))
         job = Job("r1", [1, 2], SamplingParams(max_tokens=2), ranking=["local"])
         job.span = tracing.start_span("pagefleet.request", {"traceparent": TRACEPARENT})
         tokens = [t async for d in client.generate(job) for t in d.sequences[0].token_ids]

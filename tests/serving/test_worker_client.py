@@ -13,36 +13,12 @@ from pagefleet.worker.replica.deployment import WorkerReplica
 from pagefleet.worker.replica.wire import ChannelOpen, decode_batch
 from pagefleet.worker.sampling_params import SamplingParams
 
-from channel_fakes import Call, SteppedEngine, until
-
-
-class _ReplicaHandle:
-    """The worker deployment's handle over one real replica: Serve calls become direct calls."""
-
-    deployment_name = "PagefleetWorker"
-
-    def __init__(self, replica: WorkerReplica) -> None:
-        self.replica = replica
-        self.generate_calls: list[tuple[str, list[str] | None]] = []
-
-    def options(self, method_name, stream):
-        return _ReplicaMethod(self, method_name)
-
-
-class _ReplicaMethod:
-    def __init__(self, handle: _ReplicaHandle, name: str) -> None:
-        self.handle, self.name = handle, name
-
-    def remote(self, arg):
-        if self.name == "channel":
-            return Call(self.handle.replica.channel(arg))
-        self.handle.generate_calls.append((arg.request_id, arg.ranking))
-        return Call(self.handle.replica.generate(arg))
+from channel_fakes import ReplicaHandle, SteppedEngine, until
 
 
 def _client(replica: WorkerReplica):
     """(handle, client, tokens): ``tokens(request_id)`` is the output of one request ranked for the replica."""
-    handle = _ReplicaHandle(replica)
+    handle = ReplicaHandle(replica)
     client = HandleWorkerClient(handle)
 
     async def tokens(request_id: str) -> list[int]:

@@ -9,8 +9,11 @@ spend much of a small machine on delivery.
 The channel's reader is a plain TCP connection from the caller where it can reach the replica
 (``ChannelServer``), which costs the receiver far less per item than a Serve stream; where the
 caller cannot connect, the ``channel`` call's own Serve stream is the reader. Either way the
-items are the same bytes. docs/architecture.md draws the path; docs/benchmarks.md has the
-figures.
+items are the same bytes. Once connected, the caller may send requests on the same connection
+instead of through Serve (``wire``): they run as long as their connection does, and the
+``channel`` call that handed out the connection's offer lasts as long as the connection, so
+Serve's graceful shutdown of the replica waits for them as it waits for its own calls.
+docs/architecture.md draws the path; docs/benchmarks.md has the figures.
 """
 
 from __future__ import annotations
@@ -22,9 +25,20 @@ import socket
 import time
 from typing import AsyncIterator, Callable
 
+import msgspec
+
 from pagefleet.worker.aio import cancel_and_wait
 from pagefleet.worker.outputs import RequestOutputDelta
-from pagefleet.worker.replica.wire import FRAME_HEADER, SocketOffer, encode_batch
+from pagefleet.worker.replica.wire import (
+    FRAME_HEADER,
+    MAX_FRAME_BYTES,
+    Abort,
+    Notice,
+    SocketOffer,
+    WorkerRequest,
+    decode_commands,
+    encode_batch,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +69,7 @@ class DeltaChannel:
     delta not yet taken. Deltas queue while no reader is attached and requests still run."""
 
     def __init__(self) -> None:
-        self.pending: list[RequestOutputDelta] = []
+        self.pending: list[RequestOutputDelta | Notice] = []
         self.requests = 0  # requests on this channel still running
         self._ready = asyncio.Event()
         self._reader: object | None = None
@@ -69,7 +83,7 @@ class DeltaChannel:
         """No reader and no request running: whatever is still pending has no one to go to."""
         return self._reader is None and self.requests == 0
 
-    def put(self, delta: RequestOutputDelta) -> None:
+    def put(self, delta: RequestOutputDelta | Notice) -> None:
         self.pending.append(delta)
         self._ready.set()
 
@@ -104,37 +118,64 @@ class DeltaChannel:
                 self._reader = None
 
 
+class Offered:
+    """An offer as its ``channel`` call sees it: ``until_done`` returns once the connection that
+    claimed it has ended, or when nobody claimed it in time."""
+
+    def __init__(self, channel_id: str, valid_until: float) -> None:
+        self.channel_id = channel_id
+        self.valid_until = valid_until
+        self.claimed = asyncio.Event()
+        self.ended = asyncio.Event()
+
+    async def until_done(self) -> None:
+        try:
+            await asyncio.wait_for(self.claimed.wait(), max(0.0, self.valid_until - time.monotonic()))
+        except asyncio.TimeoutError:
+            return
+        await self.ended.wait()
+
+
+# What a replica does with the requests and aborts a connection sends: (channel id, the frame's
+# commands, that connection's running requests by id).
+OnCommands = Callable[[str, "list[WorkerRequest | Abort]", "dict[str, asyncio.Task]"], None]
+
+
 class ChannelServer:
     """A replica's listening socket for its callers' delta channels. ``offer(channel_id)`` makes
     a one-time token for that channel; a connection that sends it within ``HELLO_TIMEOUT_S`` becomes
     the channel's reader (``DeltaChannel.batches``, so it takes over from any other) and gets every
-    batch as one frame, the empty one first. A peer without a token gets nothing and is closed, and
-    so is one that sends anything after it: the caller only listens. Listens on ``host`` (the
-    node's address, where Ray's own workers listen), on a port the system picks when the first
-    offer is made."""
+    batch as one frame, the empty one first. A peer without a token gets nothing and is closed. One
+    with a token (handed out only by the replica's ``channel`` call, through Serve) may send frames
+    of requests and aborts (``wire.encode_commands``), which go to ``on_commands`` with the tasks
+    that connection's requests run in; a frame that is not one closes the connection. When the
+    connection ends, its requests still running are cancelled (their requests aborted). Listens on
+    ``host`` (the node's address, where Ray's own workers listen), on a port the system picks when
+    the first offer is made."""
 
     def __init__(self, host: str, channel_for: Callable[[str], DeltaChannel],
-                 detached: Callable[[str], None]) -> None:
+                 detached: Callable[[str], None], on_commands: OnCommands | None = None) -> None:
         self.host = host
         self._channel_for = channel_for
         self._detached = detached
-        self._offers: dict[bytes, tuple[str, float]] = {}  # token -> (channel id, valid until), not yet claimed
+        self._on_commands = on_commands
+        self._offers: dict[bytes, Offered] = {}  # token -> offer not yet claimed
         self._server: asyncio.AbstractServer | None = None
         self._starting = asyncio.Lock()  # two first offers at once start one server
         self.port = 0
         self.pending_hellos = 0
 
-    async def offer(self, channel_id: str) -> SocketOffer:
+    async def offer(self, channel_id: str) -> tuple[SocketOffer, Offered]:
         if self._server is None:
             async with self._starting:
                 if self._server is None:
                     self._server = await asyncio.start_server(self._serve, self.host, 0)
                     self.port = self._server.sockets[0].getsockname()[1]
         now = time.monotonic()
-        self._offers = {t: o for t, o in self._offers.items() if o[1] > now}
+        self._offers = {t: o for t, o in self._offers.items() if o.valid_until > now}
         token = secrets.token_bytes(TOKEN_BYTES)
-        self._offers[token] = (channel_id, now + OFFER_TTL_S)
-        return SocketOffer(self.host, self.port, token)
+        offered = self._offers[token] = Offered(channel_id, now + OFFER_TTL_S)
+        return SocketOffer(self.host, self.port, token), offered
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -145,16 +186,24 @@ class ChannelServer:
                 token = await asyncio.wait_for(reader.readexactly(TOKEN_BYTES), HELLO_TIMEOUT_S)
             finally:
                 self.pending_hellos -= 1
-            channel_id, valid_until = self._offers.pop(token, ("", 0.0))
-            if time.monotonic() > valid_until:
+            offered = self._offers.pop(token, None)
+            if offered is None or time.monotonic() > offered.valid_until:
                 return
-            keep_alive(writer.get_extra_info("socket"))
-            sending = asyncio.ensure_future(self._send_batches(channel_id, writer))
-            peer_done = asyncio.ensure_future(reader.read(1))  # EOF, or a byte it should not send
+            offered.claimed.set()
+            keep_alive(writer.get_extra_info("socket"))  # a caller that vanished ends its requests here too
+            running: dict[str, asyncio.Task] = {}
+            sending = asyncio.ensure_future(self._send_batches(offered.channel_id, writer))
+            receiving = asyncio.ensure_future(self._receive_commands(offered.channel_id, reader, running))
             try:  # until the channel ends here (idle, or another reader took over) or the peer leaves
-                await asyncio.wait((sending, peer_done), return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait((sending, receiving), return_when=asyncio.FIRST_COMPLETED)
             finally:
-                await cancel_and_wait(sending, peer_done)
+                lost = set(running)  # their tasks leave ``running`` as they end
+                await cancel_and_wait(sending, receiving, *running.values())
+                offered.ended.set()
+                if lost:  # what they left on the channel goes to no one (a retry may come back here)
+                    channel = self._channel_for(offered.channel_id)
+                    channel.pending = [d for d in channel.pending if d.request_id not in lost]
+                    self._detached(offered.channel_id)
         except (asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError) as e:
             logger.debug("delta channel connection ended: %s", type(e).__name__)
         finally:
@@ -171,6 +220,23 @@ class ChannelServer:
         finally:
             await batches.aclose()  # detaches now, not when collected
             self._detached(channel_id)
+
+    async def _receive_commands(self, channel_id: str, reader: asyncio.StreamReader,
+                                running: dict[str, asyncio.Task]) -> None:
+        """Until the peer closes its side, or sends what is not a frame of commands."""
+        try:
+            while True:
+                (length,) = FRAME_HEADER.unpack(await reader.readexactly(FRAME_HEADER.size))
+                if length > MAX_FRAME_BYTES or self._on_commands is None:
+                    logger.warning("delta channel %s: closing a connection that sent what it may not", channel_id)
+                    return
+                commands = decode_commands(await reader.readexactly(length))
+                self._on_commands(channel_id, commands, running)
+        except (asyncio.IncompleteReadError, ConnectionError):
+            return
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:  # not a peer of ours
+            logger.warning("delta channel %s: closing a connection that sent a frame that is not commands: %s",
+                           channel_id, e)
 
     def close(self) -> None:
         if self._server is not None:

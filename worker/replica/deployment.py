@@ -5,7 +5,8 @@ as in Ray Serve LLM); ``worker_deployment`` binds it into a Serve deployment.
 The engine's step loop runs in its own thread, so this replica's event loop
 stays free for new requests, aborts, health checks and stats. Callers that
 run many requests (the ingress) take their deltas on one ``channel`` per
-replica rather than on each request's stream (``worker.replica.wire``).
+replica rather than on each request's stream, and send requests on that
+channel's connection where they can (``worker.replica.wire``).
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+from collections import deque
+from functools import partial
 from typing import Any, AsyncIterator, Callable, Mapping
 
 import ray
@@ -23,11 +26,22 @@ from pagefleet.worker import tracing
 from pagefleet.worker.aio import cancel_and_wait
 from pagefleet.worker.core.kv_events import KVEventBatch, KVSnapshot
 from pagefleet.worker.engine.engine_args import EngineArgs
+from pagefleet.worker.errors import EngineDeadError
 from pagefleet.worker.metrics.stats import ReplicaStats
 from pagefleet.worker.outputs import RequestOutputDelta
 from pagefleet.worker.replica.delta_channel import ChannelServer, DeltaChannel
 from pagefleet.worker.replica.kv_publisher import KVEventPublisher
-from pagefleet.worker.replica.wire import CHANNEL_HOST_ENV, ChannelOpen, Ended, Placed, SocketOffer, WorkerRequest
+from pagefleet.worker.replica.wire import (
+    CHANNEL_HOST_ENV,
+    Abort,
+    ChannelOpen,
+    Ended,
+    Notice,
+    Placed,
+    SocketOffer,
+    WorkerRequest,
+)
+from pagefleet.worker.request_check import InvalidRequest
 
 logger = logging.getLogger(__name__)
 
@@ -69,8 +83,16 @@ class WorkerReplica:
         self.engine = engine_factory(engine_args)
         self.replica_id = _replica_id()
         self.num_requests_total = 0
+        # Requests in the engine, through Serve or sent on a channel connection: at most
+        # ``max_ongoing`` (the deployment's request limit). Serve counts only its own calls, so
+        # past the limit one sent on a connection is refused (the caller sends it through Serve)
+        # and a Serve call waits here for a seat, first come first served (``_take_seat``).
+        self.num_ongoing = 0
+        self.max_ongoing = engine_args.max_queued_seqs
+        self._seat_waiters: deque[asyncio.Future] = deque()
         self._channels: dict[str, DeltaChannel] = {}
-        self._channel_server = ChannelServer(channel_host or _node_ip(), self._channel, self._drop_if_unused)
+        self._channel_server = ChannelServer(channel_host or _node_ip(), self._channel, self._drop_if_unused,
+                                             self._on_commands)
         self._publisher: KVEventPublisher | None = None
         if kv_scheduler is not None:
             self._publisher = KVEventPublisher(_SchedulerLink(kv_scheduler), self.engine.kv_snapshot)
@@ -91,8 +113,8 @@ class WorkerReplica:
         channel, ``Placed(on_channel=False)`` then the deltas). When the caller cancels (a client
         hung up), Serve cancels this generator and the engine aborts the request and frees its
         blocks."""
-        span = tracing.start_span("pagefleet.worker.generate", request.trace_headers, None,
-                                  {"pagefleet.request_id": request.request_id, "pagefleet.replica": self.replica_id})
+        await self._take_seat()
+        span = self._span(request)
         deltas = pump = error = None
         try:
             self._start_publishing()
@@ -121,9 +143,84 @@ class WorkerReplica:
             error = exc
             raise
         finally:
+            self._free_seat()  # before any await: a second cancellation cannot skip it
             if deltas is not None and pump is None:
                 await deltas.aclose()  # at once, not when collected: a cancelled request is aborted now
             tracing.end(span, error)
+
+    def _span(self, request: WorkerRequest) -> Any:
+        return tracing.start_span("pagefleet.worker.generate", request.trace_headers, None,
+                                  {"pagefleet.request_id": request.request_id, "pagefleet.replica": self.replica_id})
+
+    async def _take_seat(self) -> None:
+        if self.num_ongoing < self.max_ongoing and not self._seat_waiters:
+            self.num_ongoing += 1
+            return
+        seat = asyncio.get_running_loop().create_future()
+        self._seat_waiters.append(seat)
+        try:
+            await seat  # ``_free_seat`` hands its seat over (num_ongoing stays)
+        except asyncio.CancelledError:
+            if seat.done() and not seat.cancelled():  # handed over as the caller went away
+                self._free_seat()
+            elif seat in self._seat_waiters:
+                self._seat_waiters.remove(seat)
+            raise
+
+    def _free_seat(self) -> None:
+        while self._seat_waiters:
+            seat = self._seat_waiters.popleft()
+            if not seat.done():
+                seat.set_result(None)
+                return
+        self.num_ongoing -= 1
+
+    def _on_commands(self, channel_id: str, commands: list[WorkerRequest | Abort],
+                     running: dict[str, asyncio.Task]) -> None:
+        """Requests and aborts sent on a channel connection (``ChannelServer``); ``running``: that
+        connection's requests, cancelled when it ends. A request past ``max_ongoing`` is refused
+        at once (the caller sends it through Serve: Serve's queue, then a seat here)."""
+        channel = self._channel(channel_id)
+        for command in commands:
+            if isinstance(command, Abort):
+                task = running.get(command.request_id)
+                if task is not None:
+                    task.cancel()
+            elif self.num_ongoing >= self.max_ongoing or self._seat_waiters:
+                channel.put(Notice(command.request_id, "refused"))
+            elif command.request_id in running:  # the caller sends each id once; one of ours never repeats
+                channel.put(Notice(command.request_id, "invalid", f"request id {command.request_id!r} is already running"))
+            else:
+                self.num_ongoing += 1
+                channel.requests += 1
+                task = asyncio.ensure_future(self._run_sent(command, channel))
+                running[command.request_id] = task
+                task.add_done_callback(partial(self._sent_ended, channel_id, channel, command.request_id, running))
+
+    async def _run_sent(self, request: WorkerRequest, channel: DeltaChannel) -> None:
+        span = self._span(request)
+        error = None
+        try:
+            self._start_publishing()
+            self.num_requests_total += 1
+            await _put_on(channel, self._generate(request, span, channel.put))
+        except Exception as exc:  # noqa: BLE001 — the caller makes it the client's error
+            error = exc
+            channel.put(_notice(request.request_id, exc))
+        except BaseException as exc:  # cancelled: the connection ended or the caller aborted it
+            error = exc
+            raise
+        finally:
+            tracing.end(span, error)
+
+    def _sent_ended(self, channel_id: str, channel: DeltaChannel, request_id: str,
+                    running: dict[str, asyncio.Task], task: asyncio.Task) -> None:
+        """Here, not in ``_run_sent``: a task cancelled before it ran never runs its ``finally``."""
+        if running.get(request_id) is task:
+            del running[request_id]
+        self._free_seat()
+        channel.requests -= 1
+        self._drop_if_unused(channel_id)
 
     def _generate(self, request: WorkerRequest, span: Any,
                   forward: Callable[[RequestOutputDelta], None] | None) -> AsyncIterator[RequestOutputDelta]:
@@ -136,20 +233,22 @@ class WorkerReplica:
     async def channel(self, request: ChannelOpen) -> AsyncIterator[bytes | SocketOffer]:
         """A caller's delta channel (``worker.replica.wire``): an encoded empty list once attached,
         then every delta of its requests, one encoded list per wake-up; with ``request.socket``,
-        only a ``SocketOffer`` (the connection that claims it gets the same), unless this replica
-        cannot listen. Refuses a call meant for another replica (the request routers send it to
-        ``request.replica_id`` alone)."""
+        only a ``SocketOffer`` (the connection that claims it gets the same, and may send its
+        requests on it), unless this replica cannot listen; the call then lasts until that
+        connection ends, so that Serve's graceful shutdown waits for the requests on it. Refuses a
+        call meant for another replica (the request routers send it to ``request.replica_id`` alone)."""
         if request.replica_id != self.replica_id:
             raise ValueError(f"channel {request.channel_id} is for replica {request.replica_id}, "
                              f"not {self.replica_id}")
         if request.socket:
             try:
-                offer = await self._channel_server.offer(request.channel_id)
+                offer, offered = await self._channel_server.offer(request.channel_id)
             except OSError as exc:  # cannot listen on the node's address: this stream is the channel
                 logger.warning("delta channel socket unavailable on %s (%s); serving channel %s on its Serve "
                                "stream", self._channel_server.host, exc, request.channel_id)
             else:
                 yield offer
+                await offered.until_done()
                 return
         batches = self._channel(request.channel_id).batches()
         try:
@@ -229,6 +328,15 @@ async def _put_on(channel: DeltaChannel, deltas: AsyncIterator[RequestOutputDelt
     finally:
         await deltas.aclose()  # at once, not when collected: a cancelled request is aborted now
     return sent
+
+
+def _notice(request_id: str, exc: Exception) -> Notice:
+    """A request's failure as the caller turns it back into an exception (``delta_mux``)."""
+    if isinstance(exc, InvalidRequest):
+        return Notice(request_id, "invalid", str(exc.args[0]) if exc.args else "invalid request", exc.param, exc.code)
+    if isinstance(exc, EngineDeadError):
+        return Notice(request_id, "engine_dead", str(exc))
+    return Notice(request_id, "error", f"{type(exc).__name__}: {exc}")
 
 
 def _node_ip() -> str:

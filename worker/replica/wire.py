@@ -1,20 +1,28 @@
 """The one wire between the ingress and a worker replica: plain typed messages.
 
-A request goes to a replica as a Serve handle call, ``generate(WorkerRequest)``, so that Serve's
-request router (pagefleet's, reading the request's ``ranking``) places it and Serve's queue and
-graceful shutdown count it. Its output comes back on the caller's *delta channel* to that replica:
-one per (ingress, replica), carrying every request's deltas of an engine step as one frame, a
-``list[RequestOutputDelta]`` encoded with msgspec (``encode_batch``). The channel is a TCP
-connection from the ingress to the replica where it can connect, else the ``channel`` call's own
-Serve stream, which carries the same encoded frames. Nothing on the connection is pickled: a frame
-decodes into these types or is refused. A request's own stream carries its ``Placed`` first and
-its ``Ended`` last, or its error.
+A request's output comes back on the caller's *delta channel* to its replica: one per (ingress,
+replica), carrying every request's deltas of an engine step as one frame, a list of
+``RequestOutputDelta`` (and ``Notice``) encoded with msgspec (``encode_batch``). The channel is a
+TCP connection from the ingress to the replica where it can connect, else the ``channel`` call's
+own Serve stream, which carries the same encoded frames.
+
+A request goes to a replica one of two ways. Through Serve, as a handle call
+``generate(WorkerRequest)``: Serve's request router (pagefleet's, reading the request's
+``ranking``) places it and Serve's queue counts it; its own stream carries its ``Placed`` first
+and its ``Ended`` last, or its error. Or, when its ranking's first replica is one whose channel is
+an open connection, as a frame on that connection (``encode_commands``: the request, later maybe
+its ``Abort``): a Serve handle call costs several milliseconds before the replica sees it, a frame
+a fraction of one. The replica answers such a request on the channel only: its deltas, or a
+``Notice`` (refused because the replica is full: the ingress sends it through Serve; or the
+error it failed with). Nothing on a connection is pickled: a frame decodes into these types
+(``SamplingParams`` checks itself as it decodes) or the connection is dropped.
 """
 
 from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import msgspec
 
@@ -75,6 +83,26 @@ class ChannelOpen:
     socket: bool = False
 
 
+class Abort(NamedTuple):
+    """Stop a request sent on the connection (its client went away)."""
+
+    request_id: str
+
+
+@dataclass(slots=True)
+class Notice:
+    """The replica's last word on a request sent on the connection, when it is not a finished
+    delta: ``kind`` is ``refused`` (the replica holds as many requests as it may; nothing ran),
+    ``invalid`` (the engine refused it: ``message``, ``param`` and ``code`` as ``InvalidRequest``
+    has them), ``engine_dead`` (the replica's engine died) or ``error`` (anything else)."""
+
+    request_id: str
+    kind: str
+    message: str = ""
+    param: str | None = None
+    code: str | None = None
+
+
 @dataclass(slots=True)
 class SocketOffer:
     """Where to connect for a channel, and the one-time token that claims it (the first bytes
@@ -94,21 +122,36 @@ FRAME_HEADER = struct.Struct("!I")
 MAX_FRAME_BYTES = 64 << 20
 
 _encoder = msgspec.msgpack.Encoder()
-_batch_decoder = msgspec.msgpack.Decoder(list[RequestOutputDelta])
+# A delta encodes as an array, a Notice as a map: msgspec tells them apart without a tag, so a
+# batch of deltas alone is the same bytes it always was. Likewise an Abort and a WorkerRequest.
+_batch_decoder = msgspec.msgpack.Decoder(list[RequestOutputDelta | Notice])
+_commands_decoder = msgspec.msgpack.Decoder(list[WorkerRequest | Abort])
 
 
-def encode_batch(batch: list[RequestOutputDelta]) -> bytes:
-    """One channel item: the deltas the engine produced since the reader last took, oldest first."""
+def encode_batch(batch: list[RequestOutputDelta | Notice]) -> bytes:
+    """One channel item: what the replica put on the channel since the reader last took, oldest first."""
     return _encoder.encode(batch)
 
 
-def decode_batch(body: bytes | memoryview) -> list[RequestOutputDelta]:
-    """The deltas of one channel item; ``msgspec.ValidationError`` or ``msgspec.DecodeError``
-    for anything else."""
+def decode_batch(body: bytes | memoryview) -> list[RequestOutputDelta | Notice]:
+    """The deltas and notices of one channel item; ``msgspec.ValidationError`` or
+    ``msgspec.DecodeError`` for anything else."""
     return _batch_decoder.decode(body)
 
 
-def encode_frame(batch: list[RequestOutputDelta]) -> bytes:
+def encode_frame(batch: list[RequestOutputDelta | Notice]) -> bytes:
     """A channel item as it goes on a connection: header, then body."""
     body = encode_batch(batch)
     return FRAME_HEADER.pack(len(body)) + body
+
+
+def encode_commands(commands: list[WorkerRequest | Abort]) -> bytes:
+    """Requests and aborts as one frame on a channel connection, from the ingress: header, then body."""
+    body = _encoder.encode(commands)
+    return FRAME_HEADER.pack(len(body)) + body
+
+
+def decode_commands(body: bytes | memoryview) -> list[WorkerRequest | Abort]:
+    """The requests and aborts of one frame from the ingress; ``msgspec.ValidationError`` (a
+    request whose ``SamplingParams`` refuse themselves among them) or ``DecodeError`` for anything else."""
+    return _commands_decoder.decode(body)
