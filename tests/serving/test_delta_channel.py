@@ -430,7 +430,7 @@ def test_a_peer_that_sends_a_frame_that_is_not_requests_is_closed_and_nothing_ru
         writer.write(frame)
         assert await asyncio.wait_for(reader.read(1 << 16), 2.0) == b""  # closed
         await until(lambda: not replica._channels["c1"].attached)
-        assert replica.engine.started == [] and replica.num_ongoing == 0
+        assert replica.engine.started == [] and replica.seats.taken == 0
         writer.close()
         replica._channel_server.close()
 

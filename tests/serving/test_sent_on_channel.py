@@ -61,7 +61,7 @@ async def _sent(max_tokens: int, engine_factory=SteppedEngine, max_ongoing: int 
     replica = WorkerReplica(EngineArgs(), engine_factory=engine_factory, channel_host="127.0.0.1")
     mux = await _connected(replica)
     if max_ongoing is not None:
-        replica.max_ongoing = max_ongoing
+        replica.seats.limit = max_ongoing
     q = mux.register("a")
     assert mux.send(_request("a", max_tokens), "local")
     return replica, mux, q
@@ -80,13 +80,13 @@ def test_a_request_sent_on_the_connection_streams_its_deltas_and_leaves_nothing_
     async def run():
         replica, mux, q = await _sent(2)
         await until(lambda: replica.engine.started == ["a"])
-        assert replica.num_ongoing == 1 and replica._channels["c1"].requests == 1
+        assert replica.seats.taken == 1 and replica._channels["c1"].requests == 1
         tokens = []
         for step in range(2):
             replica.engine.steps[step].set()
         async for d in read_deltas(q):
             tokens += d.sequences[0].token_ids
-        await until(lambda: replica.num_ongoing == 0)
+        await until(lambda: replica.seats.taken == 0)
         assert tokens == [0, 1] and replica.engine.closed == ["a"]
         assert replica._channels["c1"].requests == 0 and mux._sent == set()
         assert (mux.counters.sent, mux.counters.refused, mux.counters.unclaimed) == (1, 0, 0)
@@ -100,7 +100,7 @@ def test_a_full_replica_refuses_a_request_on_the_connection_and_runs_nothing_of_
         replica, mux, q = await _sent(2, max_ongoing=0)
         with pytest.raises(ReplicaBusy):
             await asyncio.wait_for(read_deltas(q).__anext__(), 2.0)
-        assert replica.engine.started == [] and replica.num_ongoing == 0 and mux.counters.refused == 1
+        assert replica.engine.started == [] and replica.seats.taken == 0 and mux.counters.refused == 1
         assert mux._sent == set()
         # it goes through Serve, maybe to another replica, whose deltas can come before its Placed
         mux._dispatch("elsewhere", encode_batch([delta("a", 0)]))
@@ -115,7 +115,7 @@ def test_a_request_the_engine_refuses_fails_with_the_engines_error_and_words():
         replica, mux, q = await _sent(2, engine_factory=RefusingEngine)
         with pytest.raises(InvalidRequest) as refused:
             await asyncio.wait_for(read_deltas(q).__anext__(), 2.0)
-        await until(lambda: replica.num_ongoing == 0)
+        await until(lambda: replica.seats.taken == 0)
         assert replica._channels["c1"].requests == 0
         await _close(replica, mux)
         return refused.value
@@ -131,7 +131,7 @@ def test_an_abort_on_the_connection_stops_the_request_in_the_engine():
         await until(lambda: replica.engine.started == ["a"])
         mux.abort("a")  # the client went away
         await until(lambda: replica.engine.closed == ["a"])
-        await until(lambda: replica.num_ongoing == 0)
+        await until(lambda: replica.seats.taken == 0)
         assert replica._channels["c1"].requests == 0 and mux._sent == set()
         await _close(replica, mux)
 
@@ -146,7 +146,7 @@ def test_a_lost_connection_fails_its_running_requests_on_both_sides():
         with pytest.raises(ChannelLost):
             await asyncio.wait_for(read_deltas(q).__anext__(), 2.0)
         await until(lambda: replica.engine.closed == ["a"])  # the replica aborted it
-        await until(lambda: replica.num_ongoing == 0)
+        await until(lambda: replica.seats.taken == 0)
         assert mux._sent == set() and replica._channels["c1"].requests == 0
         mux.release("a")
         await _close(replica, mux)
@@ -210,21 +210,21 @@ def test_the_ingress_sends_on_the_connection_and_through_serve_when_it_must(monk
         handle, client, tokens = await _ingress_connected(replica)
         assert await tokens("on-connection") == [0, 1]
         replica.engine.steps = [asyncio.Event() for _ in range(8)]  # requests wait for their steps again
-        replica.max_ongoing = 1
+        replica.seats.limit = 1
         holder = asyncio.ensure_future(tokens("holder"))
         await until(lambda: replica.engine.started[-1:] == ["holder"])
         refused = asyncio.ensure_future(tokens("refused"))  # the replica is full: through Serve
-        await until(lambda: len(replica._seat_waiters) == 1)  # whose call waits there for a seat
-        assert replica.engine.started[-1] == "holder" and replica.num_ongoing == 1
+        await until(lambda: len(replica.seats.waiters) == 1)  # whose call waits there for a seat
+        assert replica.engine.started[-1] == "holder" and replica.seats.taken == 1
         for step in replica.engine.steps:
             step.set()
         assert (await holder, await refused) == ([0, 1], [0, 1])
-        replica.max_ongoing = 8
+        replica.seats.limit = 8
         router.curr_replicas = {}  # Serve is stopping the replica: no more requests on its connection
         assert await tokens("stopping") == [0, 1]
         assert [call for call, _ in handle.generate_calls] == ["first", "refused", "stopping"]
         assert (client.mux.counters.sent, client.mux.counters.refused) == (3, 1)
-        assert replica.num_ongoing == 0 and replica._channels[client.mux.channel_id].requests == 0
+        assert replica.seats.taken == 0 and replica._channels[client.mux.channel_id].requests == 0
         await _close(replica, client.mux)
 
     asyncio.run(run())
@@ -258,7 +258,7 @@ def test_a_request_whose_connection_ends_before_its_first_output_goes_through_se
         assert handle.generate_calls == [("first", ["local"]), ("lost#2", ["local"])]
         assert client.mux.counters.sent == 1
         assert client.metrics.resends == ["connection_lost"]
-        await until(lambda: replica.num_ongoing == 0)
+        await until(lambda: replica.seats.taken == 0)
         assert replica.engine.started == ["first", "lost", "lost#2"]
         assert sorted(replica.engine.closed) == ["first", "lost", "lost#2"]  # the first send aborted there
         await _close(replica, client.mux)
@@ -269,7 +269,7 @@ def test_a_request_whose_connection_ends_before_its_first_output_goes_through_se
 def test_a_serve_call_past_the_limit_waits_for_a_seat_and_one_that_leaves_gives_it_up():
     async def run():
         replica = WorkerReplica(EngineArgs(), engine_factory=SteppedEngine, channel_host="127.0.0.1")
-        replica.max_ongoing = 1
+        replica.seats.limit = 1
         mux = await _connected(replica)
         mux.register("a")
         assert mux.send(_request("a", 1), "local")  # holds the one seat
@@ -277,16 +277,16 @@ def test_a_serve_call_past_the_limit_waits_for_a_seat_and_one_that_leaves_gives_
         leaving = asyncio.ensure_future(replica.generate(_request("b", 1)).__anext__())
         waiting_call = replica.generate(_request("c", 1))
         waiting = asyncio.ensure_future(waiting_call.__anext__())
-        await until(lambda: len(replica._seat_waiters) == 2)
+        await until(lambda: len(replica.seats.waiters) == 2)
         leaving.cancel()  # its client went away while it waited
         await settle()
-        assert len(replica._seat_waiters) == 1 and replica.engine.started == ["a"]
+        assert len(replica.seats.waiters) == 1 and replica.engine.started == ["a"]
         replica.engine.steps[0].set()  # a finishes: its seat goes to c, the next in line
         assert await asyncio.wait_for(waiting, 2.0) == Placed("local")
-        assert replica.engine.started == ["a", "c"] and replica.num_ongoing == 1
+        assert replica.engine.started == ["a", "c"] and replica.seats.taken == 1
         assert await waiting_call.__anext__() == Ended(1)
         await waiting_call.aclose()
-        assert replica.num_ongoing == 0 and not replica._seat_waiters
+        assert replica.seats.taken == 0 and not replica.seats.waiters
         await _close(replica, mux)
 
     asyncio.run(run())
@@ -297,6 +297,6 @@ def test_a_serve_call_the_engine_refuses_gives_its_seat_back():
         replica = WorkerReplica(EngineArgs(), engine_factory=RefusingEngine, channel_host="127.0.0.1")
         with pytest.raises(InvalidRequest, match="stop has 40 strings"):
             await replica.generate(WorkerRequest("a", [1, 2], SamplingParams(max_tokens=1))).__anext__()
-        assert replica.num_ongoing == 0 and replica.engine.started == ["a"]
+        assert replica.seats.taken == 0 and replica.engine.started == ["a"]
 
     asyncio.run(run())

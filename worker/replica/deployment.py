@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections import deque
 from functools import partial
 from typing import Any, AsyncIterator, Callable, Mapping
 
@@ -31,6 +30,7 @@ from pagefleet.worker.metrics.stats import ReplicaStats
 from pagefleet.worker.outputs import RequestOutputDelta
 from pagefleet.worker.replica.delta_channel import ChannelServer, DeltaChannel
 from pagefleet.worker.replica.kv_publisher import KVEventPublisher
+from pagefleet.worker.replica.seats import Seats
 from pagefleet.worker.replica.wire import (
     CHANNEL_HOST_ENV,
     Abort,
@@ -83,13 +83,9 @@ class WorkerReplica:
         self.engine = engine_factory(engine_args)
         self.replica_id = _replica_id()
         self.num_requests_total = 0
-        # Requests in the engine, through Serve or sent on a channel connection: at most
-        # ``max_ongoing`` (the deployment's request limit). Serve counts only its own calls, so
-        # past the limit one sent on a connection is refused (the caller sends it through Serve)
-        # and a Serve call waits here for a seat, first come first served (``_take_seat``).
-        self.num_ongoing = 0
-        self.max_ongoing = engine_args.max_queued_seqs
-        self._seat_waiters: deque[asyncio.Future] = deque()
+        # Requests in the engine, through Serve or sent on a channel connection (the
+        # deployment's request limit, which Serve enforces only for its own calls).
+        self.seats = Seats(engine_args.max_queued_seqs)
         self._channels: dict[str, DeltaChannel] = {}
         self._channel_server = ChannelServer(channel_host or _node_ip(), self._channel, self._drop_if_unused,
                                              self._on_commands)
@@ -113,7 +109,7 @@ class WorkerReplica:
         channel, ``Placed(on_channel=False)`` then the deltas). When the caller cancels (a client
         hung up), Serve cancels this generator and the engine aborts the request and frees its
         blocks."""
-        await self._take_seat()
+        await self.seats.take()
         span = self._span(request)
         deltas = pump = error = None
         try:
@@ -143,7 +139,7 @@ class WorkerReplica:
             error = exc
             raise
         finally:
-            self._free_seat()  # before any await: a second cancellation cannot skip it
+            self.seats.free()  # before any await: a second cancellation cannot skip it
             if deltas is not None and pump is None:
                 await deltas.aclose()  # at once, not when collected: a cancelled request is aborted now
             tracing.end(span, error)
@@ -152,33 +148,10 @@ class WorkerReplica:
         return tracing.start_span("pagefleet.worker.generate", request.trace_headers, None,
                                   {"pagefleet.request_id": request.request_id, "pagefleet.replica": self.replica_id})
 
-    async def _take_seat(self) -> None:
-        if self.num_ongoing < self.max_ongoing and not self._seat_waiters:
-            self.num_ongoing += 1
-            return
-        seat = asyncio.get_running_loop().create_future()
-        self._seat_waiters.append(seat)
-        try:
-            await seat  # ``_free_seat`` hands its seat over (num_ongoing stays)
-        except asyncio.CancelledError:
-            if seat.done() and not seat.cancelled():  # handed over as the caller went away
-                self._free_seat()
-            elif seat in self._seat_waiters:
-                self._seat_waiters.remove(seat)
-            raise
-
-    def _free_seat(self) -> None:
-        while self._seat_waiters:
-            seat = self._seat_waiters.popleft()
-            if not seat.done():
-                seat.set_result(None)
-                return
-        self.num_ongoing -= 1
-
     def _on_commands(self, channel_id: str, commands: list[WorkerRequest | Abort],
                      running: dict[str, asyncio.Task]) -> None:
         """Requests and aborts sent on a channel connection (``ChannelServer``); ``running``: that
-        connection's requests, cancelled when it ends. A request past ``max_ongoing`` is refused
+        connection's requests, cancelled when it ends. A request that finds no free seat is refused
         at once (the caller sends it through Serve: Serve's queue, then a seat here)."""
         channel = self._channel(channel_id)
         for command in commands:
@@ -186,12 +159,11 @@ class WorkerReplica:
                 task = running.get(command.request_id)
                 if task is not None:
                     task.cancel()
-            elif self.num_ongoing >= self.max_ongoing or self._seat_waiters:
-                channel.put(Notice(command.request_id, "refused"))
             elif command.request_id in running:  # the caller sends each id once; one of ours never repeats
                 channel.put(Notice(command.request_id, "invalid", f"request id {command.request_id!r} is already running"))
+            elif not self.seats.try_take():
+                channel.put(Notice(command.request_id, "refused"))
             else:
-                self.num_ongoing += 1
                 channel.requests += 1
                 task = asyncio.ensure_future(self._run_sent(command, channel))
                 running[command.request_id] = task
@@ -218,7 +190,7 @@ class WorkerReplica:
         """Here, not in ``_run_sent``: a task cancelled before it ran never runs its ``finally``."""
         if running.get(request_id) is task:
             del running[request_id]
-        self._free_seat()
+        self.seats.free()
         channel.requests -= 1
         self._drop_if_unused(channel_id)
 

@@ -1,0 +1,52 @@
+"""A worker replica's request limit, over both ways a request arrives.
+
+Serve counts only its own calls against a deployment's ``max_ongoing_requests``; requests sent
+on a delta channel's connection (``worker.replica.wire``) never pass through it. So the replica
+keeps the count itself: at most ``limit`` requests in the engine, whichever way they came. A
+request on a connection takes a seat only if one is free (``try_take``; otherwise the caller
+sends it through Serve), and a Serve call past the limit waits here for one, first come first
+served (``take``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+
+
+class Seats:
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.taken = 0
+        self.waiters: deque[asyncio.Future] = deque()
+
+    def try_take(self) -> bool:
+        """Takes a seat if one is free and nobody waits for one."""
+        if self.taken >= self.limit or self.waiters:
+            return False
+        self.taken += 1
+        return True
+
+    async def take(self) -> None:
+        """Takes a seat, waiting in line for one if need be."""
+        if self.try_take():
+            return
+        seat = asyncio.get_running_loop().create_future()
+        self.waiters.append(seat)
+        try:
+            await seat  # ``free`` hands its seat over (``taken`` stays)
+        except asyncio.CancelledError:
+            if seat.done() and not seat.cancelled():  # handed over as the caller went away
+                self.free()
+            elif seat in self.waiters:
+                self.waiters.remove(seat)
+            raise
+
+    def free(self) -> None:
+        """Gives a seat back: to the first in line still waiting, else to no one."""
+        while self.waiters:
+            seat = self.waiters.popleft()
+            if not seat.done():
+                seat.set_result(None)
+                return
+        self.taken -= 1
