@@ -164,6 +164,7 @@ class SchedulerCounters:
     decisions_without_room: int = 0
     predictions_confirmed: int = 0
     predictions_expired: int = 0  # ran out before the worker reported the request
+    predictions_withdrawn: int = 0  # the request ended at the router before the worker reported it
 
 
 class GlobalScheduler:
@@ -251,6 +252,16 @@ class GlobalScheduler:
                 self.counters.predictions_expired += 1
             self.predictions.end(pred, self._view_of(pred))
         return dropped
+
+    def withdraw(self, request_id: str) -> None:
+        """The request ended at the router before its worker reported taking it in (its client went
+        away on the way, or it failed): the room predicted taken is not going to be, and a forecast
+        would count it for the request's every step. A prediction the worker confirmed stays (its
+        prefix hold)."""
+        pred = self.predictions.by_request.get(request_id)
+        if pred is not None and not pred.confirmed:
+            self.counters.predictions_withdrawn += 1
+            self.predictions.end(pred, self._view_of(pred))
 
     def _report(self, view: WorkerView, b: KVEventBatch | KVSnapshot, now: float) -> None:
         self._take_counters(view, b, now)

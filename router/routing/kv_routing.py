@@ -137,7 +137,12 @@ class KVRoutingClient:
         return decision
 
     def finished(self, request_id: str) -> None:
-        """The request ended: its blocks leave this ingress's in-flight count."""
+        """The request ended: its blocks leave this ingress's in-flight count, and the room its
+        worker has not yet reported it taking is not predicted taken any more."""
+        self._unhold(request_id)
+        self.mirror.core.withdraw(request_id)
+
+    def _unhold(self, request_id: str) -> None:
         held = self._routed.pop(request_id, None)
         if held is not None:
             worker, blocks = held
@@ -212,7 +217,7 @@ class KVRoutingClient:
         self._ended.append(request_id)
 
     def _hold(self, request_id: str, worker: str, blocks: int) -> None:
-        self.finished(request_id)  # a request routed again (a retry) holds blocks once
+        self._unhold(request_id)  # a request routed again (a retry) holds blocks once
         self._routed[request_id] = (worker, blocks)
         self._inflight[worker] += blocks
 

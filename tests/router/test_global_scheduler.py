@@ -121,6 +121,22 @@ def test_prediction_ends_when_the_worker_reports_the_request_and_its_prefix_afte
     assert gs.route(request("r4"), now=5.6, candidates=["a"]).predicted_hit_blocks == 0
 
 
+def test_a_request_that_ends_before_its_worker_reports_it_gives_its_room_back_at_once():
+    gs = scheduler(prediction_ttl_s=2.0, prefix_hold_s=5.0)
+    gs.apply_batch(batch("a", 0, free=10, total=10), now=0.0)
+    gs.route(request("r1", num_blocks=6), now=0.0)
+    gs.route(request("r2", tokens=list(range(300, 317)), num_blocks=4), now=0.0)
+    assert (gs.workers["a"].predicted_blocks, gs.workers["a"].predicted_seqs) == (10, 2)
+    gs.apply_batch(batch("a", 1, free=6, total=10, reserved=2, added=["r1"]), now=0.1)  # r1 taken in
+    gs.withdraw("r2")  # its client went away before a took it in: its 4 blocks and its seat are free now
+    assert (gs.workers["a"].predicted_blocks, gs.workers["a"].predicted_seqs) == (0, 0)
+    assert "r2" not in gs.predictions.by_request
+    gs.withdraw("r1")  # confirmed: a's own counts carry it; its prefix hold stays
+    assert gs.route(request("r3"), now=0.2, candidates=["a"]).predicted_hit_blocks == 4
+    gs.withdraw("unknown")
+    assert (gs.counters.predictions_withdrawn, gs.counters.predictions_confirmed) == (1, 1)
+
+
 def test_a_prefix_still_computing_after_the_ttl_keeps_its_tenant_on_its_worker():
     gs = scheduler(prediction_ttl_s=2.0, prefix_hold_s=10.0)
     for w in ("a", "b", "c"):

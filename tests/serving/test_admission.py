@@ -197,6 +197,23 @@ def test_routing_client_decides_locally_counts_and_refuses_past_the_wait():
     asyncio.run(run())
 
 
+def test_a_request_that_ends_before_its_worker_reports_it_frees_its_room_for_the_next():
+    """A stream its client closed before the worker took the request in: without the withdrawal
+    its predicted blocks and seat would stay taken until the prediction's time ran out."""
+    async def run():
+        client, _ = kv_client(KVRoutingOptions(admission_queue_size=1, admission_max_wait_s=0.05), free=8)
+        for rid in ("r1", "r2", "r3", "r4"):  # 4 blocks each: both workers' 8 free blocks predicted away
+            await client.route(rid, b"", 40, 24, 1)
+        views = client.mirror.core.workers
+        assert (views["w0"].room_blocks, views["w1"].room_blocks) == (0, 0)
+        client.finished("r3")  # routed to w0, never reported there
+        got = await asyncio.wait_for(client.route("r6", b"", 40, 24, 1), 5.0)  # (this clock stands still)
+        assert (got.ranking, got.admitted) == (["w0"], True)
+        assert client.mirror.core.counters.predictions_withdrawn == 1
+
+    asyncio.run(run())
+
+
 def test_a_stale_view_routes_by_this_ingresss_own_load_and_counts_fallbacks():
     async def run():
         client, clock = kv_client(KVRoutingOptions(admission_queue_size=4, max_staleness_s=1.0), free=64)
