@@ -152,12 +152,14 @@ class HandleWorkerClient:
         return decision.ranking
 
     async def generate(self, job: Job) -> AsyncIterator[RequestOutputDelta]:
+        done = False
         try:
             async for delta in self._attempts(job):
                 yield delta
+            done = True
         finally:
             if self.kv is not None:  # its blocks and its slot leave this ingress's count now
-                self.kv.finished(job.request_id)
+                self.kv.finished(job.request_id, cut_short=not done)
 
     async def _attempts(self, job: Job) -> AsyncIterator[RequestOutputDelta]:
         request = WorkerRequest(job.request_id, job.token_ids, job.params, job.block_hashes, job.extra_keys,

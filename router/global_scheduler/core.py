@@ -253,15 +253,17 @@ class GlobalScheduler:
             self.predictions.end(pred, self._view_of(pred))
         return dropped
 
-    def withdraw(self, request_id: str) -> None:
+    def withdraw(self, request_id: str) -> bool:
         """The request ended at the router before its worker reported taking it in (its client went
         away on the way, or it failed): the room predicted taken is not going to be, and a forecast
         would count it for the request's every step. A prediction the worker confirmed stays (its
-        prefix hold)."""
+        prefix hold). True: a prediction was withdrawn."""
         pred = self.predictions.by_request.get(request_id)
-        if pred is not None and not pred.confirmed:
-            self.counters.predictions_withdrawn += 1
-            self.predictions.end(pred, self._view_of(pred))
+        if pred is None or pred.confirmed:
+            return False
+        self.counters.predictions_withdrawn += 1
+        self.predictions.end(pred, self._view_of(pred))
+        return True
 
     def _report(self, view: WorkerView, b: KVEventBatch | KVSnapshot, now: float) -> None:
         self._take_counters(view, b, now)

@@ -41,7 +41,7 @@ from pagefleet.router.global_scheduler.predictions import Prediction
 from pagefleet.router.metrics import RouterMetrics
 from pagefleet.router.openai.errors import too_many_requests
 from pagefleet.router.routing.admission import REJECTION_REASONS, AdmissionQueue, AdmissionRejected
-from pagefleet.router.routing.room_forecast import Need, forecast_waits, outlook
+from pagefleet.router.routing.room_forecast import CutShort, Need, forecast_waits, outlook
 from pagefleet.worker.replica.kv_publisher import PUBLISH_INTERVAL_S
 
 # How long after a worker frees room this ingress's copy of the view shows it: one publish period
@@ -111,7 +111,8 @@ class KVRoutingClient:
                           if options.admission_queue_size > 0 else None)
         self.counters = RoutingCounters()
         self._inflight: Counter = Counter()  # worker -> blocks this ingress's routed requests may hold there
-        self._routed: dict[str, tuple[str, int]] = {}  # request id -> (worker, blocks) in ``_inflight``
+        self._routed: dict[str, tuple[str, int, int]] = {}  # request id -> (worker, blocks, seqs), blocks in ``_inflight``
+        self._cut_short: deque[CutShort] = deque()  # in the order they ended, until the view shows them
         self._ended: deque[str] = deque()  # requests that ended, noticed where no count may change
 
     async def route(self, request_id: str, block_hashes: bytes, prompt_len: int, max_tokens: int,
@@ -133,22 +134,43 @@ class KVRoutingClient:
             self.counters.predicted_hit_blocks += decision.predicted_hit_blocks
             self.metrics.inc("prefix_hit_blocks_predicted", decision.predicted_hit_blocks)
         if decision is not None:
-            self._hold(request_id, decision.ranking[0], req.num_blocks)
+            self._hold(request_id, decision.ranking[0], req.num_blocks, req.num_seqs)
         return decision
 
-    def finished(self, request_id: str) -> None:
+    def finished(self, request_id: str, cut_short: bool = False) -> None:
         """The request ended: its blocks leave this ingress's in-flight count, and the room its
-        worker has not yet reported it taking is not predicted taken any more."""
-        self._unhold(request_id)
-        self.mirror.core.withdraw(request_id)
+        worker has not yet reported it taking is not predicted taken any more. ``cut_short``: it
+        ended before its worker finished it (its client went away, it failed); if the worker had
+        taken it in, the forecast counts its room back once the abort lands (``room_forecast``),
+        not after all its ``max_tokens`` steps as the worker's last batch says."""
+        held = self._unhold(request_id)
+        if not self.mirror.core.withdraw(request_id) and cut_short and held is not None:
+            self._cut_short.append(CutShort(held[0], self.clock(), held[1], held[2]))
+        self._prune_cut_short()
 
-    def _unhold(self, request_id: str) -> None:
+    def _unhold(self, request_id: str) -> tuple[str, int, int] | None:
         held = self._routed.pop(request_id, None)
         if held is not None:
-            worker, blocks = held
+            worker, blocks, _ = held
             self._inflight[worker] -= blocks
             if not self._inflight[worker]:
                 del self._inflight[worker]
+        return held
+
+    def _shown(self, c: CutShort, now: float) -> bool:
+        """Whether ``c``'s worker's view shows its room back (a batch reached the copy after the
+        abort landed and was published), or will not (the worker is gone, or the view is past
+        trusting)."""
+        view = self.mirror.core.workers.get(c.worker_id)
+        if view is None:
+            return True
+        due = c.at + view.step_time_s + VIEW_LAG_S
+        return view.releases_at >= due or now >= due + self.options.max_staleness_s
+
+    def _prune_cut_short(self) -> None:
+        now = self.clock()
+        while self._cut_short and self._shown(self._cut_short[0], now):
+            self._cut_short.popleft()
 
     def check_room(self) -> None:
         """Raises OpenAIError 429 when admission control would refuse a request arriving now
@@ -178,7 +200,12 @@ class KVRoutingClient:
                     # workers (the actor restarting, say), and its room would be counted twice
                     return None
                 routed.setdefault(pred.slot, []).append(pred)
-        return forecast_waits([outlook(v, now, VIEW_LAG_S, routed.get(v.slot, ())) for v in views], needs)
+        cut_short: dict[str, list[CutShort]] = {}  # worker -> requests it still shows running that ended here
+        for c in self._cut_short:
+            if not self._shown(c, now):
+                cut_short.setdefault(c.worker_id, []).append(c)
+        return forecast_waits([outlook(v, now, VIEW_LAG_S, routed.get(v.slot, ()), cut_short.get(v.worker_id, ()))
+                               for v in views], needs)
 
     async def _admit(self, req: RouteRequest) -> RouteDecision | None:
         async def attempt() -> RouteDecision | None:
@@ -216,9 +243,9 @@ class KVRoutingClient:
         unrun); applied at the next decision."""
         self._ended.append(request_id)
 
-    def _hold(self, request_id: str, worker: str, blocks: int) -> None:
+    def _hold(self, request_id: str, worker: str, blocks: int, seqs: int) -> None:
         self._unhold(request_id)  # a request routed again (a retry) holds blocks once
-        self._routed[request_id] = (worker, blocks)
+        self._routed[request_id] = (worker, blocks, seqs)
         self._inflight[worker] += blocks
 
     def record_realised(self, num_cached_tokens: int) -> None:

@@ -7,7 +7,9 @@ later time is its room now (free blocks less those committed and predicted; its 
 what the sequences ending by then give back. No ingress guesses what the others sent: their
 requests are in the workers' own numbers once taken in. Requests this ingress routed that a
 worker has not reported yet count as its predictions do: their room is taken, and comes back
-their ``max_tokens`` steps after they were routed. The requests waiting in this
+their ``max_tokens`` steps after they were routed; those this ingress cut short (their
+client went away) after their worker took them in give it back once the abort lands, a step
+later, until a batch shows it. The requests waiting in this
 ingress's queue take that room first come first served, each on the worker with room for it
 soonest; a request's forecast wait is when its turn comes.
 
@@ -41,6 +43,17 @@ class Need:
     seqs: int = 1
 
 
+@dataclass(slots=True, frozen=True)
+class CutShort:
+    """A request an ingress ended (its client went away, it failed) while its worker ran it: the
+    worker frees its room when the abort lands, but the view shows that only with a later batch."""
+
+    worker_id: str
+    at: float  # when the ingress ended it
+    blocks: int  # its blocks at their peak (as ``Need``)
+    seqs: int
+
+
 @dataclass(slots=True)
 class Outlook:
     """One worker's room now and what it gains later: ``at`` seconds from now (ascending), the
@@ -53,16 +66,20 @@ class Outlook:
     seats_by: list[int] = field(default_factory=list)
 
 
-def outlook(view: WorkerView, now: float, lag_s: float, routed: Iterable[Prediction] = ()) -> Outlook:
+def outlook(view: WorkerView, now: float, lag_s: float, routed: Iterable[Prediction] = (),
+            cut_short: Iterable[CutShort] = ()) -> Outlook:
     """``view``'s room now and its releases still due, in seconds from ``now``. ``routed``: the
     requests this ingress routed there that the worker has not reported yet (their room is
-    predicted taken): each gives it back ``steps`` steps after it was routed, plus the lag."""
+    predicted taken): each gives it back ``steps`` steps after it was routed, plus the lag.
+    ``cut_short``: requests the view still shows running there that this ingress ended early:
+    each gives its room back one step after it ended, plus the lag."""
     out = Outlook(view.room_blocks, view.seats)
     if view.step_time_s <= 0:
         return out  # no step measured yet: when its sequences end is unknown, so nothing is counted
     step = view.step_time_s
     due = [(view.releases_at + r.steps * step + lag_s - now, r.seqs, r.blocks) for r in unpack_releases(view.releases)]
     due += [(p.made_at + p.steps * step + lag_s - now, p.seqs, p.blocks) for p in routed if p.steps > 0]
+    due += [(c.at + step + lag_s - now, c.seqs, c.blocks) for c in cut_short]
     blocks = seats = 0
     # Overdue (not shown when it should have been: the worker or the feed runs late): expected
     # within one more lag, and so on at every forecast until a batch reports it.

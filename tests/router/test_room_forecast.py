@@ -9,7 +9,7 @@ import pytest
 
 from pagefleet.router.global_scheduler.core import GlobalScheduler, WorkerView
 from pagefleet.router.global_scheduler.predictions import Prediction
-from pagefleet.router.routing.room_forecast import Need, Outlook, forecast_waits, outlook
+from pagefleet.router.routing.room_forecast import CutShort, Need, Outlook, forecast_waits, outlook
 from pagefleet.worker.core.kv_events import KVEventBatch, Release, pack_releases
 
 
@@ -69,3 +69,13 @@ def test_requests_routed_there_and_not_yet_reported_give_their_room_back_after_t
     got = outlook(v, now=100.1, lag_s=0.3, routed=routed)
     # a's 4 steps from when it was routed, plus the lag: 0.4 s from now, before the worker's own 0.7 s
     assert (got.blocks_by, got.seats_by, got.at) == ([4, 10], [1, 2], [pytest.approx(0.4), pytest.approx(0.7)])
+
+
+def test_requests_cut_short_here_give_their_room_back_one_step_after_they_ended():
+    v = view(0, 0, [Release(100, 2, 12)], step_time_s=0.05, releases_at=100.0)
+    cut = [CutShort("w", at=100.05, blocks=6, seqs=1), CutShort("w", at=99.5, blocks=2, seqs=3)]
+    got = outlook(v, now=100.1, lag_s=0.3, cut_short=cut)
+    # the first: 100.05 + one 50 ms step + 0.3 s is 0.3 s from now; the second was due 0.25 s ago
+    # (no batch showed it yet): within one more lag, as an overdue release; the worker's own at 5.2 s
+    assert (got.blocks_by, got.seats_by) == ([6, 8, 20], [1, 4, 6])
+    assert got.at == pytest.approx([0.3, 0.3, 5.2])

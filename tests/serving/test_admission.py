@@ -337,9 +337,16 @@ def _client_over_copy(steps_left: dict[str, int], free_blocks: int):
     clock = [0.0]
     client = KVRoutingClient(mirror, KVRoutingOptions(admission_max_wait_s=0.5), block_size=16,
                              clock=lambda: clock[0])
+    cursor = [len(steps_left) - 1]
 
-    def follow(now: float) -> SchedulerMirror:
-        mirror.apply(feed.update_since("e1", len(steps_left) - 1, actor_core), now=now)
+    def follow(now: float, *batches: KVEventBatch) -> SchedulerMirror:
+        """The workers' ``batches`` reach the actor's view, and the copy takes the feed's news."""
+        for b in batches:
+            actor_core.apply_batch(b, now)
+            feed.append(b)
+        update = feed.update_since("e1", cursor[0], actor_core)
+        mirror.apply(update, now=now)
+        cursor[0] = update.cursor
         return mirror
 
     return client, clock, follow
@@ -375,5 +382,44 @@ def test_a_request_of_its_own_unreported_past_the_staleness_limit_turns_the_fore
         mirror = follow(1.2)  # the copy is fresh, r1 still unreported
         assert mirror.age(1.2) <= 1.0
         assert client.forecast_waits([Need(4)]) is None
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("cut_short", [True, False])
+def test_a_request_cut_short_here_gives_its_room_back_in_the_forecast_a_step_after_it_ended(cut_short):
+    """Its worker took it in, so its room is in the worker's own numbers, due back when the
+    worker's last batch said (all its steps from now); a client that went away ends it sooner, and
+    until the worker's next batch shows that, the forecast counts the room back a step after the
+    end (plus the view's lag). A request that ran to its end is in the worker's releases already."""
+    async def run():
+        client, clock, follow = _client_over_copy({"w0": 100}, free_blocks=4)  # its sequence ends in 5 s
+        await client.route("r1", b"", 40, 24, 1)  # 4 blocks: w0's last 4
+        clock[0] = 0.05
+        follow(0.05, KVEventBatch("w0", 1, 1, False, num_free_blocks=0, num_total_blocks=64, num_running=2,
+                                  added=["r1"], step_time_s=0.05,
+                                  releases=pack_releases([Release(24, 1, 4), Release(99, 1, 8)])))
+        # the worker's word: r1's 4 blocks back after its 24 steps
+        assert client.forecast_waits([Need(4)]) == pytest.approx([24 * 0.05 + VIEW_LAG_S])
+        clock[0] = 0.1
+        client.finished("r1", cut_short=cut_short)
+        if not cut_short:
+            assert client.forecast_waits([Need(4)]) == pytest.approx([1.15 + VIEW_LAG_S])
+            with pytest.raises(OpenAIError, match="expected in about"):
+                await client.route("r2", b"", 40, 24, 1)  # past the 0.5 s it may wait
+            return
+        # ended at 0.1: back one 50 ms step later, plus the lag (0.35 s from now)
+        assert client.forecast_waits([Need(4)]) == pytest.approx([0.05 + VIEW_LAG_S])
+        r2 = asyncio.create_task(client.route("r2", b"", 40, 24, 1))  # waits instead of a 429
+        while not len(client.admission):
+            await asyncio.sleep(0.001)
+        # the worker's batch after the abort: r1's blocks are free; counted once, not twice
+        clock[0] = 0.5
+        follow(0.5, KVEventBatch("w0", 2, 2, False, num_free_blocks=4, num_total_blocks=64, num_running=1,
+                                 step_time_s=0.05, releases=pack_releases([Release(91, 1, 8)])))
+        assert client.forecast_waits([Need(8)]) == pytest.approx([91 * 0.05 + VIEW_LAG_S])
+        got = await asyncio.wait_for(r2, 5.0)
+        assert (got.ranking, got.admitted) == (["w0"], True)
+        assert client.admission.counters.rejected_expected_wait == 0
 
     asyncio.run(run())
