@@ -86,3 +86,33 @@ def test_async_engine_streams_batches_in_order_and_a_snapshot_leaves_no_gap(args
     assert snapshot.seq in [b.seq for b in batches]  # the batch the snapshot was taken at went out too
     assert set(unpack_hashes(snapshot.block_hashes)) == set(block_hashes(PROMPT, 16))
     assert snapshot.num_free_blocks == snapshot.num_total_blocks
+
+
+def test_steps_while_the_sink_is_not_ready_go_out_as_one_batch_when_it_is(args):
+    """A publisher sends at most every so often: the engine drains its event log only when a
+    batch would go out, so the steps between cost no batch each and nothing is lost."""
+    async def run():
+        engine = AsyncLLMEngine(args)
+        batches, ready = [], [False]
+        engine.enable_kv_events("w0", batches.append, lambda: ready[0])
+        try:
+            async for _ in engine.generate("a", PROMPT + PROMPT, SamplingParams(max_tokens=6, ignore_eos=True)):
+                ready[0] = False  # (no step drains: only the idle engine's publish, below)
+            steps_batches = list(batches)
+            ready[0] = True
+            async for _ in engine.generate("b", PROMPT, SamplingParams(max_tokens=3, ignore_eos=True)):
+                pass
+            await asyncio.sleep(0.05)
+        finally:
+            engine.shutdown()
+        return steps_batches, batches
+
+    not_ready, batches = asyncio.run(run())
+    # while not ready, only the idle engine's batches went out (it publishes at least every second
+    # then): the first holds all of a's 6 steps, "a" taken in and the 5 full blocks of its 86 tokens
+    assert {b.num_running for b in not_ready} == {0}
+    assert not_ready[0].added == ["a"] and unpack_hashes(not_ready[0].stored) == block_hashes(PROMPT + PROMPT, 16)
+    assert [b.seq for b in batches] == list(range(len(batches)))  # one numbered stream, nothing missing
+    # ready: a batch after each of b's 3 steps (its prefill, a decode, the decode that ends it)
+    after = batches[len(not_ready):len(not_ready) + 3]
+    assert [(b.added, b.num_running) for b in after] == [(["b"], 1), ([], 1), ([], 0)]

@@ -182,6 +182,23 @@ def test_calls_are_at_least_the_minimum_interval_apart_and_what_comes_between_go
     asyncio.run(run())
 
 
+def test_ready_says_whether_a_batch_put_now_would_go_out_at_once():
+    async def run():
+        worker, link = Worker(), Link()
+        pub = KVEventPublisher(link, worker.snapshot, min_interval_s=0.2)
+        assert pub.ready()  # nothing sent, nothing waiting
+        pub.put(worker.step())
+        assert not pub.ready()  # one waits (the sender has not started)
+        pub.start()
+        await settle(pub)
+        assert link.calls == [(0, 0)] and not pub.ready()  # sent: the next call only 0.2 s later
+        await asyncio.sleep(0.21)
+        assert pub.ready()
+        await pub.close()
+
+    asyncio.run(run())
+
+
 def test_batches_that_change_nothing_wait_for_one_that_does():
     async def run():
         worker, link = Worker(), Link()

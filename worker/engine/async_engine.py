@@ -62,11 +62,12 @@ DEFAULT_STEP_TIMEOUT_S = 1800.0
 
 @dataclass(slots=True)
 class EnableKVEvents:
-    """Engine-thread command: from now on, hand each step's KV event batch to ``sink``
-    (called on the engine thread: it must not block)."""
+    """Engine-thread command: from now on, hand the KV event batches to ``sink`` (called on the
+    engine thread: it must not block), after a step when ``ready`` says a batch would go out now."""
 
     worker_id: str
     sink: Callable[[KVEventBatch], None]
+    ready: Callable[[], bool]
 
 
 @dataclass(slots=True)
@@ -104,6 +105,7 @@ class AsyncLLMEngine:
         self._held = HeldDeltas(args.stream_interval)  # engine thread only
         self._error: BaseException | None = None
         self._kv_sink: Callable[[KVEventBatch], None] | None = None
+        self._kv_ready: Callable[[], bool] = lambda: True
         self._stopped = False
         self.pinned_threads: dict[int, int] = {}  # engine thread and OpenMP team -> core (CPU engines)
         self._built = threading.Event()  # the step thread built the engine (or failed to)
@@ -200,10 +202,14 @@ class AsyncLLMEngine:
     def stats(self) -> EngineStats:
         return self._stats
 
-    def enable_kv_events(self, worker_id: str, sink: Callable[[KVEventBatch], None]) -> None:
-        """Publish the KV cache's changes: one batch per step (and one at least every second
-        while idle) goes to ``sink``, on the engine thread. Call before the first request."""
-        self._send(EnableKVEvents(worker_id, sink))
+    def enable_kv_events(self, worker_id: str, sink: Callable[[KVEventBatch], None],
+                         ready: Callable[[], bool] = lambda: True) -> None:
+        """Publish the KV cache's changes to ``sink``, on the engine thread: a batch after each
+        step at which ``ready()`` is true (the sink would send it now; a publisher sends at most
+        every so often, and the steps between merge in the engine's own event log instead of as
+        a batch each: a GPU engine steps hundreds of times a second), and one at least every
+        second while idle. Call before the first request."""
+        self._send(EnableKVEvents(worker_id, sink, ready))
 
     async def kv_snapshot(self) -> KVSnapshot:
         """The KV cache's whole state, taken on the engine thread between two steps."""
@@ -324,7 +330,7 @@ class AsyncLLMEngine:
                     self._deliver(command.request_id, self._held.release(delta))
             elif isinstance(command, EnableKVEvents):
                 self.engine.enable_kv_events(command.worker_id)
-                self._kv_sink = command.sink
+                self._kv_sink, self._kv_ready = command.sink, command.ready
             else:
                 _resolve(command.loop, command.future, self._kv_snapshot)
 
@@ -372,7 +378,8 @@ class AsyncLLMEngine:
                 finally:
                     self._step_started = None
                     self._last_step_started = started
-                self._publish_kv_events()
+                if self._kv_ready():
+                    self._publish_kv_events()
                 self._hand_on(started, deltas)
         except BaseException as e:  # the loop must never die silently
             logger.exception("engine loop died")

@@ -92,7 +92,7 @@ class WorkerReplica:
         self._publisher: KVEventPublisher | None = None
         if kv_scheduler is not None:
             self._publisher = KVEventPublisher(_SchedulerLink(kv_scheduler), self.engine.kv_snapshot)
-            self.engine.enable_kv_events(self.replica_id, self._publisher.put)
+            self.engine.enable_kv_events(self.replica_id, self._publisher.put, self._publisher.ready)
         cfg = self.engine.model_config
         logger.info("worker replica %s serves %s (max_model_len %d)", self.replica_id, cfg.served_model_name,
                     cfg.max_model_len)

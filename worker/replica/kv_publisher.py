@@ -1,12 +1,14 @@
 """Sends one worker's KV event batches to the global scheduler without ever blocking the engine.
 
-The engine thread hands each step's batch to ``put`` (a bounded deque append
-and a wake-up of the event loop: nothing that can wait). A task on the
+The engine thread hands a batch to ``put`` (a bounded deque append
+and a wake-up of the event loop: nothing that can wait) after a step at which
+``ready`` says it would go out at once. A task on the
 replica's event loop sends them in order, one call in flight at a time and at
 most one every ``min_interval_s``; batches that pile up meanwhile go out merged
 into one (``merge_batches``), so a slow scheduler gets fewer, larger calls, and
-a fast engine (a single stream steps every few tens of milliseconds) does not
-cost the scheduler, its followers and Ray a call per step. A batch that changes
+a fast engine (a GPU's steps every few milliseconds) costs neither the
+scheduler, its followers and Ray a call per step nor itself a batch per step
+(its event log holds the steps' changes until ``ready``). A batch that changes
 nothing the scheduler reads (no events, the same counters as the batch before:
 most decode steps, between one block filling and the next) does not wake the
 sender; it goes out merged into the next batch that does, or after
@@ -76,6 +78,7 @@ class KVEventPublisher:
         self.counters = PublisherCounters()
         self._last_state: tuple | None = None  # what the scheduler reads of the batch put last
         self._last_wake = float("-inf")
+        self._next_call = float("-inf")  # no call before this (time.monotonic)
         self._pending: deque[KVEventBatch] = deque(maxlen=max_pending)
         self._covered = -1  # batches up to this number are inside a snapshot already sent
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -90,6 +93,11 @@ class KVEventPublisher:
             if self._pending:
                 self._wake.set()  # put before the start
             self._task = self._loop.create_task(self._run(), name="pagefleet-kv-publisher")
+
+    def ready(self) -> bool:
+        """Whether a batch put now would be sent at once: none waits, and the last call was at
+        least ``min_interval_s`` ago. Any thread."""
+        return not self._pending and time.monotonic() >= self._next_call
 
     def put(self, batch: KVEventBatch) -> None:
         """One thread (the engine's); never waits."""
@@ -126,6 +134,7 @@ class KVEventPublisher:
                 if wait > 0:
                     await asyncio.sleep(wait)  # what is put meanwhile goes out with it, merged
                 last_call = self._loop.time()
+                self._next_call = time.monotonic() + self.min_interval_s
                 await self._send_pending()
 
     async def _send_pending(self) -> None:
