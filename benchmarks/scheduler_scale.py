@@ -51,9 +51,10 @@ import time
 from collections import deque
 from itertools import accumulate
 
-from pagefleet.router.global_scheduler.core import GlobalScheduler, RouteRequest
+from pagefleet.router.global_scheduler.core import GlobalScheduler
 from pagefleet.router.global_scheduler.kv_mirror import SchedulerMirror
 from pagefleet.router.global_scheduler.view_feed import ViewUpdate, slim
+from pagefleet.router.global_scheduler.views import RouteRequest
 from pagefleet.worker.core.block_hash import HASH_SIZE, ROOT_HASH
 from pagefleet.worker.core.kv_events import KVEventBatch, KVSnapshot, pack_token_ids
 

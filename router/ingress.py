@@ -31,8 +31,8 @@ from ray.exceptions import RayActorError
 from ray.serve.handle import DeploymentHandle
 
 from pagefleet.router.global_scheduler.actor import WorkerKVView, worker_kv_view
-from pagefleet.router.global_scheduler.core import SchedulerCounters
 from pagefleet.router.global_scheduler.kv_mirror import MirrorCounters, SchedulerMirror, ViewFollower
+from pagefleet.router.global_scheduler.views import SchedulerCounters
 from pagefleet.router.metrics import RouterMetrics
 from pagefleet.router.openai.app import build_openai_app
 from pagefleet.router.openai.http_guards import BodyLimits

@@ -27,8 +27,9 @@ from dataclasses import dataclass, field
 
 import ray
 
-from pagefleet.router.global_scheduler.core import GlobalScheduler, SchedulerCounters
+from pagefleet.router.global_scheduler.core import GlobalScheduler
 from pagefleet.router.global_scheduler.view_feed import ViewFeed, ViewUpdate, WorkerDropped
+from pagefleet.router.global_scheduler.views import SchedulerCounters
 from pagefleet.worker.core.kv_events import KVEventBatch, KVSnapshot
 
 SCHEDULER_NAME = "pagefleet-global-scheduler"

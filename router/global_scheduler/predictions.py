@@ -18,7 +18,7 @@ land where the view looked emptiest. So each routed request leaves a
   match), so a burst with one prefix keeps to one worker; these stay until the
   prediction's time runs out, confirmed or not.
 
-Pure Python, no clock of its own; the views (``core.WorkerView``) and the
+Pure Python, no clock of its own; the views (``views.WorkerView``) and the
 KV index (what each worker caches and has in use) are passed in.
 """
 
@@ -33,8 +33,8 @@ from typing import TYPE_CHECKING
 from pagefleet.router.global_scheduler.kv_index import KVBlockIndex, holders_mask
 
 if TYPE_CHECKING:
-    from pagefleet.router.global_scheduler.core import WorkerView
     from pagefleet.router.global_scheduler.kv_index_native import NativeKVBlockIndex
+    from pagefleet.router.global_scheduler.views import WorkerView
 
 
 @dataclass(slots=True)

@@ -10,7 +10,7 @@ once every group has them or has no worker left to show. Groups of at most ``k``
 looked at directly. At 256 workers this scores a handful instead of every one
 (``docs/scaling.md``).
 
-Pure Python; the views are ``core.WorkerView``s. This is the walk of the pure-Python index; with
+Pure Python; the views are ``views.WorkerView``s. This is the walk of the pure-Python index; with
 the compiled one, ``ranking_native`` gives the same best rows in one call.
 """
 
@@ -20,7 +20,7 @@ from operator import attrgetter
 from typing import TYPE_CHECKING, Callable
 
 if TYPE_CHECKING:
-    from pagefleet.router.global_scheduler.core import WorkerView
+    from pagefleet.router.global_scheduler.views import WorkerView
 
 # The order the walk takes the workers in: least loaded first (what decides among workers
 # holding as much of the prompt), then the shorter queue, then the id.

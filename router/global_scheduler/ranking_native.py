@@ -1,7 +1,7 @@
 """The routing decision's ranking walk compiled: ``ranking.candidate_rows``'s best rows in one call.
 
 The walk (``ranking_native.cpp``, built into the compiled index's library) reads each worker's
-numbers from a ``WorkerTable`` that the views keep current (``core.WorkerView.refresh``) and the
+numbers from a ``WorkerTable`` that the views keep current (``views.WorkerView.refresh``) and the
 prompt's prefix runs from the index's own buffers, so a decision has no Python loop over the
 workers: it pops candidates cheapest first and stops at the best ``k`` with room. Where a
 worker's room depends on how many of its cached blocks are idle, it calls back for that count
@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Callable, Iterable
 from pagefleet.router.global_scheduler.kv_index_native import IDLE_COUNT, NativeKVBlockIndex
 
 if TYPE_CHECKING:
-    from pagefleet.router.global_scheduler.core import WorkerView
+    from pagefleet.router.global_scheduler.views import WorkerView
 
 FIELDS = 5  # per slot, as ranking_native.cpp's Field: load, queued, room, seats, id order
 _ID = attrgetter("worker_id")

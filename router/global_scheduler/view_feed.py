@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 from itertools import islice
 from typing import Union
 
-from pagefleet.router.global_scheduler.core import GlobalScheduler, WorkerState
+from pagefleet.router.global_scheduler.core import GlobalScheduler
+from pagefleet.router.global_scheduler.views import WorkerState
 from pagefleet.worker.core.kv_events import KVEventBatch, KVSnapshot
 
 

@@ -35,9 +35,9 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
-from pagefleet.router.global_scheduler.core import RouteDecision, RouteRequest
 from pagefleet.router.global_scheduler.kv_mirror import SchedulerMirror
 from pagefleet.router.global_scheduler.predictions import Prediction
+from pagefleet.router.global_scheduler.views import RouteDecision, RouteRequest
 from pagefleet.router.metrics import RouterMetrics
 from pagefleet.router.openai.errors import too_many_requests
 from pagefleet.router.routing.admission import REJECTION_REASONS, AdmissionQueue, AdmissionRejected

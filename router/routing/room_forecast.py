@@ -30,8 +30,8 @@ from bisect import bisect_left
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from pagefleet.router.global_scheduler.core import WorkerView
 from pagefleet.router.global_scheduler.predictions import Prediction
+from pagefleet.router.global_scheduler.views import WorkerView
 from pagefleet.worker.core.kv_events import unpack_releases
 
 

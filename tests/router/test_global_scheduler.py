@@ -7,9 +7,10 @@ import random
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from pagefleet.router.global_scheduler.core import GlobalScheduler, RouteRequest
+from pagefleet.router.global_scheduler.core import GlobalScheduler
 from pagefleet.router.global_scheduler.kv_index import KVBlockIndex, routing_keys
 from pagefleet.router.global_scheduler.kv_index_native import new_kv_index
+from pagefleet.router.global_scheduler.views import RouteRequest
 from pagefleet.worker.core.block_hash import block_hashes, extra_keys_digest, pack_hashes
 from pagefleet.worker.core.kv_events import KVEventBatch, KVSnapshot
 

@@ -181,7 +181,7 @@ def test_the_feed_slims_batches_and_answers_nothing_new_when_current():
 
 
 def test_the_mirrors_own_predictions_end_when_the_worker_reports_the_request():
-    from pagefleet.router.global_scheduler.core import RouteRequest
+    from pagefleet.router.global_scheduler.views import RouteRequest
 
     actor = Actor()
     for w in ("w0", "w1"):

@@ -8,9 +8,9 @@ from collections import Counter
 
 import pytest
 
-from pagefleet.router.global_scheduler.core import WorkerView
 from pagefleet.router.global_scheduler.kv_index_native import NativeKVBlockIndex
 from pagefleet.router.global_scheduler.predictions import Prediction, Predictions, _uncount
+from pagefleet.router.global_scheduler.views import WorkerView
 
 
 def test_uncount_removes_the_keys_that_reach_zero_with_distinct_and_repeated_keys():

@@ -7,8 +7,9 @@ import math
 
 import pytest
 
-from pagefleet.router.global_scheduler.core import GlobalScheduler, WorkerView
+from pagefleet.router.global_scheduler.core import GlobalScheduler
 from pagefleet.router.global_scheduler.predictions import Prediction
+from pagefleet.router.global_scheduler.views import WorkerView
 from pagefleet.router.routing.room_forecast import CutShort, Need, Outlook, forecast_waits, outlook
 from pagefleet.worker.core.kv_events import KVEventBatch, Release, pack_releases
 
