@@ -7,19 +7,22 @@ An error after the response has started (status 200 is already sent) is one
 
 from __future__ import annotations
 
-import json
 from typing import AsyncIterator
+
+import msgspec
 
 from pagefleet.router.openai.errors import OpenAIError, internal_error
 
-DONE = "data: [DONE]\n\n"
+DONE = b"data: [DONE]\n\n"
+_encode = msgspec.json.Encoder().encode  # compact UTF-8, as json.dumps(separators=(",", ":"), ensure_ascii=False)
 
 
-def sse_event(payload: dict) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+def sse_event(payload: dict) -> bytes:
+    # bytes, not str: the response writes them as they are (a streamed token's chunk is encoded once)
+    return b"data: " + _encode(payload) + b"\n\n"
 
 
-async def sse_stream(chunks: AsyncIterator[dict]) -> AsyncIterator[str]:
+async def sse_stream(chunks: AsyncIterator[dict]) -> AsyncIterator[bytes]:
     """Formats chunks as events, turning a failure into an error event before ``[DONE]``."""
     try:
         async for chunk in chunks:
