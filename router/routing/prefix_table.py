@@ -17,7 +17,6 @@ from typing import Sequence
 
 from pagefleet.router.routing.policies import ReplicaLoad, rank_replicas
 
-
 PREFIX_REASONS = ("cached_prefix", "balance", "no_match")  # every reason ``PrefixTable.rank`` gives
 
 

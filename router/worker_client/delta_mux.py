@@ -87,8 +87,8 @@ class MuxCounters:
     channels_opened: int = 0
     socket_channels: int = 0  # of those, on a TCP connection
     batches: int = 0
-    deltas: int = 0
-    unclaimed: int = 0  # deltas of no running request (cancelled meanwhile, or a send that failed)
+    deltas: int = 0  # the batches' items: deltas, and notices of requests sent on the connection
+    unclaimed: int = 0  # items of no running request (cancelled meanwhile, or a send that failed)
     sent: int = 0  # requests sent on a channel connection
     refused: int = 0  # of those, refused by the replica (then sent through Serve)
 
