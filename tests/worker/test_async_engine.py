@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pagefleet.worker import LLM, AsyncLLMEngine, EngineArgs, SamplingParams
-from pagefleet.worker.engine.async_engine import HeldDeltas
+from pagefleet.worker.engine.handoff import HeldDeltas
 from pagefleet.worker.outputs import CompletionOutput, RequestOutputDelta
 
 

@@ -10,15 +10,24 @@ import os
 import queue
 import threading
 import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, AsyncIterator, Callable
+from typing import AsyncIterator, Callable
 
 from pagefleet.worker import tracing
 from pagefleet.worker.core.kv_events import KVEventBatch, KVSnapshot
 from pagefleet.worker.core.resume import ResumeState
 from pagefleet.worker.engine.engine_args import EngineArgs
+from pagefleet.worker.engine.handoff import (
+    AbortRequest,
+    AddRequest,
+    EnableKVEvents,
+    Forwarding,
+    HeldDeltas,
+    TakeKVSnapshot,
+    put_all,
+    resolve,
+)
 from pagefleet.worker.engine.llm_engine import LLMEngine, resolve_device
-from pagefleet.worker.engine.resumed import ResumedStart, resumed_start
+from pagefleet.worker.engine.resumed import resumed_start
 from pagefleet.worker.errors import EngineDeadError
 from pagefleet.worker.metrics.engine_metrics import EngineMetrics, MetricsRecorder
 from pagefleet.worker.metrics.stats import EngineStats
@@ -27,55 +36,14 @@ from pagefleet.worker.model_executor.platform import platform_of
 from pagefleet.worker.outputs import RequestOutputDelta, merge_deltas
 from pagefleet.worker.sampling_params import SamplingParams
 
-if TYPE_CHECKING:
-    import xgrammar as xgr
-
 logger = logging.getLogger(__name__)
 
 
 __all__ = ["AsyncLLMEngine", "EngineDeadError"]
 
 
-@dataclass(slots=True)
-class AddRequest:
-    """Engine-thread command: start a request (already checked by the caller)."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    extra_keys: tuple
-    block_hashes: bytes = b""
-    grammar: "xgr.CompiledGrammar | None" = None  # params.structured_outputs', compiled
-    resumed: ResumedStart | None = None  # a resumed sequence's start, built
-
-
-@dataclass(slots=True)
-class AbortRequest:
-    """Engine-thread command: finish a request now and free its blocks."""
-
-    request_id: str
-
-
 STEP_TIMEOUT_ENV = "PAGEFLEET_STEP_TIMEOUT_S"
 DEFAULT_STEP_TIMEOUT_S = 1800.0
-
-
-@dataclass(slots=True)
-class EnableKVEvents:
-    """Engine-thread command: from now on, hand the KV event batches to ``sink`` (called on the
-    engine thread: it must not block), after a step when ``ready`` says a batch would go out now."""
-
-    worker_id: str
-    sink: Callable[[KVEventBatch], None]
-    ready: Callable[[], bool]
-
-
-@dataclass(slots=True)
-class TakeKVSnapshot:
-    """Engine-thread command: resolve ``future`` (of ``loop``) with the KV cache's snapshot."""
-
-    loop: asyncio.AbstractEventLoop
-    future: asyncio.Future
 
 
 class AsyncLLMEngine:
@@ -157,7 +125,7 @@ class AsyncLLMEngine:
                                               resume, grammar)
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already running")
-        q: asyncio.Queue = asyncio.Queue() if forward is None else _Forwarding(forward)
+        q: asyncio.Queue = asyncio.Queue() if forward is None else Forwarding(forward)
         self._streams[request_id] = (asyncio.get_running_loop(), q)
         if span is not None:
             self._spans[request_id] = [span, False]
@@ -278,7 +246,7 @@ class AsyncLLMEngine:
             if stream is not None:
                 by_loop.setdefault(stream[0], []).append((stream[1], delta))
         for loop, items in by_loop.items():
-            loop.call_soon_threadsafe(_put_all, items)
+            loop.call_soon_threadsafe(put_all, items)
 
     def _deliver_early(self, deltas: list[RequestOutputDelta]) -> None:
         """The previous step's deltas, handed on while this step's device work runs (async output
@@ -332,7 +300,7 @@ class AsyncLLMEngine:
                 self.engine.enable_kv_events(command.worker_id)
                 self._kv_sink, self._kv_ready = command.sink, command.ready
             else:
-                _resolve(command.loop, command.future, self._kv_snapshot)
+                resolve(command.loop, command.future, self._kv_snapshot)
 
     def _kv_snapshot(self) -> KVSnapshot:
         batch, snapshot = self.engine.kv_snapshot()
@@ -385,82 +353,3 @@ class AsyncLLMEngine:
             logger.exception("engine loop died")
             self._error = e
             self._fail_open_streams(EngineDeadError(f"the engine loop died: {e!r}"))
-
-
-class HeldDeltas:
-    """``--stream-interval N`` (vLLM's option): a request's deltas go to its stream once they hold
-    N new tokens, its first and its last at once, so time to first token and the end are never held
-    back. Each delta takes every hop to the client (the replica's loop, the channel, the ingress,
-    one HTTP write); clients then see tokens in bursts of N. N = 1 hands every delta on as it
-    comes."""
-
-    def __init__(self, interval: int) -> None:
-        self.interval = interval
-        self._held: dict[str, list[RequestOutputDelta]] = {}  # requests whose first delta went out
-        self._tokens: dict[str, int] = {}  # new tokens in what each holds
-
-    def release(self, delta: RequestOutputDelta) -> RequestOutputDelta | None:
-        """What goes to ``delta``'s stream now: None while it is held, else everything held
-        for its request merged with it."""
-        if self.interval <= 1:
-            return delta
-        rid = delta.request_id
-        held = self._held.get(rid)
-        if held is None:  # the request's first delta (or a last one with nothing before it)
-            if not delta.finished:
-                self._held[rid], self._tokens[rid] = [], 0
-            return delta
-        held.append(delta)
-        tokens = self._tokens[rid] + max((len(s.token_ids) for s in delta.sequences), default=0)
-        if not delta.finished and tokens < self.interval:
-            self._tokens[rid] = tokens
-            return None
-        if delta.finished:
-            del self._held[rid], self._tokens[rid]
-        else:
-            self._held[rid], self._tokens[rid] = [], 0
-        return merge_deltas(held)
-
-    def __len__(self) -> int:
-        return len(self._held)
-
-
-class _Forwarding(asyncio.Queue):
-    """A stream's queue that hands its deltas on to ``forward`` as they are put, but the last one
-    (and errors), which it keeps for the stream."""
-
-    def __init__(self, forward: Callable[[RequestOutputDelta], None]) -> None:
-        super().__init__()
-        self.forward = forward
-        self.closed = False
-
-    def put_nowait(self, item) -> None:
-        if self.closed:
-            return
-        if isinstance(item, RequestOutputDelta) and not item.finished:
-            self.forward(item)
-        else:
-            super().put_nowait(item)
-
-
-def _put_all(items: list[tuple[asyncio.Queue, RequestOutputDelta]]) -> None:
-    for q, delta in items:
-        q.put_nowait(delta)
-
-
-def _resolve(loop: asyncio.AbstractEventLoop, future: asyncio.Future, compute: Callable) -> None:
-    """Run ``compute`` here (the engine thread) and hand its result or error to ``future`` on ``loop``."""
-    try:
-        result, error = compute(), None
-    except Exception as e:
-        result, error = None, e
-
-    def settle() -> None:
-        if future.done():  # the caller gave up waiting
-            return
-        if error is None:
-            future.set_result(result)
-        else:
-            future.set_exception(error)
-
-    loop.call_soon_threadsafe(settle)
