@@ -22,7 +22,9 @@ import json
 import os
 import random
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass
+from pathlib import Path
 
 from _routing_client import poisson_arrivals
 
@@ -189,6 +191,9 @@ def main(args) -> None:
     port = free_ports(1)[0]
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     lines, phase_no = [], 0
+    scrape = ExitStack()
+    prom = start_scrape(scrape) if args.prometheus else None
+    dashboards: list[dict] = []
     try:
         for variant, kv_bytes, loads, policies in variants:
             for policy in policies:
@@ -210,6 +215,9 @@ def main(args) -> None:
                     line.update(deploy_s=round(deploy_s, 1), loadavg_1m=round(os.getloadavg()[0], 2))
                     print(json.dumps(line), flush=True)
                     lines.append(line)
+                if prom is not None and policy == "kv" and not dashboards:
+                    dashboards.append(dashboard_line(prom, variant, policy, args.workers))
+                    print(json.dumps(dashboards[-1]), flush=True)
                 serve.delete(app)
         stop_scheduler()
     finally:
@@ -225,10 +233,41 @@ def main(args) -> None:
         print(json.dumps(summary), flush=True)
         if args.out:
             with open(args.out, "a") as f:
-                for line in [*lines, summary]:
+                for line in [*lines, *dashboards, summary]:
                     f.write(json.dumps(line) + "\n")
+        scrape.close()
         serve.shutdown()
         ray.shutdown()
+
+
+def start_scrape(stack: ExitStack) -> str:
+    """A real Prometheus over the local Ray cluster (``_prometheus``), until ``stack`` closes; its URL."""
+    import shutil
+    import tempfile
+
+    from pagefleet.cluster.launch import metrics_targets
+    from pagefleet.cluster.serve_env import free_ports
+
+    from _prometheus import running_prometheus
+
+    binary = shutil.which("prometheus")
+    if binary is None:
+        raise SystemExit("--prometheus: no `prometheus` binary on PATH")
+    work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="pf-prometheus-")))
+    return stack.enter_context(running_prometheus(binary, work, free_ports(1)[0], targets=metrics_targets()))
+
+
+def dashboard_line(prom: str, variant: str, policy: str, workers: int) -> dict:
+    """The dashboard's queries against the fleet's scrape: how many, and the panels without data;
+    the scrape targets up, and the worker replicas that made tokens over the last minute."""
+    from _prometheus import RATE_WINDOW, dashboard_queries, queries_without_data, query
+
+    missing = queries_without_data(prom)
+    making = query(prom, f"count(sum by (replica) (rate(ray_pagefleet_generation_tokens_total[{RATE_WINDOW}])) > 0)")
+    return {"summary": "dashboard", "variant": variant, "policy": policy, "workers": workers,
+            "scrape_targets_up": len(query(prom, 'up{job="ray"} == 1')),
+            "replicas_making_tokens": int(float(making[0]["value"][1])) if making else 0,
+            "queries": len(dashboard_queries()), "without_data": [title for title, _ in missing]}
 
 
 def start_ray(num_cpus: int) -> bool:

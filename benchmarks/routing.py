@@ -260,6 +260,9 @@ def main() -> None:
     sim.add_argument("--pressure-policies", nargs="+", default=["kv", "ray_prefix", "round_robin"], choices=POLICIES)
     sim.add_argument("--pressure-prefixes", type=int, default=None,
                      help="system prompts each pool holds beside its running requests (default: half the tenants)")
+    sim.add_argument("--prometheus", action="store_true",
+                     help="scrape the fleet with a real Prometheus (the `prometheus` binary on PATH) and "
+                          "evaluate every query of the Grafana dashboard after kv's loads")
     sim.add_argument("--max-num-seqs", type=int, default=32)
     sim.add_argument("--max-num-batched-tokens", type=int, default=2048)
     sim.add_argument("--max-model-len", type=int, default=8192)

@@ -7,7 +7,6 @@ Without a `prometheus` binary these tests skip, except under CI=true, where they
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -28,10 +27,12 @@ from pagefleet.worker.metrics.stats import ReplicaStats
 from cluster_helpers import wait_until_running
 from conftest import free_port
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from _prometheus import dashboard_queries, queries_without_data, query, running_prometheus
+
 ROOT = Path(__file__).resolve().parents[2]
 APP = "pagefleet"
 MAX_MODEL_LEN = 256
-RATE_WINDOW = "1m"
 
 
 def _prometheus_binary() -> str:
@@ -55,52 +56,10 @@ def replica_ids() -> list[str]:
 
 @pytest.fixture(scope="module")
 def prometheus(ray_temp_dir, tmp_path_factory):
-    """deploy/prometheus/prometheus.yml with this session's Ray temp dir and a 1 s scrape interval."""
-    binary = _prometheus_binary()
-    config = yaml.safe_load((ROOT / "deploy" / "prometheus" / "prometheus.yml").read_text())
-    config["global"].update(scrape_interval="1s", evaluation_interval="1s")
-    sd = config["scrape_configs"][0]["file_sd_configs"][0]
-    sd["files"] = [str(Path(ray_temp_dir) / Path(f).name) for f in sd["files"]]
-    sd["refresh_interval"] = "1s"
-    # Every target of this session's cluster runs on this machine and its agents listen on all
-    # addresses: scrape them over loopback (the discovery file names the node's own address).
-    config["scrape_configs"][0]["relabel_configs"] = [
-        {"source_labels": ["__address__"], "regex": r"[^:]+:(\d+)", "target_label": "__address__",
-         "replacement": "127.0.0.1:$1"}]
-    work = tmp_path_factory.mktemp("prometheus")
-    (work / "prometheus.yml").write_text(yaml.safe_dump(config))
-    port = free_port()
-    proc = subprocess.Popen([binary, f"--config.file={work / 'prometheus.yml'}", f"--storage.tsdb.path={work / 'data'}",
-                             f"--web.listen-address=127.0.0.1:{port}"],
-                            stdout=subprocess.DEVNULL, stderr=open(work / "prometheus.log", "w"))
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, (work / "prometheus.log").read_text()[-2000:]
-            try:
-                if httpx.get(f"{base}/-/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "Prometheus did not become ready"
-            time.sleep(0.5)
+    """deploy/prometheus/prometheus.yml over this session's Ray cluster, scraping each second."""
+    with running_prometheus(_prometheus_binary(), tmp_path_factory.mktemp("prometheus"), free_port(),
+                            ray_temp_dir=ray_temp_dir) as base:
         yield base
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
-def query(prom: str, expr: str) -> list[dict]:
-    r = httpx.get(f"{prom}/api/v1/query", params={"query": expr}, timeout=30)
-    assert r.status_code == 200, (expr, r.text)
-    body = r.json()
-    assert body["status"] == "success", (expr, body)
-    return body["data"]["result"]
 
 
 @pytest.fixture(scope="module")
@@ -258,39 +217,12 @@ def test_exported_counters_equal_what_the_responses_reported(traffic):
     assert grown["num_preemptions"] > 0  # the small KV pool made the engines preempt
 
 
-def _dashboard_queries() -> list[tuple[str, str]]:
-    dash = json.loads((ROOT / "deploy" / "grafana" / "pagefleet.json").read_text())
-    out = [(p["title"], t["expr"]) for p in dash["panels"] for t in p["targets"]]
-    out += [(f"variable {v['name']}", v["definition"]) for v in dash["templating"]["list"] if v["type"] == "query"]
-    return out
-
-
-def _as_promql(expr: str) -> str:
-    """Grafana's variables as Grafana sends them with "All" selected."""
-    return (expr.replace("$__rate_interval", RATE_WINDOW).replace("$model_name", ".*").replace("$replica", ".*"))
-
-
 def test_every_dashboard_query_returns_data(traffic, prometheus):
-    def returns_data(expr: str) -> bool:
-        match = re.fullmatch(r"label_values\((.*), (\w+)\)", expr)
-        if match:  # a variable: the label must have values on the series
-            return bool(query(prometheus, f"count by ({match.group(2)}) ({_as_promql(match.group(1))})"))
-        return bool(query(prometheus, _as_promql(expr)))
-
-    # Each query must return data; one that is momentarily empty (a gauge between two exports of
-    # a busy agent) gets a few more scrapes before it counts as missing.
-    missing = _dashboard_queries()
-    deadline = time.monotonic() + 30
-    while True:
-        missing = [(title, expr) for title, expr in missing if not returns_data(expr)]
-        if not missing or time.monotonic() > deadline:
-            break
-        time.sleep(2)
-    assert not missing, missing
+    assert not queries_without_data(prometheus)
 
 
 def test_dashboard_series_are_all_exported(traffic, prometheus):
-    named = {n for _, expr in _dashboard_queries() for n in re.findall(r"\bray_pagefleet_\w+", expr)}
+    named = {n for _, expr in dashboard_queries() for n in re.findall(r"\bray_pagefleet_\w+", expr)}
     deadline = time.monotonic() + 30
     while True:  # series names Prometheus has seen; a busy agent may export a gauge a scrape late
         exported = {r for r in httpx.get(f"{prometheus}/api/v1/label/__name__/values", timeout=30).json()["data"]
