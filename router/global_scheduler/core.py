@@ -31,9 +31,15 @@ cached blocks are in use comes from the workers' events like the rest.
 A worker also needs a seat for the request's sequences: it holds at most
 ``max_seqs_per_worker`` running and waiting (its request limit; sequences
 routed to it and not yet reported count too), and past that a request would
-only wait in Serve's queue for it. Workers without room rank only when no
-worker has room, and then the request is not admitted (admission control
-holds it at the router, and refuses at once what its queue cannot hold).
+only wait in Serve's queue for it. When some worker has room, the request is
+admitted. A worker that holds more of the prompt than the best worker with room,
+and has a seat but no room, ranks beside the workers with room by the same cost.
+The request can wait there, queued by that worker's engine until blocks free,
+instead of computing that much more of the prompt elsewhere; its load, the
+blocks it has committed, says how long the wait may be. Other workers without
+room rank only when no worker has room. Then the request is not admitted:
+admission control holds it at the router, and refuses at once what its queue
+cannot hold.
 Predicted blocks end when the worker reports the request taken in; predicted
 prefix entries (so a burst with one prefix keeps to one worker) end
 ``prediction_ttl_s`` after the decision when the worker never reports the
@@ -48,7 +54,7 @@ from __future__ import annotations
 import heapq
 import sys
 from array import array
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from itertools import chain
 from operator import attrgetter
 
@@ -69,6 +75,16 @@ from pagefleet.worker.core.block_hash import HASH_SIZE
 from pagefleet.worker.core.kv_events import KVEventBatch, KVSnapshot
 
 _PACKED_PARTS = attrgetter("removed", "stored", "acquired", "released")  # a batch's packed hashes (block events)
+HoldersOver = Callable[[int], list[tuple[int, int]]]  # cached blocks -> (slot, cached) of those holding more
+
+
+def _slots_of(mask: int) -> list[int]:
+    out = []
+    while mask:
+        low = mask & -mask
+        out.append(low.bit_length() - 1)
+        mask ^= low
+    return out
 
 
 class GlobalScheduler:
@@ -337,17 +353,28 @@ class GlobalScheduler:
             return RouteDecision([], False, "no_workers", 0)
         keys = routing_keys(req.block_hashes)
         need, seqs = req.num_blocks, req.num_seqs
-        rows = (self._walk_python if self._walk is None else self._walk_compiled)(req, keys, order, candidates is None)
+        everyone = candidates is None
+        walk = self._walk_python if self._walk is None else self._walk_compiled
+        rows, holders = walk(req, keys, order, everyone)
         best = heapq.nsmallest(self.max_ranked, rows)
         admitted = not best[0][0]
+        waiting: set[str] = set()
         if admitted:
             best = [row for row in best if not row[0]]
-        scores = [WorkerScore(wid, cached, load, cost, not full) for full, cost, load, _, wid, cached in best]
+            extra = self._rows_to_wait(req, len(keys), holders(best[0][5]), {row[4] for row in best},
+                                       None if everyone else {v.slot for v in order})
+            if extra:
+                waiting = {row[4] for row in extra}
+                best = heapq.nsmallest(self.max_ranked, best + extra)
+        scores = [WorkerScore(wid, cached, load, cost, not full and wid not in waiting)
+                  for full, cost, load, _, wid, cached in best]
         first = scores[0]
         reason = "no_room" if not admitted else ("prefix" if first.cached_blocks else "load")
         self.counters.decisions += 1
         if not admitted:
             self.counters.decisions_without_room += 1
+        elif first.worker_id in waiting:
+            self.counters.decisions_to_wait += 1
         if admitted or force:
             # It will compute the rest of the prompt there and take the idle blocks of its prefix:
             # both are predicted in use (a request close behind finds them taken, not idle).
@@ -365,18 +392,44 @@ class GlobalScheduler:
         """How many of the prompt's first ``cached`` blocks are idle on ``view`` (reusing them takes room)."""
         return len(self.predictions.cached_keys(view, keys, cached, self.index)[0])
 
-    def _walk_python(self, req: RouteRequest, keys: list[int], order: list[WorkerView], everyone: bool) -> list[Row]:
-        """The rows that can make the ranking (``ranking.candidate_rows``), for the pure-Python index."""
+    def _rows_to_wait(self, req: RouteRequest, num_keys: int, holders: list[tuple[int, int]], ranked: set[str],
+                      allowed: set[int] | None) -> list[Row]:
+        """Rows for the workers that hold more of the prompt than the best worker with room but
+        have no room for the request, only a seat: it can wait there (the worker's engine queues
+        it until blocks free) instead of computing that much more of the prompt elsewhere, and
+        they rank with the workers that have room by the same cost, their load counting what
+        they hold. ``holders``: (slot, cached blocks); ``ranked``: the workers already ranked."""
+        out: list[Row] = []
+        for slot, cached in holders:
+            v = self._by_slot.get(slot)
+            if v is None or v.worker_id in ranked or v.seats < req.num_seqs or (allowed is not None
+                                                                                and slot not in allowed):
+                continue
+            out.append((False, self.weight * (num_keys - cached) + v.load_blocks, v.load_blocks, v.queued,
+                        v.worker_id, cached))
+        return out
+
+    def _walk_python(self, req: RouteRequest, keys: list[int], order: list[WorkerView],
+                     everyone: bool) -> tuple[list[Row], HoldersOver]:
+        """The rows that can make the ranking (``ranking.candidate_rows``), for the pure-Python index,
+        and the prompt's holders of more than a given number of blocks, as (slot, cached)."""
         order.sort(key=RANK)  # every view's is nearly sorted already: a decision or a batch moves one or two
         # {leading prompt blocks held: bit mask of the workers holding that many}
         runs = self.index.prefix_runs(keys, self.predictions.held) if keys else {}
-        return candidate_rows(order, runs, self._by_slot if everyone else {v.slot: v for v in order},
+        rows = candidate_rows(order, runs, self._by_slot if everyone else {v.slot: v for v in order},
                               restrict=not everyone, weight=self.weight, num_keys=len(keys), need=req.num_blocks,
                               seqs=req.num_seqs, k=self.max_ranked,
                               idle_count=lambda v, cached: self._idle_count(v, keys, cached))
 
-    def _walk_compiled(self, req: RouteRequest, keys: list[int], order: list[WorkerView], everyone: bool) -> list[Row]:
-        """The best rows (``ranking_native``), for the compiled index: no Python loop over the workers."""
+        def holders(over: int) -> list[tuple[int, int]]:
+            return [(slot, run) for run, mask in runs.items() if run > over for slot in _slots_of(mask)]
+
+        return rows, holders
+
+    def _walk_compiled(self, req: RouteRequest, keys: list[int], order: list[WorkerView],
+                       everyone: bool) -> tuple[list[Row], HoldersOver]:
+        """The best rows (``ranking_native``), for the compiled index: no Python loop over the workers;
+        and the prompt's holders, as ``_walk_python`` gives them."""
         if self._all_slots is None:  # workers came or went
             self._all_slots = array("I", sorted(self._by_slot))
             self._table.order_ids(self.workers.values())
@@ -388,8 +441,18 @@ class GlobalScheduler:
                                seqs=req.num_seqs, weight=self.weight, k=self.max_ranked,
                                idle_count=lambda slot, cached: self._idle_count(by_slot[slot], keys, cached))
         weight, num_keys = self.weight, len(keys)
-        return [(no_room, weight * (num_keys - cached) + v.load_blocks, v.load_blocks, v.queued, v.worker_id, cached)
+        rows = [(no_room, weight * (num_keys - cached) + v.load_blocks, v.load_blocks, v.queued, v.worker_id, cached)
                 for slot, cached, no_room in best for v in (by_slot[slot],)]
+        index = self.index
+
+        def holders(over: int) -> list[tuple[int, int]]:
+            # the index's answer to prefix_run_pairs above: nothing has asked it another since
+            if over >= num_keys:
+                return []
+            return [(slot, run) for slot, run in zip(index.run_slots[:num_runs], index.run_lengths[:num_runs])
+                    if run > over]
+
+        return rows, holders
 
     def _view_of(self, pred: Prediction) -> WorkerView | None:
         """The view a prediction was made on, if that worker is still known in that slot."""

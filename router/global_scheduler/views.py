@@ -112,6 +112,7 @@ class SchedulerCounters:
     workers_dropped: int = 0
     decisions: int = 0
     decisions_without_room: int = 0
+    decisions_to_wait: int = 0  # admitted to a worker holding more of the prompt that had no room yet
     predictions_confirmed: int = 0
     predictions_expired: int = 0  # ran out before the worker reported the request
     predictions_withdrawn: int = 0  # the request ended at the router before the worker reported it

@@ -104,6 +104,43 @@ def test_no_worker_with_room_is_not_admitted_and_predicts_nothing():
     assert forced.ranking[0] == "b" and gs.workers["b"].predicted_blocks == 7
 
 
+def test_a_holder_without_room_but_with_a_seat_ranks_to_wait_when_that_costs_less():
+    """The request needs 6 blocks; a holds its prompt's 4 (in use: shared) with no block free, c
+    holds 1 with room, b none with room. a's cost 4 x 0 + its load ranks beside b's 4 x 4 + 0 and
+    c's 4 x 3 + 50: with a load of 10 it comes first, to wait there for room; with 100 it comes
+    last; without a seat it does not rank."""
+    h = hashes(PROMPT)
+    for total, expected in ((10, [("a", False), ("b", True), ("c", True)]),
+                            (100, [("b", True), ("c", True), ("a", False)])):
+        gs = scheduler()
+        gs.apply_batch(batch("a", 0, stored=h, acquired=h, free=0, total=total, running=1), now=0.0)
+        gs.apply_batch(batch("b", 0), now=0.0)
+        gs.apply_batch(batch("c", 0, stored=h[:1], acquired=h[:1], free=50), now=0.0)
+        d = gs.route(request(), now=0.0)
+        assert [(s.worker_id, s.has_room) for s in d.scores] == expected
+        assert [s.cost for s in d.scores] == sorted(s.cost for s in d.scores)
+        assert d.admitted and d.reason == ("prefix" if expected[0][0] != "b" else "load")
+        assert gs.counters.decisions_to_wait == (expected[0][0] == "a")
+        first = gs.workers[expected[0][0]]
+        assert first.predicted_blocks == 6 - {"a": 4, "b": 0}[first.worker_id] and first.predicted_seqs == 1
+    gs = scheduler(max_seqs_per_worker=1)  # a's one seat is taken
+    gs.apply_batch(batch("a", 0, stored=h, acquired=h, free=0, total=10, running=1), now=0.0)
+    gs.apply_batch(batch("b", 0), now=0.0)
+    d = gs.route(request(), now=0.0)
+    assert [(s.worker_id, s.has_room) for s in d.scores] == [("b", True)] and gs.counters.decisions_to_wait == 0
+
+
+def test_a_holder_without_room_waits_only_where_it_holds_more_than_the_best_worker_with_room():
+    """b holds the whole prompt and has room: a, holding 2 of its 4 blocks without room, is not
+    ranked to wait, however light its load (waiting there would compute more, not less)."""
+    h = hashes(PROMPT)
+    gs = scheduler()
+    gs.apply_batch(batch("a", 0, stored=h[:2], acquired=h[:2], free=0, total=3, running=1), now=0.0)
+    gs.apply_batch(batch("b", 0, stored=h, acquired=h, free=60), now=0.0)
+    d = gs.route(request(), now=0.0)
+    assert [(s.worker_id, s.has_room) for s in d.scores] == [("b", True)]
+
+
 def test_prediction_ends_when_the_worker_reports_the_request_and_its_prefix_after_the_hold():
     gs = scheduler(prediction_ttl_s=2.0, prefix_hold_s=5.0)
     gs.apply_batch(batch("a", 0), now=0.0)
@@ -231,7 +268,8 @@ def test_an_idle_cached_prefix_counts_against_room_and_one_in_use_does_not():
     gs.expire(10.0)  # r1's prediction ends
     gs.apply_batch(batch("a", 1, free=5, total=10, released=h), now=10.0)  # now idle: reusing them takes 4 more
     d = gs.route(request("r2"), now=10.0)
-    assert d.ranking == ["b"] and d.admitted  # a has no room for 2 + 4, so only b ranks
+    # a has no room for 2 + 4; it still ranks first, to wait there (its cost 5 against b's 16)
+    assert [(s.worker_id, s.has_room) for s in d.scores] == [("a", False), ("b", True)] and d.admitted
     gs.expire(20.0)
     gs.apply_batch(batch("a", 2, free=5, total=10, acquired=h[:3]), now=20.0)  # 3 in use again, the 4th idle
     d = gs.route(request("r3"), now=20.0)
@@ -401,13 +439,18 @@ def reference_ranking(gs, req, max_ranked, candidates=None):
                                       or gs.predictions.holders(keys[cached]) >> v.slot & 1):
             cached += 1
         idle = gs.predictions.cached_keys(v, keys, cached, gs.index)[0]
-        full = v.seats < req.num_seqs or v.room_blocks < req.num_blocks - cached + len(idle)  # unreported: no bound
-        rows.append((full, gs.weight * (len(keys) - cached) + v.load_blocks, v.load_blocks, v.queued, v.worker_id,
-                     cached))
-    best = sorted(rows)[:max_ranked]
-    if not best[0][0]:
-        best = [row for row in best if not row[0]]
-    return [(row[4], row[5], not row[0]) for row in best]
+        seat = v.seats >= req.num_seqs
+        full = not seat or v.room_blocks < req.num_blocks - cached + len(idle)  # unreported: no bound
+        rows.append(((full, gs.weight * (len(keys) - cached) + v.load_blocks, v.load_blocks, v.queued, v.worker_id,
+                      cached), seat))
+    with_room = sorted(row for row, _ in rows if not row[0])
+    if not with_room:
+        return [(row[4], row[5], False) for row in sorted(row for row, _ in rows)[:max_ranked]]
+    # Workers holding more of the prompt than the best one with room, without room but with a
+    # seat, rank beside those with room: the request can wait there.
+    waiting = [(False, *row[1:]) for row, seat in rows if row[0] and seat and row[5] > with_room[0][5]]
+    best = sorted(with_room + waiting)[:max_ranked]
+    return [(row[4], row[5], row in with_room) for row in best]
 
 
 @pytest.mark.parametrize("seed", range(40))
