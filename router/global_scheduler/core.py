@@ -61,7 +61,7 @@ from operator import attrgetter
 from pagefleet.router.global_scheduler.kv_index import KEY_WIDTH, routing_keys
 from pagefleet.router.global_scheduler.kv_index_native import NativeKVBlockIndex, new_kv_index
 from pagefleet.router.global_scheduler.predictions import Prediction, Predictions
-from pagefleet.router.global_scheduler.ranking import RANK, Row, candidate_rows
+from pagefleet.router.global_scheduler.ranking import RANK, Row, candidate_rows, row, rows_to_wait, slots_of
 from pagefleet.router.global_scheduler.ranking_native import NativeWalk, WorkerTable
 from pagefleet.router.global_scheduler.views import (
     RouteDecision,
@@ -76,15 +76,6 @@ from pagefleet.worker.core.kv_events import KVEventBatch, KVSnapshot
 
 _PACKED_PARTS = attrgetter("removed", "stored", "acquired", "released")  # a batch's packed hashes (block events)
 HoldersOver = Callable[[int], list[tuple[int, int]]]  # cached blocks -> (slot, cached) of those holding more
-
-
-def _slots_of(mask: int) -> list[int]:
-    out = []
-    while mask:
-        low = mask & -mask
-        out.append(low.bit_length() - 1)
-        mask ^= low
-    return out
 
 
 class GlobalScheduler:
@@ -361,8 +352,9 @@ class GlobalScheduler:
         waiting: set[str] = set()
         if admitted:
             best = [row for row in best if not row[0]]
-            extra = self._rows_to_wait(req, len(keys), holders(best[0][5]), {row[4] for row in best},
-                                       None if everyone else {v.slot for v in order})
+            extra = [] if best[0][5] >= len(keys) else rows_to_wait(
+                holders(best[0][5]), self._by_slot, weight=self.weight, num_keys=len(keys), seqs=seqs,
+                ranked={row[4] for row in best}, allowed=None if everyone else {v.slot for v in order})
             if extra:
                 waiting = {row[4] for row in extra}
                 best = heapq.nsmallest(self.max_ranked, best + extra)
@@ -392,23 +384,6 @@ class GlobalScheduler:
         """How many of the prompt's first ``cached`` blocks are idle on ``view`` (reusing them takes room)."""
         return len(self.predictions.cached_keys(view, keys, cached, self.index)[0])
 
-    def _rows_to_wait(self, req: RouteRequest, num_keys: int, holders: list[tuple[int, int]], ranked: set[str],
-                      allowed: set[int] | None) -> list[Row]:
-        """Rows for the workers that hold more of the prompt than the best worker with room but
-        have no room for the request, only a seat: it can wait there (the worker's engine queues
-        it until blocks free) instead of computing that much more of the prompt elsewhere, and
-        they rank with the workers that have room by the same cost, their load counting what
-        they hold. ``holders``: (slot, cached blocks); ``ranked``: the workers already ranked."""
-        out: list[Row] = []
-        for slot, cached in holders:
-            v = self._by_slot.get(slot)
-            if v is None or v.worker_id in ranked or v.seats < req.num_seqs or (allowed is not None
-                                                                                and slot not in allowed):
-                continue
-            out.append((False, self.weight * (num_keys - cached) + v.load_blocks, v.load_blocks, v.queued,
-                        v.worker_id, cached))
-        return out
-
     def _walk_python(self, req: RouteRequest, keys: list[int], order: list[WorkerView],
                      everyone: bool) -> tuple[list[Row], HoldersOver]:
         """The rows that can make the ranking (``ranking.candidate_rows``), for the pure-Python index,
@@ -422,7 +397,7 @@ class GlobalScheduler:
                               idle_count=lambda v, cached: self._idle_count(v, keys, cached))
 
         def holders(over: int) -> list[tuple[int, int]]:
-            return [(slot, run) for run, mask in runs.items() if run > over for slot in _slots_of(mask)]
+            return [(slot, run) for run, mask in runs.items() if run > over for slot in slots_of(mask)]
 
         return rows, holders
 
@@ -441,14 +416,11 @@ class GlobalScheduler:
                                seqs=req.num_seqs, weight=self.weight, k=self.max_ranked,
                                idle_count=lambda slot, cached: self._idle_count(by_slot[slot], keys, cached))
         weight, num_keys = self.weight, len(keys)
-        rows = [(no_room, weight * (num_keys - cached) + v.load_blocks, v.load_blocks, v.queued, v.worker_id, cached)
-                for slot, cached, no_room in best for v in (by_slot[slot],)]
+        rows = [row(no_room, by_slot[slot], cached, weight, num_keys) for slot, cached, no_room in best]
         index = self.index
 
         def holders(over: int) -> list[tuple[int, int]]:
             # the index's answer to prefix_run_pairs above: nothing has asked it another since
-            if over >= num_keys:
-                return []
             return [(slot, run) for slot, run in zip(index.run_slots[:num_runs], index.run_lengths[:num_runs])
                     if run > over]
 

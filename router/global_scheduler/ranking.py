@@ -17,7 +17,7 @@ the compiled one, ``ranking_native`` gives the same best rows in one call.
 from __future__ import annotations
 
 from operator import attrgetter
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 
 if TYPE_CHECKING:
     from pagefleet.router.global_scheduler.views import WorkerView
@@ -28,6 +28,34 @@ RANK = attrgetter("load_blocks", "queued", "worker_id")
 _ROOM = attrgetter("room_blocks")
 
 Row = tuple[bool, float, int, int, str, int]
+
+
+def row(full: bool, v: WorkerView, cached: int, weight: float, num_keys: int) -> Row:
+    """``v``'s row for a prompt of ``num_keys`` blocks of which it holds the first ``cached``."""
+    return full, weight * (num_keys - cached) + v.load_blocks, v.load_blocks, v.queued, v.worker_id, cached
+
+
+def slots_of(mask: int) -> Iterator[int]:
+    """The slots of a bit mask, lowest first."""
+    while mask:
+        low = mask & -mask
+        yield low.bit_length() - 1
+        mask ^= low
+
+
+def rows_to_wait(holders: Iterable[tuple[int, int]], by_slot: dict[int, WorkerView], *, weight: float,
+                 num_keys: int, seqs: int, ranked: set[str], allowed: set[int] | None) -> list[Row]:
+    """Rows for ``holders`` ((slot, cached blocks): those holding more of the prompt than the best
+    worker with room) that are not ``ranked`` yet, with a seat but no room: the request can wait
+    there (the worker's engine queues it until blocks free) instead of computing that much more
+    of the prompt elsewhere. They rank with the workers that have room by the same cost, their
+    load counting what they hold. ``allowed``: the candidates' slots (None: every worker)."""
+    out: list[Row] = []
+    for slot, cached in holders:
+        v = by_slot.get(slot)
+        if v is not None and v.worker_id not in ranked and v.seats >= seqs and (allowed is None or slot in allowed):
+            out.append(row(False, v, cached, weight, num_keys))
+    return out
 
 
 def candidate_rows(order: list[WorkerView], runs: dict[int, int], by_slot: dict[int, WorkerView], *,
@@ -71,8 +99,7 @@ def candidate_rows(order: list[WorkerView], runs: dict[int, int], by_slot: dict[
         else:
             room_seen = True
             with_room[cached] += 1
-        rows.append((full, weight * (num_keys - cached) + v.load_blocks, v.load_blocks, v.queued, v.worker_id,
-                     cached))
+        rows.append(row(full, v, cached, weight, num_keys))
 
     walked = []  # groups of more than k workers: found in the walk
     closed = 0  # bit mask of the workers of groups that are done (the small ones from the start)
@@ -81,10 +108,8 @@ def candidate_rows(order: list[WorkerView], runs: dict[int, int], by_slot: dict[
             walked.append((run, mask))
             continue
         closed |= mask
-        while mask:
-            low = mask & -mask
-            add_row(by_slot[low.bit_length() - 1], run)
-            mask ^= low
+        for slot in slots_of(mask):
+            add_row(by_slot[slot], run)
     zero_done = not left[0]  # group 0: the workers holding none of the prompt
     # No worker has room when even the most cached prefix leaves more new blocks than the
     # largest room (a check at C speed): then each group's first k rows are all it can give.
