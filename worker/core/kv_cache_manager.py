@@ -19,6 +19,10 @@ class KVCacheManager:
         self.pool = pool
         self.block_size = block_size
         self.block_tables: dict[int, list[KVBlock]] = {}
+        # The same tables as block ids, extended in place: a step's block table is these lists
+        # as they are (``block_ids``), and one that did not change is seen not to
+        # (``StepBuffers._write_table``).
+        self._block_ids: dict[int, list[int]] = {}
         self._num_published: dict[int, int] = {}  # leading blocks of each table already hashed into the pool
         # Hashes are published when blocks are allocated, so later sequences of the same step
         # can share them (each layer writes its KV before attention reads it); if the step
@@ -64,8 +68,12 @@ class KVCacheManager:
             return False
         if hit:
             self.pool.touch(hit)
-        table = table + hit + self.pool.allocate(max(needed, 0))
+        new = self.pool.allocate(max(needed, 0))
+        table = table + hit + new
         self.block_tables[seq.seq_id] = table
+        ids = self._block_ids.setdefault(seq.seq_id, [])
+        ids.extend(b.block_id for b in hit)
+        ids.extend(b.block_id for b in new)
         if prefix is not None:
             self.prefix_queries += seq.num_tokens
             self.prefix_hits += prefix.num_tokens
@@ -98,9 +106,13 @@ class KVCacheManager:
 
     def free(self, seq: Sequence) -> None:
         table = self.block_tables.pop(seq.seq_id, None)
+        self._block_ids.pop(seq.seq_id, None)
         self._num_published.pop(seq.seq_id, None)
         if table:
             self.pool.free(list(reversed(table)))
 
     def block_ids(self, seq: Sequence) -> list[int]:
-        return [b.block_id for b in self.block_tables.get(seq.seq_id, [])]
+        """The sequence's block ids, in order: the manager's own list, which grows as the
+        sequence does (callers read it, never change it), and a new list after the sequence
+        is freed and allocated again."""
+        return self._block_ids.get(seq.seq_id, [])

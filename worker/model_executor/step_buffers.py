@@ -10,6 +10,15 @@ Those addresses never change, which is also what lets a CUDA graph read them
 The host buffer is rewritten only once the device has read the last copy out of it (an event
 recorded after the copy): a step that samples nothing does not wait for its device work, and
 the next step's indices must not overwrite what a queued copy has yet to read.
+
+The block table is the step's largest input (a row per sequence, a column per block), and
+from one step to the next a row gains a block at most. So the host buffer keeps its rows, and
+a step writes only what changed (``_write_table``): a row holding the same sequence's table
+as last step gets the new blocks; a row whose sequence moved up (one before it ended) is
+copied from where it was; only a sequence new to the table is written whole. The tables come
+from ``KVCacheManager.block_ids``: one list per sequence's allocation, only ever extended, so
+the list object itself says whose table a row holds (the buffers keep a reference to each list
+written, so no other list can take its id).
 """
 
 from __future__ import annotations
@@ -46,9 +55,15 @@ class StepBuffers:
         pin = device.type == "cuda"
         self.host = torch.zeros(size, dtype=torch.int64, pin_memory=pin)
         self.host_np = self.host.numpy()
+        self.table_host = self.host_np[self.off_table:].reshape(max_seqs, max_blocks)
         # On CPU the host buffer is the device buffer: no copy at all.
         self.dev = torch.zeros(size, dtype=torch.int64, device=device) if pin else self.host
         self._sent: torch.cuda.Event | None = None  # recorded after the last copy out of the host buffer
+        # Per table row: the block list written there last and how many of its blocks; None
+        # where the row holds nothing a later step can reuse.
+        self._row_lists: list[list[int] | None] = [None] * max_seqs
+        self._row_lens = [0] * max_seqs
+        self._row_of: dict[int, int] = {}  # id(list) -> its row, for the lists in _row_lists
 
     # Device views at fixed addresses (what a captured graph reads).
     def input_ids(self, n: int) -> torch.Tensor:
@@ -113,17 +128,55 @@ class StepBuffers:
         if rows > b and pad_tokens is None:
             h[self.off_qsl + b + 1:self.off_qsl + rows + 1] = range(t + 1, t + 1 + rows - b)
             h[self.off_lens + b:self.off_lens + rows] = 1
-        table = h[self.off_table:self.off_table + rows * self.max_blocks].reshape(rows, self.max_blocks)
-        for i, blocks in enumerate(step.block_tables):
-            table[i, :len(blocks)] = blocks
+        self._write_table(step.block_tables)
         if rows > b:
-            table[b:, 0] = 0
+            self.table_host[b:rows, 0] = 0
+            self._row_lists[b:rows] = [None] * (rows - b)
         if self.dev is not self.host:
             used = self.off_table + rows * self.max_blocks
             self.dev[:used].copy_(self.host[:used], non_blocking=True)
             self._sent = torch.cuda.Event()
             self._sent.record()
         return rows
+
+    def _write_table(self, tables: list[list[int]]) -> None:
+        """Bring the host table's leading rows to ``tables``, writing only what changed (module
+        docstring). Rows that moved up by the same offset, as all those after an ended sequence
+        do, are copied in one slice; every other write waits until the copies are done, so a
+        copy reads only rows as the last step left them."""
+        table, lists, lens, row_of = self.table_host, self._row_lists, self._row_lens, self._row_of
+        writes = []  # (row, first column to write, blocks)
+        moved = False  # a row took another list: row_of is rebuilt
+        run_i = run_j = run_n = run_w = 0  # rows run_i.. take the first run_w columns of rows run_j..
+        for i, blocks in enumerate(tables):
+            if lists[i] is blocks:
+                had = lens[i]
+            else:
+                j = row_of.get(id(blocks))
+                # Row j still holds this list's blocks unless this step has rewritten it, and a
+                # rewritten row holds another list.
+                if j is not None and lists[j] is blocks:
+                    had = lens[j]
+                    if run_n and i == run_i + run_n and j == run_j + run_n:
+                        run_n, run_w = run_n + 1, max(run_w, had)
+                    else:
+                        if run_n:
+                            table[run_i:run_i + run_n, :run_w] = table[run_j:run_j + run_n, :run_w]
+                        run_i, run_j, run_n, run_w = i, j, 1, had
+                else:
+                    had = 0
+                lists[i] = blocks
+                moved = True
+            n = len(blocks)
+            if n > had:
+                writes.append((i, had, blocks))
+            lens[i] = n
+        if run_n:
+            table[run_i:run_i + run_n, :run_w] = table[run_j:run_j + run_n, :run_w]
+        for i, had, blocks in writes:
+            table[i, had:len(blocks)] = blocks[had:] if had else blocks
+        if moved:
+            self._row_of = {id(x): i for i, x in enumerate(lists) if x is not None}
 
     def tensors(self, step, plan_attention) -> StepTensors:
         """Fill and send an eager step; the views its forward reads."""
