@@ -50,7 +50,8 @@ def write_checkpoint_config(path: Path, shape: dict) -> None:
 # The engines the check compares, each a set of LLM options over the same random weights:
 # (name, options, the throughput batches it runs).
 VARIANTS = [
-    ("bf16, CUDA graphs", {}, (64, 256)),
+    ("bf16, CUDA graphs", {}, (64, 256)),  # async scheduling on, the default
+    ("bf16, CUDA graphs, no async scheduling", {"async_scheduling": False}, (64, 256)),
     ("bf16, greedy windows of 8", {"num_scheduler_steps": 8}, (64, 256)),
     ("fp8 weights", {"quantization": "fp8"}, (64, 256)),
     ("fp8 KV cache", {"kv_cache_dtype": "fp8"}, (64, 256)),
@@ -102,6 +103,7 @@ def _check_variant(run, tmp: str, shape: dict, name: str, options: dict, batches
         # The CPU engine's compiled kernels plan attention on the host, which a graph cannot:
         # the dry run takes the twins, and the graph variant their static-buffer path uncaptured.
         kwargs.update(max_num_seqs=4, kv_cache_bytes=(4 * 64 + 64) * kv_per_token, enforce_eager=True)
+        kwargs.setdefault("async_output_proc", True)  # as on CUDA, so async scheduling runs as it would there
     elif not first:
         # The first engine sizes its pool from device memory (the default); the others take a
         # fixed pool that holds the largest batch, so they start fast.
@@ -121,6 +123,7 @@ def _check_variant(run, tmp: str, shape: dict, name: str, options: dict, batches
              model="Llama-3-8B-shaped, random weights" if not tiny else "tiny llama",
              weight_bytes=weight_bytes, decode_step_weight_bytes=step_weight_bytes, startup_s=round(startup_s, 1),
              kernels=str(model.kernels), max_num_seqs=llm.engine.args.max_num_seqs,
+             async_output=llm.engine.async_output, async_scheduling=llm.engine.async_scheduling,
              kv_pool_blocks=pool.num_blocks, kv_pool_bytes=pool.num_blocks * runner.kv_bytes_per_block(16),
              kv_pool_sized_by="profile run" if "kv_cache_bytes" not in kwargs else "kv_cache_bytes",
              decode_graphs=len(graphs.graphs) if graphs else 0,

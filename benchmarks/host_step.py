@@ -28,7 +28,8 @@ from pagefleet.worker.model_executor.step_buffers import StepBuffers
 
 
 def run(gpu: str, model: str, batch: int, prompt_len: int, output_len: int) -> dict:
-    llm = LLM(model=model, simulate=gpu, max_num_seqs=batch, max_num_batched_tokens=8192)
+    # Every step scheduled and built (async scheduling builds the steps it launches ahead its own way).
+    llm = LLM(model=model, simulate=gpu, max_num_seqs=batch, max_num_batched_tokens=8192, async_scheduling=False)
     engine = llm.engine
     cfg = engine.model_config
     buffers = StepBuffers(8192, batch, -(-cfg.max_model_len // engine.args.block_size), torch.device("cpu"))
@@ -43,7 +44,7 @@ def run(gpu: str, model: str, batch: int, prompt_len: int, output_len: int) -> d
         build_us.append((time.perf_counter() - t) * 1e6)
         return step
 
-    def execute(step):
+    def execute(step, prev_tokens=None):
         b = len(step.seq_lens)
         if len(step.input_ids) == b:  # decode: what DecodeGraphs.run fills
             rows = next(r for r in buckets if r >= b)
@@ -52,7 +53,7 @@ def run(gpu: str, model: str, batch: int, prompt_len: int, output_len: int) -> d
             fill_us.append((time.perf_counter() - t) * 1e6)
         else:
             build_us.pop()  # count decode steps only
-        return real_execute(step)
+        return real_execute(step, prev_tokens)
 
     llm_engine.build_step_input, engine.executor.execute = build, execute
     try:

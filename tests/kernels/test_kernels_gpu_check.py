@@ -41,8 +41,13 @@ def test_gpu_check_dry_run_prints_every_result():
     assert {b["kernel"] for b in bandwidth} == BANDWIDTH
     assert all(b["bytes"] > 0 and b["time_us"] > 0 and "fraction_of_peak" in b for b in bandwidth)
 
-    variants = ["bf16, CUDA graphs", "bf16, greedy windows of 8", "fp8 weights", "fp8 KV cache", "bf16, eager"]
+    variants = ["bf16, CUDA graphs", "bf16, CUDA graphs, no async scheduling", "bf16, greedy windows of 8",
+                "fp8 weights", "fp8 KV cache", "bf16, eager"]
     assert [s["variant"] for s in by_check["engine_setup"]] == variants
+    # Async output processing as on CUDA; async scheduling by default, except where asked off or
+    # where greedy windows take its place.
+    assert [(s["async_output"], s["async_scheduling"]) for s in by_check["engine_setup"]] == [
+        (True, True), (True, False), (True, False), (True, True), (True, True), (True, True)]
     for setup in by_check["engine_setup"]:
         assert setup["weight_bytes"] > setup["decode_step_weight_bytes"] > 0
         assert (setup["kv_pool_blocks"], setup["kv_pool_sized_by"]) == (20, "kv_cache_bytes")  # 320 tokens
@@ -56,7 +61,7 @@ def test_gpu_check_dry_run_prints_every_result():
     # Every other engine against the first on the same weights: bf16 eager gives the same logits.
     logits = {line["variant"]: line for line in by_check["engine_logits_vs_bf16"]}
     assert list(logits) == variants[1:]
-    for same in ("bf16, eager", "bf16, greedy windows of 8"):
+    for same in ("bf16, eager", "bf16, greedy windows of 8", "bf16, CUDA graphs, no async scheduling"):
         assert logits[same]["cosine_min"] == 1.0 and logits[same]["greedy_agreement"] == 1.0
     assert all(line["positions"] == 32 for line in logits.values())
     # On CPU the graph path runs uncaptured, and equals the eager forward exactly.

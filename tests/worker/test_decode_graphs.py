@@ -90,19 +90,24 @@ def test_static_decode_forward_gives_the_ordinary_paths_logits(tiny_checkpoint):
 
 
 def test_an_engine_on_the_static_decode_path_generates_the_same_tokens(tiny_checkpoint):
+    """Also with async scheduling, whose steps read their input ids from the previous step's
+    sampled tokens into the static buffers on the device."""
     prompts = [{"prompt_token_ids": list(range(10 + i, 10 + i + 3 * i + 2))} for i in range(5)]
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    # Output lengths apart, so rows of the block table move up as sequences end.
+    params = [SamplingParams(temperature=0.0, max_tokens=12 + 3 * i, ignore_eos=True) for i in range(5)]
 
-    def generate(static: bool):
+    def generate(static: bool, async_scheduling: bool = False):
         llm = LLM(model=str(tiny_checkpoint("llama")), dtype="float32", device="cpu", kv_cache_bytes=4 << 20,
-                  max_num_seqs=8, enforce_eager=True)
+                  max_num_seqs=8, enforce_eager=True, async_output_proc=async_scheduling,
+                  async_scheduling=async_scheduling)
         if static:
             llm.engine.executor.runner.use_graphs(capture=False)
         return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
 
     expected = generate(static=False)
     assert generate(static=True) == expected
-    assert all(len(t) == 12 for t in expected)
+    assert generate(static=True, async_scheduling=True) == expected
+    assert [len(t) for t in expected] == [12, 15, 18, 21, 24]
 
 
 def test_a_step_sampling_every_prompt_position_fits_and_keeps_the_block_table():

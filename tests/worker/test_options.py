@@ -39,6 +39,7 @@ OTHER_VALUES = {
     "stream_interval": ("4", 4),
     "num_scheduler_steps": ("8", 8),
     "async_output_proc": (None, True),  # --async-output-proc
+    "async_scheduling": (None, True),  # --async-scheduling
     "otlp_traces_endpoint": ("http://collector:4318/v1/traces", "http://collector:4318/v1/traces"),
     "trust_remote_code": (None, False),  # the only value it takes: true is refused (test below)
     "max_stop_strings": ("4", 4),

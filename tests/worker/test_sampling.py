@@ -51,7 +51,7 @@ def test_random_draws_follow_the_distribution_and_never_leave_the_support(temper
     logits = torch.tensor([0.0, 1.0, 2.0, float("-inf"), 0.5])
     rows = 40_000
     params = SamplingParams(temperature=temperature, top_k=top_k)
-    seqs = [SimpleNamespace(params=params, grammar=None) for _ in range(rows)]
+    seqs = [SimpleNamespace(params=params, grammar=None, is_finished=False) for _ in range(rows)]
     torch.manual_seed(0)
     drawn = Sampler(eos_token_ids=(4,))(logits.repeat(rows, 1), seqs).token_ids
     expected = (logits / temperature).softmax(dim=0)
@@ -100,7 +100,7 @@ def test_a_seeded_draw_is_keyed_by_seed_index_and_output_position_alone():
 
     def row(seed, index, position):
         return SimpleNamespace(params=SamplingParams(temperature=1.0, seed=seed), index=index,
-                               num_output_tokens=position, grammar=None)
+                               num_output_tokens=position, grammar=None, is_finished=False)
 
     def expected(seed, index, position):
         u = 1.0 - torch.rand(1, dtype=torch.float64,

@@ -74,6 +74,16 @@ class EngineArgs:
                                                         "step late, the extra token dropped. Default: on where the "
                                                         "device computes asynchronously (CUDA, --simulate), off on "
                                                         "CPU")
+    async_scheduling: bool | None = option(None, help="launch the next decode step while the device runs this "
+                                                      "one, its input tokens read on the device, as vLLM's async "
+                                                      "scheduling: the host's scheduling, sampling and bookkeeping "
+                                                      "then overlap the device's work. Applies while every "
+                                                      "sequence of a step is decoding or ends its prompt and "
+                                                      "nothing waits to be admitted; a sequence that stops has "
+                                                      "computed one token for nothing. Needs async output "
+                                                      "processing, one rank, and no --num-scheduler-steps. "
+                                                      "Default: on where async output processing is on and "
+                                                      "those hold")
     num_scheduler_steps: int = option(1, metavar="N",
                                       help="decode steps per scheduling round, as vLLM's flag: the GPU runs N "
                                            "decode steps back to back, each fed the previous one's greedy tokens "

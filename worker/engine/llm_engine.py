@@ -16,9 +16,10 @@ from pagefleet.worker.core.kv_cache_manager import KVCacheManager
 from pagefleet.worker.core.kv_cache_sizing import size_kv_pool
 from pagefleet.worker.core.kv_events import KVEventBatch, KVEventLog, KVEventSource, KVLoad, KVSnapshot
 from pagefleet.worker.core.resume import ResumeState, check_resume
-from pagefleet.worker.core.scheduler import Scheduler
+from pagefleet.worker.core.scheduler import Scheduler, SchedulerOutput
 from pagefleet.worker.core.sequence import Sequence, finish_reason
 from pagefleet.worker.core.worker_load import worker_load
+from pagefleet.worker.engine.async_scheduling import launch_next
 from pagefleet.worker.engine.detokenizer import IncrementalDetokenizer
 from pagefleet.worker.engine.engine_args import EngineArgs
 from pagefleet.worker.engine.greedy_window import run_greedy_window
@@ -92,6 +93,10 @@ class LLMEngine:
         self.async_output = args.async_output_proc if args.async_output_proc is not None else (
             self.device.type == "cuda" or args.simulate is not None)
         self._deferred: tuple[list[Sequence], set[str]] | None = None
+        # async_scheduling: the step launched before the last one's tokens reached the host
+        # (async_scheduling.py), as its scheduler output and the executor's return.
+        self.async_scheduling = self._async_scheduling()
+        self._ahead: tuple[SchedulerOutput, object] | None = None
         # Takes the previous step's deltas as soon as they are built, while this step's device work
         # runs, rather than from step()'s return once it has finished: without it a token would
         # reach its client a whole step after it was made. None: step() returns them.
@@ -101,6 +106,15 @@ class LLMEngine:
         self.step_time_s = 0.0
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
+
+    def _async_scheduling(self) -> bool:
+        """``args.async_scheduling``, resolved: on by default where it applies."""
+        args = self.args
+        applies = self.async_output and self.executor.reads_device_tokens and args.num_scheduler_steps == 1
+        if args.async_scheduling and not applies:
+            raise ValueError("async_scheduling needs async output processing, one rank (tensor_parallel_size 1) "
+                             "and num_scheduler_steps 1")
+        return applies if args.async_scheduling is None else args.async_scheduling
 
     def _size_kv_cache(self) -> tuple[int, int]:
         args = self.args
@@ -208,30 +222,39 @@ class LLMEngine:
     # ---- the step -------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutputDelta]:
-        """Schedule, execute, update, collect: one forward pass over the scheduled sequences."""
+        """Schedule, execute, update, collect: one forward pass over the scheduled sequences
+        (under async scheduling, possibly the one the previous call launched)."""
         arrived_done, self._finished_on_arrival = self._finished_on_arrival, set()
         started = time.monotonic()
-        out = self.scheduler.schedule()
-        if not out.scheduled:
-            return self._finish_deferred() + self._collect(arrived_done)
         earlier: list[RequestOutputDelta] = []
-        if self.args.num_scheduler_steps > 1:
-            earlier = self._hand_early(self._finish_deferred())
-            done = run_greedy_window(self, out, started)
-            if done is not None:
-                return earlier + self._collect(done | arrived_done)
-        step = build_step_input(out, self.args.block_size, self.kv.block_ids)
-        try:
-            logits = self.executor.execute(step)
-        except BaseException:
-            self.kv.unpublish_step()  # blocks hashed for this step hold no valid KV
-            raise
+        if self._ahead is not None:
+            (out, logits), self._ahead = self._ahead, None
+        else:
+            out = self.scheduler.schedule()
+            if not out.scheduled:
+                return self._finish_deferred() + self._collect(arrived_done)
+            if self.args.num_scheduler_steps > 1:
+                earlier = self._hand_early(self._finish_deferred())
+                done = run_greedy_window(self, out, started)
+                if done is not None:
+                    return earlier + self._collect(done | arrived_done)
+            step = build_step_input(out, self.args.block_size, self.kv.block_ids)
+            try:
+                logits = self.executor.execute(step)
+            except BaseException:
+                self.kv.unpublish_step()  # blocks hashed for this step hold no valid KV
+                raise
         # Asynchronous devices (CUDA, a simulated GPU) are computing now: the host finishes the
         # previous step's outputs meanwhile.
         earlier = self._hand_early(earlier + self._finish_deferred())
         self.kv.commit_step()
         sampled_seqs = out.sampled_seqs()
-        sampled = self.sampler(logits, sampled_seqs) if sampled_seqs else None
+        sampled = None
+        if sampled_seqs:
+            drawn = self.sampler.draw(logits, sampled_seqs)
+            if self.async_scheduling:
+                self._ahead = launch_next(self, out, drawn)
+            sampled = self.sampler.collect(drawn, sampled_seqs)
         got = self.scheduler.update_from_output(out, sampled)
         self.num_steps += 1
         took = time.monotonic() - started
@@ -246,6 +269,8 @@ class LLMEngine:
         # next step there is.
         waiting = [seq for seq in got if not self._ends_now(seq)]
         if not (self.scheduler.running or self.scheduler.waiting):
+            # Every sequence has ended: a step launched ahead computes only dropped tokens.
+            self._ahead = None
             for seq in waiting:
                 self.postprocess(seq)
             return earlier + self._collect(stepped)

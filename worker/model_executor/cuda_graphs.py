@@ -126,9 +126,11 @@ class DecodeGraphs:
         self.buffers.fill(StepInput([], [], [], [], [0], [], []), pad_to=rows)
 
     @torch.inference_mode()
-    def run(self, step, rows: int) -> torch.Tensor:
-        """``step``: a decode StepInput of at most ``rows`` sequences -> its sampling rows' logits."""
+    def run(self, step, rows: int, prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """``step``: a decode StepInput of at most ``rows`` sequences -> its sampling rows' logits.
+        ``prev_tokens``: as ``ModelRunner.execute``'s."""
         self.buffers.fill(step, pad_to=rows)
+        self.buffers.take_input_ids(len(step.input_ids), prev_tokens)
         if self.capture:
             self.graphs[rows].replay()
         else:
@@ -199,10 +201,11 @@ class PrefillGraphs(DecodeGraphs):
         self.buffers.fill(StepInput([], [], [], [], [0], [], []), pad_tokens=(tokens, self.max_num_seqs))
 
     @torch.inference_mode()
-    def run(self, step, tokens: int) -> torch.Tensor | None:
+    def run(self, step, tokens: int, prev_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
         """``step``: any StepInput of at most ``tokens`` tokens and max_num_seqs sequences -> its
-        sampling rows' logits."""
+        sampling rows' logits. ``prev_tokens``: as ``ModelRunner.execute``'s."""
         self.buffers.fill(step, pad_tokens=(tokens, self.max_num_seqs))
+        self.buffers.take_input_ids(len(step.input_ids), prev_tokens)
         if self.capture:
             self.graphs[tokens].replay()
         else:

@@ -200,22 +200,28 @@ class ModelRunner:
         return None if rows is None else graphs.run_greedy(steps, rows)
 
     @torch.inference_mode()
-    def execute(self, step: StepInput) -> torch.Tensor | None:
-        """Forward one step; [S, vocab] fp32 logits of the sampling rows on rank 0, else None."""
+    def execute(self, step: StepInput, prev_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Forward one step; [S, vocab] fp32 logits of the sampling rows on rank 0, else None.
+
+        ``prev_tokens``: the previous step's sampled tokens, still on the device ([S], the sampler's
+        ``Drawn.tokens``); ``step.input_ids`` are then rows of it. So a step can be launched
+        before the host has the tokens it reads (``LLMEngine``'s async scheduling)."""
         num_seqs, num_tokens = len(step.seq_lens), len(step.input_ids)
         if self.decode_graphs is not None:
             if num_tokens == num_seqs:  # one token a sequence: decode
                 rows = self.decode_graphs.bucket(num_seqs)
                 if rows is not None:
-                    return self.decode_graphs.run(step, rows)
+                    return self.decode_graphs.run(step, rows, prev_tokens)
             tokens = self.prefill_graphs.bucket(num_tokens)
             if tokens is not None and num_seqs <= self.max_num_seqs and self.buffers.fits(step):
-                return self.prefill_graphs.run(step, tokens)
+                return self.prefill_graphs.run(step, tokens, prev_tokens)
         buffers = self.buffers
         if buffers is not None and buffers.fits(step):
             input_ids, positions, meta, logits_indices = buffers.tensors(step, self.plan_attention)
         else:
             input_ids, positions, meta, logits_indices = self._tensors(step)
+        if prev_tokens is not None:
+            input_ids = prev_tokens.index_select(0, input_ids)
         hidden = self.model(input_ids, positions, meta, self.kv_caches)
         return self.model.compute_logits(hidden.index_select(0, logits_indices))
 

@@ -17,6 +17,22 @@ class SamplerOutput(NamedTuple):
     logprobs: list[TokenLogprob | None]
 
 
+class Drawn(NamedTuple):
+    """A step's tokens as sampled on the device, before the host has them."""
+
+    tokens: torch.Tensor | None  # [S] on the logits' device; None where the device makes no tokens (simulated)
+    pending: object  # what the sampler's collect needs besides: raw logprobs, or the simulated step
+
+
+def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list on ``device`` without waiting for the device: from pinned memory, copied
+    asynchronously, where the device is a GPU (a copy from pageable memory waits for the stream's
+    earlier work, which would keep the next step from launching before this one has finished)."""
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
 class PenaltyState:
     """What a sequence's penalties read, kept on the logits' device and brought up to date with the
     tokens added since the last step: a step costs the new tokens and one pass over the vocabulary,
@@ -33,7 +49,7 @@ class PenaltyState:
         new = seq.token_ids[self.marked:]
         if not new:
             return
-        ids = torch.tensor(new, dtype=torch.long, device=self.seen.device)
+        ids = to_device(new, torch.long, self.seen.device)
         self.seen[ids] = True
         outputs = max(0, len(seq.token_ids) - max(self.marked, seq.num_prompt_tokens))
         if outputs:
@@ -92,26 +108,40 @@ class Sampler:
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
         # logits: [S, V] fp32, one row per sequence that samples this step
-        want_logprobs = [s.params.logprobs is not None for s in seqs]
-        raw_logprobs = logits.log_softmax(dim=-1) if any(want_logprobs) else None
+        return self.collect(self.draw(logits, seqs), seqs)
+
+    @torch.inference_mode()
+    def draw(self, logits: torch.Tensor, seqs: list[Sequence]) -> Drawn:
+        """Queue the sampling of ``logits`` (one row per sequence of ``seqs``) on their device: the
+        tokens stay there (``Drawn.tokens``, which the next step can read before the host has
+        them); ``collect`` brings them over."""
+        want_logprobs = any(s.params.logprobs is not None for s in seqs)
+        raw_logprobs = logits.log_softmax(dim=-1) if want_logprobs else None
         if any(s.params.repetition_penalty != 1.0 or s.params.presence_penalty or s.params.frequency_penalty
                for s in seqs):
             logits = logits.clone()
             apply_penalties(logits, seqs)
         # Before temperature and the support masks, so greedy and random rows alike draw only
         # tokens their grammar accepts; logprobs stay the model's own (raw_logprobs above).
-        self.mask_to_grammars(logits, [s.grammar for s in seqs])
+        # A row whose sequence has ended (in the step before, launched ahead of it) is dropped;
+        # its grammar may have accepted its end and take no more.
+        self.mask_to_grammars(logits, [None if s.is_finished else s.grammar for s in seqs])
         self._mask_early_stops(logits, seqs)
 
         tokens = logits.argmax(dim=-1)
         random_rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
         if random_rows:
-            tokens[random_rows] = self._sample(logits[random_rows], [seqs[i] for i in random_rows])
-        token_list = tokens.tolist()
+            rows = to_device(random_rows, torch.long, logits.device)
+            tokens.index_copy_(0, rows, self._sample(logits.index_select(0, rows), [seqs[i] for i in random_rows]))
+        return Drawn(tokens, raw_logprobs)
 
+    def collect(self, drawn: Drawn, seqs: list[Sequence]) -> SamplerOutput:
+        """The drawn tokens on the host (the step's one device-to-host copy), with their logprobs."""
+        token_list = drawn.tokens.tolist()
+        raw_logprobs = drawn.pending
         out_logprobs: list[TokenLogprob | None] = [None] * len(seqs)
         for i, seq in enumerate(seqs):
-            if not want_logprobs[i]:
+            if seq.params.logprobs is None:
                 continue
             row = raw_logprobs[i]
             top: list[tuple[int, float]] = []
@@ -141,14 +171,14 @@ class Sampler:
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         # logits: [R, V] -> [R] token ids
         dev = logits.device
-        temps = torch.tensor([s.params.temperature for s in seqs], dtype=logits.dtype, device=dev)
+        temps = to_device([s.params.temperature for s in seqs], logits.dtype, dev)
         logits = logits / temps.unsqueeze(1)
         if any(s.params.top_k or s.params.top_p < 1.0 or s.params.min_p > 0.0 for s in seqs):
             logits = mask_to_support(
                 logits,
-                torch.tensor([s.params.top_k for s in seqs], device=dev),
-                torch.tensor([s.params.top_p for s in seqs], dtype=logits.dtype, device=dev),
-                torch.tensor([s.params.min_p for s in seqs], dtype=logits.dtype, device=dev),
+                to_device([s.params.top_k for s in seqs], torch.long, dev),
+                to_device([s.params.top_p for s in seqs], logits.dtype, dev),
+                to_device([s.params.min_p for s in seqs], logits.dtype, dev),
             )
         # Inverse CDF: one uniform per row, found in the row's cumulative distribution. (An
         # exponential race, argmax(p / E) with E ~ Exp(1), draws the same distribution but
@@ -162,5 +192,7 @@ class Sampler:
         for row, seq in enumerate(seqs):
             if seq.params.seed is not None:
                 u[row] = self.seeded_draws.uniform(seq.params.seed, seq.index, seq.num_output_tokens)
-        u = u.to(dev) * cdf[:, -1:]
+        if dev.type == "cuda":
+            u = u.pin_memory().to(dev, non_blocking=True)
+        u = u * cdf[:, -1:]
         return torch.searchsorted(cdf, u).squeeze(1)  # u <= total: never past the last token

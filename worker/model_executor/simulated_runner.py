@@ -64,7 +64,7 @@ class SimulatedModelRunner:
         """The roofline's time of this step on one GPU, over the efficiency."""
         return self.roofline.cost(work_of(step)).seconds / self.efficiency
 
-    def execute(self, step: StepInput) -> SimulatedForward:
+    def execute(self, step: StepInput, prev_tokens: None = None) -> SimulatedForward:
         """Queue the step on the simulated GPU and return at once, as a CUDA launch does: it starts
         when the GPU finishes what was queued before and takes the step's time. No logits: the
         simulated sampler waits for it (sleeping: an engine waiting on its simulated GPU uses no

@@ -19,7 +19,7 @@ import random
 import torch
 
 from pagefleet.worker.core.sequence import Sequence
-from pagefleet.worker.model_executor.sampler import Sampler, SamplerOutput
+from pagefleet.worker.model_executor.sampler import Drawn, Sampler, SamplerOutput
 from pagefleet.worker.model_executor.seeding import draw_key, splitmix64
 from pagefleet.worker.model_executor.simulated_runner import SimulatedForward, sleep_until
 from pagefleet.worker.outputs import TokenLogprob
@@ -40,8 +40,16 @@ class SimulatedSampler:
 
     def __call__(self, forward: SimulatedForward, seqs: list[Sequence]) -> SamplerOutput:
         """``forward``: the step as the simulated runner queued it; its tokens exist once it is done."""
-        sleep_until(forward.ready_at)
-        tokens = [self.draw(seq) for seq in seqs]
+        return self.collect(self.draw(forward, seqs), seqs)
+
+    def draw(self, forward: SimulatedForward, seqs: list[Sequence]) -> Drawn:
+        """As the real sampler's: nothing to queue (the simulated runner reads no input ids)."""
+        return Drawn(None, forward)
+
+    def collect(self, drawn: Drawn, seqs: list[Sequence]) -> SamplerOutput:
+        """Wait for the simulated step, then draw its tokens."""
+        sleep_until(drawn.pending.ready_at)
+        tokens = [self.draw_token(seq) for seq in seqs]
         logprobs: list[TokenLogprob | None] = [None] * len(seqs)
         full = [i for i, s in enumerate(seqs) if s.grammar is not None or s.params.logprobs is not None]
         if full:
@@ -52,7 +60,7 @@ class SimulatedSampler:
                 tokens[i], logprobs[i] = out.token_ids[row], out.logprobs[row]
         return SamplerOutput(tokens, logprobs)
 
-    def draw(self, seq: Sequence) -> int:
+    def draw_token(self, seq: Sequence) -> int:
         p = seq.params
         if p.seed is not None:
             key = draw_key(p.seed, seq.index, seq.num_output_tokens)

@@ -178,6 +178,13 @@ class StepBuffers:
         if moved:
             self._row_of = {id(x): i for i, x in enumerate(lists) if x is not None}
 
+    def take_input_ids(self, n: int, prev_tokens: torch.Tensor | None) -> None:
+        """Where the step's first ``n`` input ids are rows of ``prev_tokens`` (``ModelRunner.execute``),
+        replace each with the token in that row, on the device (after the fill's copy)."""
+        if prev_tokens is not None:
+            ids = self.input_ids(n)
+            ids.copy_(prev_tokens.index_select(0, ids))
+
     def tensors(self, step, plan_attention) -> StepTensors:
         """Fill and send an eager step; the views its forward reads."""
         t, b = len(step.input_ids), len(step.seq_lens)

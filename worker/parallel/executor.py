@@ -29,7 +29,11 @@ class Executor(Protocol):
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None: ...
 
-    def execute(self, step: StepInput) -> torch.Tensor | None:
+    # Whether execute takes prev_tokens (ModelRunner.execute): every rank must read the same
+    # device tensor, so only an executor of one rank can.
+    reads_device_tokens: bool
+
+    def execute(self, step: StepInput, prev_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
         """Forward one step on every rank; the sampling rows' fp32 logits [S, vocab]."""
 
     def check_health(self) -> None:
@@ -55,8 +59,11 @@ class UniProcExecutor:
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
         self._runner().allocate_kv_cache(num_blocks, block_size)
 
-    def execute(self, step: StepInput) -> torch.Tensor | None:
-        return self._runner().execute(step)
+    # Every step runs in this process, so a step can read the previous one's tokens on the device.
+    reads_device_tokens = True
+
+    def execute(self, step: StepInput, prev_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
+        return self._runner().execute(step, prev_tokens)
 
     def decode_greedy(self, steps: list[StepInput]):
         """Several greedy decode steps in one go (``ModelRunner.decode_greedy``); None where the

@@ -148,6 +148,8 @@ class TPExecutor:
         if not self._loops:
             self._loops = [a.run_loop.remote() for a in self.actors]
 
+    reads_device_tokens = False  # the other ranks get a step's input ids from rank 0's host
+
     def execute(self, step: StepInput) -> torch.Tensor:
         """Run one step on every rank; [S, vocab] fp32 logits of the sampling rows."""
         with self._lock:
