@@ -139,23 +139,26 @@ def test_admissions_and_a_short_pool_interleave_with_launches_ahead(tiny_checkpo
     assert preemptions == ([1, 1, 1] if "kv_cache_bytes" in limits else [0, 0, 0])
 
 
-def test_a_request_arriving_while_steps_launch_ahead_is_admitted_by_the_next_schedule(tiny_checkpoint):
+def test_a_request_arriving_while_steps_launch_ahead_joins_the_next_launch(tiny_checkpoint):
     engine = _llm(tiny_checkpoint("llama"), True, async_scheduling=True).engine
     ahead = _count_launched_ahead(engine)
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
     engine.add_request("a", PROMPTS[0], params)
     for _ in range(4):
         engine.step()
-    assert len(ahead) == 4  # a's prompt step launched its next; so did each decode step
+    assert ahead == [1] * 4  # a's prompt step launched its next; so did each decode step
     engine.add_request("b", PROMPTS[1], params)
-    # The step launched before b arrived runs, and launches none ahead: b waits.
-    assert not any(d.request_id == "b" for d in engine.step()) and len(ahead) == 4
-    # The scheduler's round admits b (its prompt beside a's next token), and launches the step
-    # after it ahead again; b's first token comes out of the call that runs that step.
-    assert not any(d.request_id == "b" for d in engine.step()) and len(ahead) == 5
+    # The step launched before b arrived runs, and the step launched behind it holds b's
+    # prompt beside a's next token: b waits for no scheduler round of its own.
+    assert not any(d.request_id == "b" for d in engine.step()) and ahead == [1] * 4 + [2]
+    assert not any(d.request_id == "b" for d in engine.step()) and ahead == [1] * 4 + [2, 2]
+    # b's first token, sampled in the call before, is handed on in this one (async output).
     deltas = engine.step()
-    assert [d.sequences[0].token_ids for d in deltas if d.request_id == "b"] == [_run(
-        _llm(tiny_checkpoint("llama"), False), params)[1][0][0][:1]]
+    expected = _run(_llm(tiny_checkpoint("llama"), False), params)[1][0][0]
+    assert [d.sequences[0].token_ids for d in deltas if d.request_id == "b"] == [expected[:1]]
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.pool.num_free == engine.pool.num_blocks
 
 
 def test_async_scheduling_launches_the_next_step_before_the_host_has_this_ones_tokens(tiny_checkpoint):

@@ -42,7 +42,8 @@ async def _run(engine, rid, ids, params):
 
 @pytest.mark.parametrize("async_output", [False, True])
 def test_recorded_batches_match_what_the_requests_got(tiny_checkpoint, async_output):
-    """The same counts whether a step's deltas go out with it or while the next step runs."""
+    """The same counts whether a step's deltas go out with it or while the next step runs (and
+    then, by default, with each decode step launched ahead: async scheduling)."""
     recorder = Recorder()
     models = []
 

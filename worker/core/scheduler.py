@@ -63,6 +63,13 @@ class Scheduler:
         if out.preempted:
             # Blocks are short: admitting new work now would only preempt again.
             return out
+        self.admit(out, budget)
+        return out
+
+    def admit(self, out: SchedulerOutput, budget: int) -> None:
+        """Admit waiting sequences into ``out`` while seats, ``budget`` tokens and blocks last,
+        in arrival order (the second half of ``schedule``; async scheduling's launches ahead
+        call it alone)."""
         skipped: list[Sequence] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
@@ -82,14 +89,24 @@ class Scheduler:
             out.scheduled.append(_scheduled(seq, num_new))
             budget -= num_new
         self.waiting.extendleft(reversed(skipped))
-        return out
 
     def update_from_output(self, out: SchedulerOutput, sampled: "SamplerOutput | None") -> list[Sequence]:
         """After the step ran: advance each scheduled sequence's progress and append the sampled
         tokens (``sampled`` rows are ``out.sampled_seqs()``), except to sequences that ended while the
         step ran. Returns the sequences that got a token."""
+        self.advance(out)
+        return self.append_sampled(out, sampled)
+
+    @staticmethod
+    def advance(out: SchedulerOutput) -> None:
+        """Count ``out``'s tokens as computed: once its step is launched, as the device runs steps in
+        order (async scheduling advances before the tokens are known)."""
         for item in out.scheduled:
             item.seq.num_computed_tokens += item.num_new_tokens
+
+    @staticmethod
+    def append_sampled(out: SchedulerOutput, sampled: "SamplerOutput | None") -> list[Sequence]:
+        """The second half of ``update_from_output``: append the sampled tokens."""
         if sampled is None:
             return []
         got = []

@@ -250,12 +250,13 @@ class LLMEngine:
         self.kv.commit_step()
         sampled_seqs = out.sampled_seqs()
         sampled = None
+        self.scheduler.advance(out)
         if sampled_seqs:
             drawn = self.sampler.draw(logits, sampled_seqs)
             if self.async_scheduling:
                 self._ahead = launch_next(self, out, drawn)
             sampled = self.sampler.collect(drawn, sampled_seqs)
-        got = self.scheduler.update_from_output(out, sampled)
+        got = self.scheduler.append_sampled(out, sampled)
         self.num_steps += 1
         took = time.monotonic() - started
         self.step_time_s = took if not self.step_time_s else 0.8 * self.step_time_s + 0.2 * took

@@ -18,7 +18,7 @@ from pagefleet.worker.model_executor.model import AttentionMetadata
 from pagefleet.worker.model_executor.model_config import ModelConfig, kv_cache_torch_dtype
 from pagefleet.worker.model_executor.platform import platform_for
 from pagefleet.worker.model_executor.quantization import resolve_quantization
-from pagefleet.worker.model_executor.step_buffers import StepBuffers
+from pagefleet.worker.model_executor.step_buffers import StepBuffers, resolve_input_ids
 from pagefleet.worker.parallel.tp_group import TPGroup
 
 if TYPE_CHECKING:
@@ -204,8 +204,8 @@ class ModelRunner:
         """Forward one step; [S, vocab] fp32 logits of the sampling rows on rank 0, else None.
 
         ``prev_tokens``: the previous step's sampled tokens, still on the device ([S], the sampler's
-        ``Drawn.tokens``); ``step.input_ids`` are then rows of it. So a step can be launched
-        before the host has the tokens it reads (``LLMEngine``'s async scheduling)."""
+        ``Drawn.tokens``); an input id -(r + 1) then stands for its row r (``resolve_input_ids``).
+        So a step can be launched before the host has the tokens it reads (async scheduling)."""
         num_seqs, num_tokens = len(step.seq_lens), len(step.input_ids)
         if self.decode_graphs is not None:
             if num_tokens == num_seqs:  # one token a sequence: decode
@@ -221,7 +221,7 @@ class ModelRunner:
         else:
             input_ids, positions, meta, logits_indices = self._tensors(step)
         if prev_tokens is not None:
-            input_ids = prev_tokens.index_select(0, input_ids)
+            input_ids = resolve_input_ids(input_ids, prev_tokens)
         hidden = self.model(input_ids, positions, meta, self.kv_caches)
         return self.model.compute_logits(hidden.index_select(0, logits_indices))
 

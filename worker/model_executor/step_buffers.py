@@ -30,6 +30,13 @@ import torch
 from pagefleet.worker.model_executor.model import AttentionMetadata
 
 
+def resolve_input_ids(ids: torch.Tensor, prev_tokens: torch.Tensor) -> torch.Tensor:
+    """A step's input ids with each -(r + 1) replaced by ``prev_tokens[r]``: the token sampled in
+    row r of the step before, which the host does not have yet (async scheduling)."""
+    rows = (-1 - ids).clamp_(min=0)
+    return torch.where(ids < 0, prev_tokens.index_select(0, rows), ids)
+
+
 class StepTensors(NamedTuple):
     input_ids: torch.Tensor       # [T] int64
     positions: torch.Tensor       # [T] int64
@@ -179,11 +186,11 @@ class StepBuffers:
             self._row_of = {id(x): i for i, x in enumerate(lists) if x is not None}
 
     def take_input_ids(self, n: int, prev_tokens: torch.Tensor | None) -> None:
-        """Where the step's first ``n`` input ids are rows of ``prev_tokens`` (``ModelRunner.execute``),
-        replace each with the token in that row, on the device (after the fill's copy)."""
+        """Replace each of the step's first ``n`` input ids that stands for a row of ``prev_tokens``
+        with that row's token (``resolve_input_ids``), on the device, after the fill's copy."""
         if prev_tokens is not None:
             ids = self.input_ids(n)
-            ids.copy_(prev_tokens.index_select(0, ids))
+            ids.copy_(resolve_input_ids(ids, prev_tokens))
 
     def tensors(self, step, plan_attention) -> StepTensors:
         """Fill and send an eager step; the views its forward reads."""
