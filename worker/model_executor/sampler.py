@@ -21,7 +21,23 @@ class Drawn(NamedTuple):
     """A step's tokens as sampled on the device, before the host has them."""
 
     tokens: torch.Tensor | None  # [S] on the logits' device; None where the device makes no tokens (simulated)
-    pending: object  # what the sampler's collect needs besides: raw logprobs, or the simulated step
+    # What the sampler's collect reads: the host copies on their way and the event that says
+    # they are there (to_host_async); for the simulated sampler, the simulated step.
+    pending: object
+
+
+def to_host_async(tensors: list[torch.Tensor]) -> tuple[tuple[torch.Tensor, ...], torch.cuda.Event | None]:
+    """Start copying ``tensors`` to the host: on a GPU into pinned memory, with an event to wait
+    on (a blocking copy would wait for every step queued after them too, a step launched ahead
+    included); elsewhere they are there already."""
+    if tensors[0].device.type != "cuda":
+        return tuple(tensors), None
+    host = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors)
+    for h, t in zip(host, tensors):
+        h.copy_(t, non_blocking=True)
+    ready = torch.cuda.Event()
+    ready.record()
+    return host, ready
 
 
 def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -133,22 +149,30 @@ class Sampler:
         if random_rows:
             rows = to_device(random_rows, torch.long, logits.device)
             tokens.index_copy_(0, rows, self._sample(logits.index_select(0, rows), [seqs[i] for i in random_rows]))
-        return Drawn(tokens, raw_logprobs)
+        # What the host will read, on its way now: the tokens; with logprobs, each token's own
+        # and the most likely ones (as many as the most any row asks for).
+        out = [tokens]
+        if want_logprobs:
+            out.append(raw_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1))
+            k = max(s.params.logprobs or 0 for s in seqs)
+            if k:
+                out.extend(reversed(raw_logprobs.topk(k, dim=-1)))  # ids, then values
+        return Drawn(tokens, to_host_async(out))
 
     def collect(self, drawn: Drawn, seqs: list[Sequence]) -> SamplerOutput:
         """The drawn tokens on the host (the step's one device-to-host copy), with their logprobs."""
-        token_list = drawn.tokens.tolist()
-        raw_logprobs = drawn.pending
+        values, ready = drawn.pending
+        if ready is not None:
+            ready.synchronize()
+        token_list = values[0].tolist()
+        chosen, top_ids, top_values = [v.tolist() for v in values[1:]] + [None] * (4 - len(values))
         out_logprobs: list[TokenLogprob | None] = [None] * len(seqs)
         for i, seq in enumerate(seqs):
-            if seq.params.logprobs is None:
+            n = seq.params.logprobs
+            if n is None:
                 continue
-            row = raw_logprobs[i]
-            top: list[tuple[int, float]] = []
-            if seq.params.logprobs:
-                vals, ids = row.topk(seq.params.logprobs)
-                top = list(zip(ids.tolist(), vals.tolist()))
-            out_logprobs[i] = TokenLogprob(token_list[i], float(row[token_list[i]]), top)
+            top = list(zip(top_ids[i][:n], top_values[i][:n])) if n else []
+            out_logprobs[i] = TokenLogprob(token_list[i], chosen[i], top)
         return SamplerOutput(token_list, out_logprobs)
 
     def _mask_early_stops(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
@@ -160,6 +184,7 @@ class Sampler:
                 banned = list(p.stop_token_ids) + ([] if p.ignore_eos else self.eos_token_ids)
                 if not banned:
                     continue
+                banned = to_device(banned, torch.long, logits.device)
                 if seq.grammar is None:
                     logits[row, banned] = float("-inf")
                     continue
