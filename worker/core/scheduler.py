@@ -104,15 +104,19 @@ class Scheduler:
         for item in out.scheduled:
             item.seq.num_computed_tokens += item.num_new_tokens
 
-    @staticmethod
-    def append_sampled(out: SchedulerOutput, sampled: "SamplerOutput | None") -> list[Sequence]:
-        """The second half of ``update_from_output``: append the sampled tokens."""
+    def append_sampled(self, out: SchedulerOutput, sampled: "SamplerOutput | None") -> list[Sequence]:
+        """The second half of ``update_from_output``: append the sampled tokens. A sequence whose
+        row had no token to sample ends here: "stop" where its grammar allows nothing more,
+        "abort" where its logits were not finite."""
         if sampled is None:
             return []
         got = []
         for seq, token, logprob in zip(out.sampled_seqs(), sampled.token_ids, sampled.logprobs, strict=True):
             if seq.is_finished:
                 continue  # ended while this step ran (a stop string found late): its token is dropped
+            if token is None:
+                self.finish(seq, "stop" if seq.grammar is not None else "abort")
+                continue
             seq.append_token(token)
             if logprob is not None:
                 seq.logprobs.append(logprob)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import NamedTuple
 
 import torch
@@ -11,9 +12,12 @@ from pagefleet.worker.model_executor.seeding import PositionKeyedDraws
 from pagefleet.worker.outputs import TokenLogprob
 from pagefleet.worker.structured.matcher import GrammarMasker
 
+logger = logging.getLogger(__name__)
 
 class SamplerOutput(NamedTuple):
-    token_ids: list[int]
+    # None for a row that had no token to sample (every logit masked, NaN or infinite): its
+    # sequence ends there (``Scheduler.append_sampled``), its batch-mates go on.
+    token_ids: list[int | None]
     logprobs: list[TokenLogprob | None]
 
 
@@ -115,6 +119,22 @@ def mask_to_support(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tens
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
+def in_vocabulary(tokens: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``tokens`` with every row that had no token to sample set to id 0, and which rows had one.
+
+    A row has none when every logit is -inf (a grammar that allows nothing, a mask that failed),
+    or NaN or +inf: argmax then picks a token whose logit is not finite, and the inverse CDF
+    finds no token (``searchsorted`` returns ``vocab_size``). Id 0 keeps every use of the ids on
+    the device in range (the logprob gather, the embedding of a step launched ahead) until the
+    host ends the row's sequence. One gather: O(rows), not O(rows x vocab).
+
+    tokens: [S] int64; logits: [S, V], as masked for sampling. Returns ([S] int64, [S] bool)."""
+    vocab = logits.shape[-1]
+    clamped = tokens.clamp(max=vocab - 1)
+    valid = (tokens < vocab) & logits.gather(1, clamped.unsqueeze(1)).squeeze(1).isfinite()
+    return clamped.masked_fill(~valid, 0), valid
+
+
 class Sampler:
     def __init__(self, eos_token_ids: tuple[int, ...]) -> None:
         self.eos_token_ids = list(eos_token_ids)
@@ -149,9 +169,10 @@ class Sampler:
         if random_rows:
             rows = to_device(random_rows, torch.long, logits.device)
             tokens.index_copy_(0, rows, self._sample(logits.index_select(0, rows), [seqs[i] for i in random_rows]))
-        # What the host will read, on its way now: the tokens; with logprobs, each token's own
-        # and the most likely ones (as many as the most any row asks for).
-        out = [tokens]
+        tokens, valid = in_vocabulary(tokens, logits)
+        # What the host will read, on its way now: the tokens and which rows had one; with
+        # logprobs, each token's own and the most likely ones (as many as the most any row asks for).
+        out = [tokens, valid]
         if want_logprobs:
             out.append(raw_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1))
             k = max(s.params.logprobs or 0 for s in seqs)
@@ -164,12 +185,17 @@ class Sampler:
         values, ready = drawn.pending
         if ready is not None:
             ready.synchronize()
-        token_list = values[0].tolist()
-        chosen, top_ids, top_values = [v.tolist() for v in values[1:]] + [None] * (4 - len(values))
+        token_list: list[int | None] = values[0].tolist()
+        for i, ok in enumerate(values[1].tolist()):
+            if not ok:
+                token_list[i] = None
+                logger.warning("request %s: no token of its row could be sampled (every logit masked by its "
+                               "grammar or min_tokens, or not finite); its sequence ends", seqs[i].request_id)
+        chosen, top_ids, top_values = [v.tolist() for v in values[2:]] + [None] * (5 - len(values))
         out_logprobs: list[TokenLogprob | None] = [None] * len(seqs)
         for i, seq in enumerate(seqs):
             n = seq.params.logprobs
-            if n is None:
+            if n is None or token_list[i] is None:
                 continue
             top = list(zip(top_ids[i][:n], top_values[i][:n])) if n else []
             out_logprobs[i] = TokenLogprob(token_list[i], chosen[i], top)

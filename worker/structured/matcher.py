@@ -61,7 +61,11 @@ class GrammarMasker:
             return
         bitmask = self._buffer(logits.shape[0], logits.shape[1])
         for row in rows:
-            grammars[row].matcher.fill_next_token_bitmask(bitmask, row)
+            try:
+                grammars[row].matcher.fill_next_token_bitmask(bitmask, row)
+            except Exception:  # one request's grammar fails that request alone
+                logger.exception("a grammar's token bitmask could not be filled; its sequence ends")
+                bitmask[row] = 0  # allows no token: the sampler ends the row (sampler.in_vocabulary)
         xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=rows)
 
     def _buffer(self, num_rows: int, vocab_size: int) -> torch.Tensor:
