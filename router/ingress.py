@@ -45,7 +45,7 @@ from pagefleet.router.routing.kv_routing import KVRoutingClient, KVRoutingOption
 from pagefleet.router.routing.request_router import routable
 from pagefleet.router.worker_client.delta_mux import ChannelLost, ChannelMux, ReplicaBusy, read_deltas, watch
 from pagefleet.router.worker_client.failover import StreamProgress
-from pagefleet.router.worker_client.worker_errors import WorkerHealth, worker_failure
+from pagefleet.router.worker_client.worker_errors import WorkerHealth, engine_died, worker_failure
 from pagefleet.worker import tracing
 from pagefleet.worker.aio import merge_streams
 from pagefleet.worker.engine.engine_args import EngineArgs
@@ -62,6 +62,10 @@ INGRESS_DEPLOYMENT_NAME = "OpenAIIngress"
 MAX_ATTEMPTS = 3
 # Times one request's sequences may move to another replica after output started.
 MAX_FAILOVERS = 2
+# Engines that may die while running one request before it is taken for the cause and not sent
+# again: the requests in flight when an engine dies go on elsewhere once; one that an engine dies
+# under a second time ends with the error, so that no request takes down replica after replica.
+MAX_ENGINE_DEATHS = 1
 
 
 class ReplicaInFlight(NamedTuple):
@@ -216,6 +220,9 @@ class HandleWorkerClient:
                         self.metrics.inc("worker_resends", reason="connection_lost")
                         continue
                     error, retry = worker_failure(exc)
+                    if retry and engine_died(exc):
+                        progress.engine_deaths += 1
+                        retry = progress.engine_deaths <= MAX_ENGINE_DEATHS
                     if error.status_code == 429:
                         self.metrics.inc("admission_rejections", reason="worker_queue_full")
                     if retry and started and failovers < MAX_FAILOVERS:

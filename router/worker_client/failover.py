@@ -21,6 +21,9 @@ class StreamProgress:
 
     def __init__(self, n: int) -> None:
         self._seqs = [_Sequence() for _ in range(n)]
+        # Engines that died while running this request: past MAX_ENGINE_DEATHS it is the likely
+        # cause, and is not sent to another one (``HandleWorkerClient._follow``).
+        self.engine_deaths = 0
 
     def add(self, delta: RequestOutputDelta) -> None:
         for out in delta.sequences:

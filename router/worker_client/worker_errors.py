@@ -48,6 +48,13 @@ def worker_failure(exc: BaseException) -> tuple[OpenAIError, bool]:
     return internal_error(exc), False
 
 
+def engine_died(exc: BaseException) -> bool:
+    """Whether a worker call failed because the replica's engine loop died (the replica then
+    leaves routing and exits), rather than because the replica went away."""
+    cause = exc.cause if isinstance(exc, ray_exceptions.RayTaskError) and exc.cause is not None else exc
+    return isinstance(cause, EngineDeadError)
+
+
 class WorkerHealth:
     """Whether Serve has a RUNNING replica of the worker deployment. Serve's controller health-checks
     each replica directly (``check_health``), outside the request queues, so this answers at once

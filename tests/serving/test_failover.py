@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from pagefleet.router.ingress import MAX_FAILOVERS, HandleWorkerClient
+from pagefleet.router.ingress import MAX_ENGINE_DEATHS, MAX_FAILOVERS, HandleWorkerClient
 from pagefleet.router.openai.errors import OpenAIError
 from pagefleet.router.openai.service import Job
 from pagefleet.worker.core.resume import ResumeState
@@ -82,7 +82,10 @@ def _replicas(die_at: int, second_dies_at: int | None = None) -> tuple[WorkerRep
 
 
 async def _run(params: SamplingParams, die_at: int, second_dies_at: int | None = None):
-    first, second = _replicas(die_at, second_dies_at)
+    return await _run_on(*_replicas(die_at, second_dies_at), params)
+
+
+async def _run_on(first: WorkerReplica, second: WorkerReplica, params: SamplingParams):
     handle = _Handle(first, second)
     original = first.engine.generate
 
@@ -138,3 +141,14 @@ def test_a_request_fails_over_a_bounded_number_of_times_then_ends_with_the_error
         asyncio.run(_run(SamplingParams(max_tokens=8), die_at=2, second_dies_at=3))
     assert err.value.status_code == 503 and err.value.code == "worker_failed"
     assert MAX_FAILOVERS == 2
+
+
+def test_a_request_that_an_engine_dies_under_twice_is_not_sent_to_a_third():
+    """The second replica's engine dies under the resumed request too: it is taken for the cause
+    and ends with the error rather than go on to another replica."""
+    first, second = _replicas(die_at=2, second_dies_at=4)
+    with pytest.raises(OpenAIError) as err:
+        asyncio.run(_run_on(first, second, SamplingParams(max_tokens=8)))
+    assert err.value.status_code == 503 and err.value.code == "worker_failed"
+    assert MAX_ENGINE_DEATHS == 1
+    assert [r[3].output_token_ids for r in second.engine.requests] == [[0, 1]]  # sent there once

@@ -72,6 +72,9 @@ class AsyncLLMEngine:
         self._spans: dict[str, list] = {}
         self._held = HeldDeltas(args.stream_interval)  # engine thread only
         self._error: BaseException | None = None
+        # Called once, on the step thread, when the step loop dies (after its open streams were
+        # failed): the replica leaves routing at once (``WorkerReplica``). None: nothing more.
+        self.on_dead: Callable[[BaseException], None] | None = None
         self._kv_sink: Callable[[KVEventBatch], None] | None = None
         self._kv_ready: Callable[[], bool] = lambda: True
         self._stopped = False
@@ -353,3 +356,5 @@ class AsyncLLMEngine:
             logger.exception("engine loop died")
             self._error = e
             self._fail_open_streams(EngineDeadError(f"the engine loop died: {e!r}"))
+            if self.on_dead is not None:
+                self.on_dead(e)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from functools import partial
 from typing import Any, AsyncIterator, Callable, Mapping
 
@@ -46,6 +47,15 @@ from pagefleet.worker.request_check import InvalidRequest
 logger = logging.getLogger(__name__)
 
 WORKER_DEPLOYMENT_NAME = "PagefleetWorker"
+# How long a replica whose engine died waits before its process exits: the failed streams'
+# engine_dead notices reach their ingress first, so each is handled as an engine death.
+ENGINE_DEAD_EXIT_DELAY_S = 0.5
+
+
+def _exit_process() -> None:
+    # Ray sees the actor die: Serve's routers drop it at their next call to it and the controller
+    # starts another, instead of routing to a dead engine until a health check fails.
+    os._exit(1)
 
 
 def _default_engine(args: EngineArgs):
@@ -78,10 +88,14 @@ class WorkerReplica:
     are published to it from this replica's event loop (``KVEventPublisher``)."""
 
     def __init__(self, engine_args: EngineArgs, engine_factory: Callable[[EngineArgs], Any] = _default_engine,
-                 kv_scheduler: Any = None, channel_host: str | None = None) -> None:
+                 kv_scheduler: Any = None, channel_host: str | None = None,
+                 exit_process: Callable[[], None] = _exit_process) -> None:
         tracing.init_tracing(engine_args.otlp_traces_endpoint, "pagefleet-worker")
         self.engine = engine_factory(engine_args)
         self.replica_id = _replica_id()
+        self._kv_scheduler = kv_scheduler
+        self._exit_process = exit_process
+        self.engine.on_dead = self._engine_died
         self.num_requests_total = 0
         # Requests in the engine, through Serve or sent on a channel connection (the
         # deployment's request limit, which Serve enforces only for its own calls).
@@ -96,6 +110,20 @@ class WorkerReplica:
         cfg = self.engine.model_config
         logger.info("worker replica %s serves %s (max_model_len %d)", self.replica_id, cfg.served_model_name,
                     cfg.max_model_len)
+
+    def _engine_died(self, error: BaseException) -> None:
+        """On the step thread, once the engine loop died and its streams were failed: this replica
+        leaves the global scheduler's view and then exits, so that no router sends it another
+        request while Serve's health check has yet to notice."""
+        logger.error("worker replica %s: its engine died (%r); it leaves the KV view and exits", self.replica_id,
+                     error)
+        if self._kv_scheduler is not None:
+            try:
+                ray.get(self._kv_scheduler.drop_worker.remote(self.replica_id), timeout=5)
+            except Exception as exc:  # noqa: BLE001 — the exit below still takes it out of routing
+                logger.warning("worker replica %s: the global scheduler did not drop it: %r", self.replica_id, exc)
+        time.sleep(ENGINE_DEAD_EXIT_DELAY_S)
+        self._exit_process()
 
     def _start_publishing(self) -> None:
         # The publisher's task belongs on the replica's event loop, which only async methods see;
