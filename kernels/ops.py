@@ -82,6 +82,8 @@ class Kernels:
     #                                *, k_scale, v_scale) -> None
     paged_attention: Callable     # (q [T, Hq, D], caches, block_table [B, W], query_start_loc [B+1],
     #                                seq_lens [B], scale, *, k_scale, v_scale, plan) -> [T, Hq, D]
+    fused_moe: Callable           # (x [T, H], w13 [E, 2*I, H], w2 [E, H, I], topk_weights [T, K],
+    #                                topk_ids [T, K]) -> [T, H]
     # Caches hold the query's dtype or float8_e4m3fn (K / k_scale, V / v_scale); see reference.py.
     attention_planner: Callable[[AttentionSpec], AttentionPlanner] = no_attention_planner
     # Kernels compiled for this machine in place of the backend's own, as the start-up log names
@@ -120,9 +122,12 @@ def select_kernels(device: torch.device | str) -> Kernels:
             rotary_embedding=rotary.rotary_embedding,
             write_kv_cache=kv_cache_write.write_kv_cache,
             paged_attention=paged_attention.paged_attention,
+            # No Triton MoE kernel yet: the twin runs on the device (it reads each layer's
+            # expert counts on the host, so MoE models run without CUDA graphs).
+            fused_moe=reference.fused_moe,
         )
     return Kernels(backend=backend, **{name: getattr(impl, name) for name in _KERNEL_NAMES})
 
 
 _KERNEL_NAMES = ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_embedding", "write_kv_cache",
-                 "paged_attention")
+                 "paged_attention", "fused_moe")

@@ -46,6 +46,32 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate).mul_(up)
 
 
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor) -> torch.Tensor:
+    """A mixture-of-experts MLP: each token through its top-k experts' SwiGLU, weighted and summed.
+
+    Tokens are sorted by expert, so each expert runs one product over the tokens routed to it;
+    contributions are added in expert order (as transformers' reference does).
+
+    x: [T, H]; w13: [E, 2*I, H] (gate | up); w2: [E, H, I]; topk_weights: [T, K] fp32;
+    topk_ids: [T, K] int64. Returns [T, H] in x's dtype."""
+    flat = topk_ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()  # one host read a layer
+    tokens = order // topk_ids.shape[1]
+    weights = topk_weights.reshape(-1)[order].to(x.dtype)
+    out = torch.zeros_like(x)
+    start = 0
+    for expert, n in enumerate(counts):
+        if not n:
+            continue
+        rows = tokens[start:start + n]
+        hidden = silu_and_mul(x[rows] @ w13[expert].t())
+        out.index_add_(0, rows, (hidden @ w2[expert].t()) * weights[start:start + n, None])
+        start += n
+    return out
+
+
 def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
                      cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Neox-style (rotate-half) rotary embedding, in place.

@@ -51,16 +51,21 @@ DEMO_SIZES = {
     "tiny": DemoSize(128, 2, 4, 2, 256, 1000, 2048),
     "small": DemoSize(512, 8, 8, 4, 1408, 32000, 4096),
 }
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe")
+# The mixture-of-experts demos: 4 experts, 2 a token; Qwen3-MoE's second layer is dense
+# (mlp_only_layers), so one model has both kinds of layer.
+_MOE_KWARGS = {"mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None},
+               "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 96,
+                             "mlp_only_layers": [1], "norm_topk_prob": True}}
 
 # Fixed text mixed into the synthetic corpus so that digits, punctuation, code
 # and common English words get merges of their own.
 def _model_config(arch: str, size: DemoSize, *, vocab_size: int, num_key_value_heads: int,
                   tie_word_embeddings: bool | None, dtype: str, token_ids: dict[str, int]):
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     config_class = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config,
-                    "mistral": MistralConfig}[arch]
+                    "mistral": MistralConfig, "mixtral": MixtralConfig, "qwen3_moe": Qwen3MoeConfig}[arch]
     kwargs = dict(
         vocab_size=vocab_size,
         hidden_size=size.hidden_size,
@@ -83,6 +88,7 @@ def _model_config(arch: str, size: DemoSize, *, vocab_size: int, num_key_value_h
     if arch == "mistral":
         # Mistral v0.2+ checkpoints ship without a sliding window.
         kwargs["sliding_window"] = None
+    kwargs.update(_MOE_KWARGS.get(arch, {}))
     import torch
 
     config = config_class(**kwargs)
@@ -114,7 +120,8 @@ def _init_weights(model: torch.nn.Module, seed: int) -> None:
                 param.fill_(1.0)
                 continue
             std = 0.02
-            if name.endswith(("q_proj.weight", "k_proj.weight")):
+            # A MoE router's logits O(1) too, so that each token's top-k is no near-tie.
+            if name.endswith(("q_proj.weight", "k_proj.weight", "mlp.gate.weight", "block_sparse_moe.gate.weight")):
                 std = hidden_size ** -0.5
             elif name.endswith(("o_proj.weight", "down_proj.weight")):
                 std = residual_std

@@ -33,6 +33,9 @@ CASES = {
     "qwen2_qkv_bias": dict(arch="qwen2"),
     "llama_odd_vocab": dict(arch="llama", vocab_size=999),
     "qwen3_qk_norm": dict(arch="qwen3"),
+    # Each expert's intermediate dimension split over the ranks, the router replicated.
+    "mixtral_experts_split": dict(arch="mixtral"),
+    "qwen3_moe_with_a_dense_layer": dict(arch="qwen3_moe"),
 }
 
 
@@ -102,6 +105,7 @@ def test_tp2_greedy_matches_tp1(ray_session, tiny_checkpoint, baselines, case):
         replicated = (2 * cfg.num_layers + 1) * cfg.hidden_size * 4
         if cfg.qk_norm:
             replicated += 2 * cfg.num_layers * cfg.head_dim * 4
+        replicated += len(cfg.moe_layers) * cfg.num_experts * cfg.hidden_size * 4  # the routers
         if cfg.num_kv_heads < 2:  # the one KV head's k and v rows are on both ranks
             replicated += 2 * cfg.num_layers * cfg.head_dim * cfg.hidden_size * 4
         padding = 2 * (-cfg.vocab_size % 2) * cfg.hidden_size * 4

@@ -1,6 +1,7 @@
-"""The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over the paged KV cache.
+"""The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen3-MoE) over the paged KV cache.
 
-One class covers all four: Qwen2 adds q/k/v biases, Qwen3 adds per-head q/k RMSNorm.
+One class covers them all: Qwen2 adds q/k/v biases, Qwen3 adds per-head q/k RMSNorm, and the
+mixture-of-experts models put a SparseMoeBlock (moe.py) in place of the MLP of some layers.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from pagefleet.worker.model_executor.layers import (
     VocabParallelEmbedding,
 )
 from pagefleet.worker.model_executor.model_config import ModelConfig
+from pagefleet.worker.model_executor.moe import EXPERT_NAMES, SparseMoeBlock
 from pagefleet.worker.parallel.tp_group import TPGroup
 
 
@@ -95,11 +97,14 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPGroup, kernels: Kernels, device) -> None:
+    def __init__(self, cfg: ModelConfig, index: int, tp: TPGroup, kernels: Kernels, device) -> None:
         super().__init__()
         self.kernels = kernels
         self.self_attn = Attention(cfg, tp, kernels, device)
-        self.mlp = MLP(cfg, tp, kernels, device)
+        # A mixture-of-experts layer or a dense one: the config says which (moe_layers).
+        self.mlp = (SparseMoeBlock(cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob, cfg.hidden_size,
+                                   cfg.moe_intermediate_size, tp, kernels, cfg.dtype, device)
+                    if index in cfg.moe_layers else MLP(cfg, tp, kernels, device))
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype, device)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype, device)
 
@@ -122,7 +127,7 @@ class LlamaForCausalLM(nn.Module):
         self.tp = tp
         self.kernels = kernels
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, cfg.dtype, device)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, tp, kernels, device) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp, kernels, device) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype, device)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, cfg.dtype, device)
         if cfg.tie_word_embeddings:
@@ -161,9 +166,13 @@ class LlamaForCausalLM(nn.Module):
             for kind in ("weight", "bias", "weight_scale"):
                 for shard, name in enumerate(("q_proj", "k_proj", "v_proj")):
                     table[f"{p}self_attn.{name}.{kind}"] = (attn.qkv_proj, kind, shard)
-                for shard, name in enumerate(("gate_proj", "up_proj")):
-                    table[f"{p}mlp.{name}.{kind}"] = (mlp.gate_up_proj, kind, shard)
-                table[f"{p}mlp.down_proj.{kind}"] = (mlp.down_proj, kind, 0)
+                if isinstance(mlp, MLP):
+                    for shard, name in enumerate(("gate_proj", "up_proj")):
+                        table[f"{p}mlp.{name}.{kind}"] = (mlp.gate_up_proj, kind, shard)
+                    table[f"{p}mlp.down_proj.{kind}"] = (mlp.down_proj, kind, 0)
+            if isinstance(mlp, SparseMoeBlock):
+                block, names = EXPERT_NAMES[self.cfg.architecture]
+                table.update(mlp.checkpoint_names(f"{p}{block}.", self.cfg.num_experts, names))
             for kind in ("weight", "weight_scale"):
                 table[f"{p}self_attn.o_proj.{kind}"] = (attn.o_proj, kind, 0)
             table[f"{p}input_layernorm.weight"] = (layer.input_layernorm, "weight", 0)

@@ -15,7 +15,8 @@ if TYPE_CHECKING:
 
     from pagefleet.worker.engine.engine_args import EngineArgs
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                           "MixtralForCausalLM", "Qwen3MoeForCausalLM")
 
 DTYPES = ("float32", "bfloat16", "float16")
 QUANTIZATIONS = ("fp8",)  # EngineArgs.quantization (quantization.py)
@@ -51,6 +52,23 @@ class ModelConfig:
     # The checkpoint's own quantization: "fp8" where its weights are stored in FP8
     # (compressed_tensors.py), None for full-precision weights.
     quantization: str | None = None
+    # Mixture of experts (moe.py): experts, experts per token, each expert's intermediate size,
+    # whether the top-k weights are renormalized, and which layers have experts (the others a
+    # dense MLP of intermediate_size). 0 experts: a dense model.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    moe_layers: tuple[int, ...] = ()
+
+    @property
+    def active_parameters_per_token(self) -> int:
+        """Weights one token's forward pass reads (the decode roofline's bytes, not the memory's)."""
+        return _parameters(self, active=True)
+
+    @property
+    def num_parameters(self) -> int:
+        return _parameters(self, active=False)
 
     @property
     def served_model_name(self) -> str:
@@ -132,7 +150,7 @@ def load_model_config(model: str, *, dtype: str = "auto", max_model_len: int | N
         rope_scaling = rope
     max_pos = int(cfg.get("max_position_embeddings", 2048))
     limit = max_pos
-    window = cfg.get("sliding_window") if cfg.get("use_sliding_window", arch == "MistralForCausalLM") else None
+    window = cfg.get("sliding_window") if cfg.get("use_sliding_window", arch in ("MistralForCausalLM", "MixtralForCausalLM")) else None
     if window:
         limit = min(limit, int(window))  # no sliding-window attention: stay inside the window
     if max_model_len is None:
@@ -168,10 +186,11 @@ def load_model_config(model: str, *, dtype: str = "auto", max_model_len: int | N
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
         mlp_bias=bool(cfg.get("mlp_bias", False)),
-        qk_norm=arch == "Qwen3ForCausalLM",
+        qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
         dtype=resolve_dtype(dtype, cfg),
         eos_token_ids=tuple(eos),
         quantization=checkpoint_quantization(cfg, path),
+        **moe_fields(arch, cfg),
     )
 
 
@@ -201,6 +220,39 @@ def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: "torch.dtype") -> "to
     if kv_cache_dtype in ("fp8", "fp8_e4m3"):
         return torch.float8_e4m3fn
     raise ValueError(f"unsupported kv_cache_dtype {kv_cache_dtype!r}; use auto, fp8 or fp8_e4m3")
+
+
+def moe_fields(arch: str, cfg: dict) -> dict:
+    """The ModelConfig fields of a mixture-of-experts config.json ({} for a dense model)."""
+    if arch == "MixtralForCausalLM":
+        experts, size, norm, layers = cfg["num_local_experts"], cfg["intermediate_size"], True, None
+    elif arch == "Qwen3MoeForCausalLM":
+        # Released checkpoints say num_experts; transformers 5 writes its alias num_local_experts.
+        experts = cfg["num_experts"] if "num_experts" in cfg else cfg["num_local_experts"]
+        size, norm = cfg["moe_intermediate_size"], bool(cfg.get("norm_topk_prob", True))
+        step, dense = int(cfg.get("decoder_sparse_step", 1)), set(cfg.get("mlp_only_layers") or ())
+        layers = tuple(i for i in range(cfg["num_hidden_layers"])
+                       if i not in dense and experts > 0 and (i + 1) % step == 0)
+    else:
+        return {}
+    top_k = int(cfg["num_experts_per_tok"])
+    if not 0 < top_k <= experts:
+        raise ValueError(f"num_experts_per_tok {top_k} is not between 1 and the {experts} experts")
+    return {"num_experts": int(experts), "num_experts_per_tok": top_k, "moe_intermediate_size": int(size),
+            "norm_topk_prob": norm,
+            "moe_layers": tuple(range(cfg["num_hidden_layers"])) if layers is None else layers}
+
+
+def _parameters(cfg: ModelConfig, active: bool) -> int:
+    hidden, layers = cfg.hidden_size, cfg.num_layers
+    attention = hidden * cfg.head_dim * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)
+    dense_mlp = 3 * hidden * cfg.intermediate_size
+    experts = cfg.num_experts_per_tok if active else cfg.num_experts
+    moe_mlp = 3 * hidden * cfg.moe_intermediate_size * experts + cfg.num_experts * hidden
+    moe = len(cfg.moe_layers)
+    embeddings = cfg.vocab_size * hidden * (1 if cfg.tie_word_embeddings else 2)
+    norms = (2 * layers + 1) * hidden + (2 * layers * cfg.head_dim if cfg.qk_norm else 0)
+    return layers * attention + (layers - moe) * dense_mlp + moe * moe_mlp + embeddings + norms
 
 
 def resolve_dtype(dtype: str, cfg: dict) -> "torch.dtype":

@@ -118,8 +118,10 @@ class ModelRunner:
 
     @property
     def graphs_wanted(self) -> bool:
-        """Steps run as CUDA graphs: on CUDA, one rank, unless enforce_eager."""
-        return self.device.type == "cuda" and self.tp.size == 1 and not self.enforce_eager
+        """Steps run as CUDA graphs: on CUDA, one rank, unless enforce_eager, and for dense models
+        only (the MoE twin reads each layer's expert counts on the host, which a graph cannot)."""
+        return (self.device.type == "cuda" and self.tp.size == 1 and not self.enforce_eager
+                and not self.cfg.num_experts)
 
     def _profile_run(self, num_tokens: int, decode: bool = False) -> None:
         # One sequence of num_tokens (decode: num_tokens sequences of one token each, every
