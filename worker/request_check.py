@@ -90,6 +90,13 @@ def check_request(prompt_token_ids: list[int], params: "SamplingParams", limits:
     if len(params.stop_token_ids) > limits.max_stop_token_ids:
         raise InvalidRequest(f"stop_token_ids has {len(params.stop_token_ids)} ids; at most "
                              f"{limits.max_stop_token_ids} are allowed (max_stop_token_ids)", "stop_token_ids")
+    for name, ids in (("logit_bias", list(params.logit_bias or ())), ("allowed_token_ids", params.allowed_token_ids)):
+        if ids is not None and len(ids) > limits.vocab_size:
+            raise InvalidRequest(f"{name} names {len(ids)} tokens, more than the vocabulary's {limits.vocab_size}", name)
+        bad = None if ids is None else _first_outside_vocab(ids, limits.vocab_size)
+        if bad is not None:
+            raise InvalidRequest(f"{name} token id {ids[bad]!r} is outside the vocabulary [0, {limits.vocab_size})",
+                                 name)
     bad = _first_outside_vocab(params.stop_token_ids, limits.vocab_size)
     if bad is not None:
         raise InvalidRequest(f"stop token id {params.stop_token_ids[bad]!r} is outside the vocabulary "

@@ -15,6 +15,9 @@ MAX_TOP_K = 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 # A grammar is compiled from this text (worker/structured/): bounding it bounds the compile's input.
 MAX_STRUCTURED_SPEC_BYTES = 64 * 1024
+# bad_words are tokenized once per request on the engine's step thread: a bounded amount of work.
+MAX_BAD_WORDS = 128
+MAX_BAD_WORD_CHARS = 256
 _STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
 
@@ -72,6 +75,22 @@ class StructuredOutputsParams:
                 raise bad(f".json must be a JSON schema (an object or a boolean), got a {type(schema).__name__}")
 
 
+def _clamped_bias(bias: dict) -> dict[int, float]:
+    """vLLM's logit_bias: token ids (JSON sends them as strings) to biases clamped to [-100, 100]."""
+    if not isinstance(bias, dict):
+        raise InvalidRequest(f"logit_bias must map token ids to numbers, got {bias!r}", "logit_bias")
+    out = {}
+    for token, value in bias.items():
+        try:
+            token_id = int(token)
+        except (TypeError, ValueError):
+            raise InvalidRequest(f"logit_bias keys must be token ids, got {token!r}", "logit_bias") from None
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise InvalidRequest(f"logit_bias values must be finite numbers, got {value!r}", "logit_bias")
+        out[token_id] = min(100.0, max(-100.0, float(value)))
+    return out
+
+
 @dataclass(slots=True)
 class SamplingParams:
     """How to pick each next token and when to stop.
@@ -101,12 +120,23 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
     # False keeps special tokens in the text (a tool-call parser may read them: Mistral's [TOOL_CALLS]).
     skip_special_tokens: bool = True
+    # Logits processors, as vLLM's: added to a token's logit (clamped to [-100, 100]); the only
+    # tokens that may be sampled; words that may not be generated (worker/model_executor/
+    # logits_processors.py).
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids)
+        if isinstance(self.bad_words, str):
+            self.bad_words = [self.bad_words]
+        self.bad_words = list(self.bad_words)
+        if self.logit_bias is not None:
+            self.logit_bias = _clamped_bias(self.logit_bias)
         if self.top_k == -1:
             self.top_k = 0
         self._validate()
@@ -148,6 +178,12 @@ class SamplingParams:
             raise bad("seed", "must be an integer that fits in a signed 64-bit integer")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", "must be non-empty strings")
+        if any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
+            raise bad("bad_words", "must be strings with a non-space character")
+        if len(self.bad_words) > MAX_BAD_WORDS or any(len(w) > MAX_BAD_WORD_CHARS for w in self.bad_words):
+            raise bad("bad_words", f"may hold {MAX_BAD_WORDS} words of {MAX_BAD_WORD_CHARS} characters at most")
+        if self.allowed_token_ids is not None and not self.allowed_token_ids:
+            raise bad("allowed_token_ids", "must not be empty")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs,
                                                                   StructuredOutputsParams):
             raise bad("structured_outputs", "must be a StructuredOutputsParams")

@@ -25,7 +25,8 @@ class Sequence:
 
     __slots__ = ("seq_id", "request_id", "index", "params", "token_ids", "num_prompt_tokens",
                  "num_resumed_tokens", "num_computed_tokens", "num_cached_tokens", "status", "finish_reason",
-                 "stop_reason", "logprobs", "parent", "extra_digest", "block_hashes", "penalties", "grammar")
+                 "stop_reason", "logprobs", "parent", "extra_digest", "block_hashes", "penalties", "grammar",
+                 "bad_words_ids")
 
     def __init__(self, seq_id: int, request_id: str, index: int, prompt_token_ids: list[int],
                  params: SamplingParams, parent: "Sequence | None" = None,
@@ -54,6 +55,7 @@ class Sequence:
         # structured_outputs' matcher: its bitmask constrains every sampled token (a resumed
         # sequence's has accepted the resumed outputs already)
         self.grammar = grammar
+        self.bad_words_ids: list[list[int]] | None = None  # params.bad_words tokenized, on first use
 
     @property
     def num_tokens(self) -> int:

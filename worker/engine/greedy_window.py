@@ -12,6 +12,7 @@ import time
 from typing import TYPE_CHECKING
 
 from pagefleet.worker.core.sequence import Sequence
+from pagefleet.worker.model_executor.logits_processors import wants_processing
 from pagefleet.worker.model_executor.model_runner import build_step_input
 
 if TYPE_CHECKING:
@@ -24,7 +25,8 @@ def _greedy_only(seq: Sequence) -> bool:
     on the device): greedy, and nothing the sampler does on the host."""
     p = seq.params
     return (p.greedy and p.logprobs is None and seq.grammar is None and p.repetition_penalty == 1.0
-            and not p.presence_penalty and not p.frequency_penalty and seq.num_output_tokens >= p.min_tokens)
+            and not p.presence_penalty and not p.frequency_penalty and seq.num_output_tokens >= p.min_tokens
+            and not wants_processing(seq))
 
 
 def run_greedy_window(engine: LLMEngine, out: SchedulerOutput, started: float) -> set[str] | None:

@@ -68,7 +68,7 @@ class LLMEngine:
         self.kv = KVCacheManager(self.pool, args.block_size)
         self.scheduler = Scheduler(self.kv, args.max_num_seqs, args.max_num_batched_tokens)
         if args.simulate is None:
-            self.sampler: Sampler | SimulatedSampler = Sampler(cfg.eos_token_ids)
+            self.sampler: Sampler | SimulatedSampler = Sampler(cfg.eos_token_ids, self.tokenizer)
         else:  # the simulated GPU returns no logits: tokens are drawn, over the tokenizer's ids
             self.sampler = SimulatedSampler(cfg.eos_token_ids, min(len(self.tokenizer), cfg.vocab_size),
                                             cfg.vocab_size, args.seed)

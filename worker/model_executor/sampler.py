@@ -8,6 +8,8 @@ from typing import NamedTuple
 import torch
 
 from pagefleet.worker.core.sequence import Sequence
+from pagefleet.worker.model_executor.device_copies import to_device, to_host_async
+from pagefleet.worker.model_executor.logits_processors import apply_logits_processors, wants_processing
 from pagefleet.worker.model_executor.seeding import PositionKeyedDraws
 from pagefleet.worker.outputs import TokenLogprob
 from pagefleet.worker.structured.matcher import GrammarMasker
@@ -28,29 +30,6 @@ class Drawn(NamedTuple):
     # What the sampler's collect reads: the host copies on their way and the event that says
     # they are there (to_host_async); for the simulated sampler, the simulated step.
     pending: object
-
-
-def to_host_async(tensors: list[torch.Tensor]) -> tuple[tuple[torch.Tensor, ...], torch.cuda.Event | None]:
-    """Start copying ``tensors`` to the host: on a GPU into pinned memory, with an event to wait
-    on (a blocking copy would wait for every step queued after them too, a step launched ahead
-    included); elsewhere they are there already."""
-    if tensors[0].device.type != "cuda":
-        return tuple(tensors), None
-    host = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors)
-    for h, t in zip(host, tensors):
-        h.copy_(t, non_blocking=True)
-    ready = torch.cuda.Event()
-    ready.record()
-    return host, ready
-
-
-def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A small host list on ``device`` without waiting for the device: from pinned memory, copied
-    asynchronously, where the device is a GPU (a copy from pageable memory waits for the stream's
-    earlier work, which would keep the next step from launching before this one has finished)."""
-    if device.type != "cuda":
-        return torch.tensor(values, dtype=dtype, device=device)
-    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
 
 class PenaltyState:
@@ -136,8 +115,9 @@ def in_vocabulary(tokens: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Ten
 
 
 class Sampler:
-    def __init__(self, eos_token_ids: tuple[int, ...]) -> None:
+    def __init__(self, eos_token_ids: tuple[int, ...], tokenizer=None) -> None:
         self.eos_token_ids = list(eos_token_ids)
+        self.tokenizer = tokenizer  # for bad_words (logits_processors)
         self.mask_to_grammars = GrammarMasker()
         self.seeded_draws = PositionKeyedDraws()
 
@@ -153,9 +133,14 @@ class Sampler:
         them); ``collect`` brings them over."""
         want_logprobs = any(s.params.logprobs is not None for s in seqs)
         raw_logprobs = logits.log_softmax(dim=-1) if want_logprobs else None
-        if any(s.params.repetition_penalty != 1.0 or s.params.presence_penalty or s.params.frequency_penalty
-               for s in seqs):
+        processed = any(map(wants_processing, seqs))
+        penalized = any(s.params.repetition_penalty != 1.0 or s.params.presence_penalty or s.params.frequency_penalty
+                        for s in seqs)
+        if processed or penalized:
             logits = logits.clone()
+        if processed:
+            apply_logits_processors(logits, seqs, self.tokenizer)
+        if penalized:
             apply_penalties(logits, seqs)
         # Before temperature and the support masks, so greedy and random rows alike draw only
         # tokens their grammar accepts; logprobs stay the model's own (raw_logprobs above).
