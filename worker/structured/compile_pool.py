@@ -19,7 +19,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -84,7 +84,9 @@ class CompilePool:
         self._niceness = niceness
         self._tokenizer_info = tokenizer_info
         self._cond = threading.Condition()
-        self._queue: deque[_Job] = deque()
+        # Queued compiles by client, taken in turn: one client's backlog does not hold up another's.
+        self._queues: OrderedDict[str, deque[_Job]] = OrderedDict()
+        self._num_queued = 0
         self._running: dict[int, _Job] = {}
         self._per_client: dict[str, int] = {}
         self._next_id = 0
@@ -104,12 +106,13 @@ class CompilePool:
             if self._per_client.get(client, 0) >= self.max_per_client:
                 raise CompileQueueFull(f"this client has {self.max_per_client} grammars compiling or queued, "
                                        "the most it may")
-            if len(self._queue) >= self.max_queued:
+            if self._num_queued >= self.max_queued:
                 raise CompileQueueFull(f"{self.max_queued} grammars are queued to compile, the most there may be")
             job = _Job(self._next_id, kind, spec, client, decode, Future(), time.monotonic())
             self._next_id += 1
             self._per_client[client] = self._per_client.get(client, 0) + 1
-            self._queue.append(job)
+            self._queues.setdefault(client, deque()).append(job)
+            self._num_queued += 1
             self._cond.notify_all()
             return job.future
 
@@ -121,9 +124,9 @@ class CompilePool:
     def shutdown(self) -> None:
         with self._cond:
             self._closed = True
-            for job in [*self._queue, *self._running.values()]:
+            for job in [*(j for q in self._queues.values() for j in q), *self._running.values()]:
                 job.future.set_exception(RuntimeError("the compile pool is shut down"))
-            self._queue.clear()
+            self._queues.clear()
             self._running.clear()
             self._cond.notify_all()
         self._scheduler.join(timeout=5)
@@ -133,7 +136,7 @@ class CompilePool:
     def _schedule(self) -> None:
         with self._cond:
             while not self._closed:
-                if self._server is None and (self._queue or self._running):
+                if self._server is None and (self._queues or self._running):
                     try:
                         self._start_server()
                     except Exception as e:
@@ -169,21 +172,34 @@ class CompilePool:
                         "slots for long compiles were taken"))
             else:
                 deadlines.append(job.started_at + (self.timeout_s if job.long else self.quick_s))
-        while self._queue:
-            job = self._queue[0]
-            if now - max(job.queued_at, self._ready_at) >= self.timeout_s:
-                self._queue.popleft()
-                self._finish(job, error=CompileTimeout(queued=True))
-            elif sum(not j.long for j in self._running.values()) < self.quick_slots:
-                self._queue.popleft()
+        for client in list(self._queues):
+            queue = self._queues[client]
+            while queue and now - max(queue[0].queued_at, self._ready_at) >= self.timeout_s:
+                self._num_queued -= 1
+                self._finish(queue.popleft(), error=CompileTimeout(queued=True))
+            if not queue:
+                del self._queues[client]
+        while self._queues:
+            job = next(iter(self._queues.values()))[0]
+            if sum(not j.long for j in self._running.values()) < self.quick_slots:
+                self._take(job.client)
                 job.started_at = now
                 self._running[job.job_id] = job
                 self._send(["compile", job.job_id, job.kind, job.spec])
                 deadlines.append(now + self.quick_s)
             else:
-                deadlines.append(max(job.queued_at, self._ready_at) + self.timeout_s)
+                deadlines += [max(q[0].queued_at, self._ready_at) + self.timeout_s for q in self._queues.values()]
                 break
         return max(0.0, min(deadlines) - now) if deadlines else None
+
+    def _take(self, client: str) -> _Job:
+        """The first queued job of ``client``, whose turn then passes to the next client."""
+        queue = self._queues.pop(client)
+        job = queue.popleft()
+        if queue:
+            self._queues[client] = queue
+        self._num_queued -= 1
+        return job
 
     def _kill(self, job: _Job, error: Exception) -> None:
         del self._running[job.job_id]
@@ -197,8 +213,8 @@ class CompilePool:
             pass
 
     def _fail_queue(self, error: Exception) -> None:
-        while self._queue:
-            self._finish(self._queue.popleft(), error=error)
+        while self._queues:
+            self._finish(self._take(next(iter(self._queues))), error=error)
 
     def _finish(self, job: _Job, text: str | None = None, error: Exception | None = None) -> None:
         # Under the lock. decode runs here too: what it records is in place before a waiter wakes.

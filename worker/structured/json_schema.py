@@ -57,6 +57,10 @@ def unenforced_keyword(schema) -> Unenforced | None:
         if found is not None:
             return found
         children = [(node[k], f"{path}.{k}") for k in _SUBSCHEMAS if k in node]
+        names = node.get("propertyNames")
+        if isinstance(names, dict) and "type" not in names:  # it constrains keys: strings, as xgrammar takes it
+            children[[k for k in _SUBSCHEMAS if k in node].index("propertyNames")] = (
+                {"type": "string", **names}, f"{path}.propertyNames")
         for k in _SUBSCHEMA_MAPS:
             if isinstance(node.get(k), dict):
                 children += [(v, f"{path}.{k}{_member(name)}") for name, v in node[k].items()]
