@@ -16,7 +16,6 @@ from pagefleet.worker.sampling_params import StructuredOutputsParams
 from pagefleet.worker.structured.grammar_cache import GrammarCache, choice_grammar
 from pagefleet.worker.structured.matcher import GrammarMasker, SequenceGrammar
 
-
 EOS = (2, 4)  # the demo checkpoints' <|endoftext|> and <|im_end|>
 TOKENIZER_VOCAB = 1000  # the tiny demo tokenizer
 
