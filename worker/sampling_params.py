@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass, field
 
 from pagefleet.worker.request_check import InvalidRequest
+from pagefleet.worker.structured.json_schema import unenforced_keyword
 
 MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI allows
 # Below this temperature sampling is greedy (as in vLLM): dividing logits by ~0 overflows.
@@ -73,6 +74,11 @@ class StructuredOutputsParams:
                 raise bad(f".json is not valid JSON: {e}") from None
             if not isinstance(schema, (dict, bool)):
                 raise bad(f".json must be a JSON schema (an object or a boolean), got a {type(schema).__name__}")
+            # What xgrammar would silently drop is refused: a 200 must honour the whole schema.
+            unenforced = unenforced_keyword(schema)
+            if unenforced is not None:
+                keyword, path, why = unenforced
+                raise bad(f'.json uses "{keyword}" at {path}: {why}')
 
 
 def _clamped_bias(bias: dict) -> dict[int, float]:

@@ -123,6 +123,8 @@ def build_openai_app(service: OpenAIService, *, api_key: str | None = None, body
 
     async def respond(prepared: PreparedRequest, request: Request, started: float) -> Response:
         service.trace(prepared, request.headers, started)
+        for job in prepared.jobs:  # whose share of a worker's grammar compile queue it takes
+            job.client = request.client.host if request.client is not None else ""
         await service.admit(prepared)
         if prepared.stream:
             return _event_stream(service.stream_chunks(prepared))

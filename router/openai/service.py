@@ -294,6 +294,7 @@ class Job:
     extra_keys: tuple = ()  # the cache salt, when the request has one
     ranking: list[str] | None = None  # where the global scheduler would run it, best first
     span: Any = None  # its span while tracing is on (``worker.tracing``)
+    client: str = ""  # the client's address, as the ingress sees it (``WorkerRequest.client``)
 
 
 @dataclass(slots=True, weakref_slot=True)

@@ -30,6 +30,7 @@ from pagefleet.router.openai.tool_parsers.base import (
     make_call_id,
 )
 from pagefleet.worker.sampling_params import StructuredOutputsParams
+from pagefleet.worker.structured.json_schema import unenforced_keyword
 
 # OpenAI's rule for a function's name.
 FUNCTION_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
@@ -98,14 +99,26 @@ def tool_plan(req: ChatCompletionRequest, parser: ToolParser | None, auto_enable
                               "--tool-call-parser", "tool_choice")
         return ToolPlan("auto", tools, None, parser=parser, parallel=parallel)
     if choice == "required":
+        for i, tool in enumerate(tools):
+            _check_enforced(tool, i)
         return ToolPlan("required", tools, StructuredOutputsParams(json=json.dumps(_required_schema(tools, parallel))),
                         parallel=parallel)
     name = choice.function.name
     if name not in names:
         raise bad_request(f"tool_choice names the function {name!r}, which is not among the tools",
                           "tool_choice")
+    _check_enforced(tools[names.index(name)], names.index(name))
     params = tools[names.index(name)]["function"].get("parameters") or {"type": "object"}
     return ToolPlan("named", tools, StructuredOutputsParams(json=json.dumps(params)), named=name)
+
+
+def _check_enforced(tool: dict, index: int) -> None:
+    """A forced call's arguments are held to its parameters' schema: refuse what the grammar would drop."""
+    unenforced = unenforced_keyword(tool["function"].get("parameters") or {"type": "object"})
+    if unenforced is not None:
+        keyword, path, why = unenforced
+        raise bad_request(f'the parameters of the function {tool["function"]["name"]!r} use "{keyword}" at '
+                          f"{path}: {why}", f"tools.[{index}].function.parameters")
 
 
 def _required_schema(tools: list[dict], parallel: bool) -> dict:

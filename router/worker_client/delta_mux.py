@@ -27,7 +27,7 @@ from typing import Any, AsyncIterator, Callable
 
 import msgspec
 
-from pagefleet.worker.errors import EngineDeadError
+from pagefleet.worker.errors import CompileQueueFull, EngineDeadError
 from pagefleet.worker.outputs import RequestOutputDelta, merge_deltas
 from pagefleet.worker.replica.delta_channel import keep_alive
 from pagefleet.worker.replica.wire import (
@@ -79,6 +79,8 @@ def notice_error(notice: Notice, replica_id: str) -> Exception:
         return InvalidRequest(notice.message, notice.param, notice.code)
     if notice.kind == "engine_dead":
         return EngineDeadError(notice.message)
+    if notice.kind == "busy":
+        return CompileQueueFull(notice.message)
     return RuntimeError(f"worker replica {replica_id}: {notice.message}")
 
 

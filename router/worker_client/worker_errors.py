@@ -21,7 +21,7 @@ from ray.serve import exceptions as serve_exceptions
 
 from pagefleet.router.openai.errors import OpenAIError, bad_request, internal_error, too_many_requests, unavailable
 from pagefleet.router.worker_client.delta_mux import ChannelLost
-from pagefleet.worker.errors import EngineDeadError
+from pagefleet.worker.errors import CompileQueueFull, EngineDeadError
 from pagefleet.worker.request_check import InvalidRequest
 
 _REPLICA_GONE = (ray_exceptions.RayActorError, ray_exceptions.ActorUnavailableError,
@@ -42,6 +42,9 @@ def worker_failure(exc: BaseException) -> tuple[OpenAIError, bool]:
     if isinstance(cause, InvalidRequest):
         return bad_request(str(cause.args[0]) if cause.args else "invalid request", cause.param,
                            cause.code), False
+    if isinstance(cause, CompileQueueFull):  # this client's compiles, or all of them, fill the worker's queue
+        return too_many_requests(f"{cause.args[0] if cause.args else 'the grammar compile queue is full'}; "
+                                 "retry later", 1), False
     if isinstance(cause, EngineDeadError) or isinstance(cause, _REPLICA_GONE):
         return unavailable("the worker replica serving this request failed; retry the request",
                            code="worker_failed"), True

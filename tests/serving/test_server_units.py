@@ -35,7 +35,7 @@ class FakeEngine:
         self.received = []
 
     async def generate(self, request_id, prompt_token_ids, params, extra_keys=(), block_hashes=None, span=None,
-                       resume=None, forward=None):
+                       resume=None, forward=None, client=""):
         self.received.append((request_id, extra_keys, block_hashes, resume))
         try:
             for step in range(params.max_tokens):

@@ -208,3 +208,32 @@ def test_a_spec_that_does_not_compile_is_a_400_and_the_server_serves_on(server, 
     r = client.chat.completions.create(model=model, messages=_chat(), max_tokens=8,
                                        extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
     assert r.choices[0].message.content in ("yes", "no")
+
+
+def test_an_empty_language_or_an_unenforced_keyword_is_a_400_naming_it(server, client):
+    import openai
+
+    base, model = server
+    # The poison of issue 60's A1: every logit masked, once the engine loop's end.
+    r = httpx.post(f"{base}/v1/completions", timeout=120, json={
+        "model": model, "prompt": "x", "max_tokens": 4, "temperature": 1, "logprobs": 1,
+        "structured_outputs": {"regex": "[^\\s\\S]"}})
+    assert r.status_code == 400
+    assert r.json()["error"]["message"] == "structured_outputs.regex allows no output at all (its language is empty)"
+    assert r.json()["error"]["param"] == "structured_outputs"
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=model, messages=_chat(), max_tokens=8, response_format={
+            "type": "json_schema", "json_schema": {"name": "x", "schema": {"not": {}}}})
+    assert err.value.body["param"] == "response_format.json_schema.schema"
+    assert err.value.body["message"] == ('response_format.json_schema.schema.json uses "not" at $: '
+                                         "xgrammar does not enforce it")
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"n": {"type": "number", "multipleOf": 0.5}}}}}]
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=model, messages=_chat(), max_tokens=8, tools=tools, tool_choice="required")
+    assert err.value.body["param"] == "tools.[0].function.parameters"
+    assert err.value.body["message"] == ("the parameters of the function 'f' use \"multipleOf\" at $.properties.n: "
+                                         'xgrammar enforces only a whole multipleOf of "type" integer')
+    r = client.chat.completions.create(model=model, messages=_chat(), max_tokens=8,
+                                       extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
+    assert r.choices[0].message.content in ("yes", "no")

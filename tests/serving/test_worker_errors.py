@@ -13,12 +13,13 @@ from ray.serve.exceptions import BackPressureError
 
 from pagefleet.router.ingress import HandleWorkerClient
 from pagefleet.router.openai.service import Job
+from pagefleet.router.worker_client.delta_mux import notice_error
 from pagefleet.router.worker_client.worker_errors import worker_failure
 from pagefleet.worker.core.resume import ResumeState
-from pagefleet.worker.errors import EngineDeadError
+from pagefleet.worker.errors import CompileQueueFull, EngineDeadError
 from pagefleet.worker.outputs import CompletionOutput, RequestOutputDelta
 from pagefleet.worker.replica.delta_channel import DeltaChannel
-from pagefleet.worker.replica.wire import Ended, Placed
+from pagefleet.worker.replica.wire import Ended, Notice, Placed
 from pagefleet.worker.request_check import InvalidRequest
 from pagefleet.worker.sampling_params import SamplingParams
 
@@ -58,6 +59,14 @@ def test_full_queues_are_a_429_with_retry_after():
     assert (error.status_code, error.type, error.code, error.retry_after_s, retry) == \
         (429, "requests", "rate_limit_exceeded", 1, False)
     assert "max_queued" not in error.message
+
+
+def test_a_full_grammar_compile_queue_is_a_429_on_both_paths():
+    message = "this client has 4 grammars compiling or queued, the most it may"
+    for exc in (_as_ray_task_error(CompileQueueFull(message)), notice_error(Notice("r", "busy", message), "w1")):
+        error, retry = worker_failure(exc)
+        assert (error.status_code, error.code, error.retry_after_s, retry) == (429, "rate_limit_exceeded", 1, False)
+        assert error.message == message + "; retry later"
 
 
 def test_anything_else_is_a_500_that_names_only_an_error_id(caplog):

@@ -108,7 +108,7 @@ class AsyncLLMEngine:
                        extra_keys: tuple = (), block_hashes: bytes = b"",
                        span=None, resume: ResumeState | None = None,
                        forward: Callable[[RequestOutputDelta], None] | None = None,
-                       ) -> AsyncIterator[RequestOutputDelta]:
+                       client: str = "") -> AsyncIterator[RequestOutputDelta]:
         """Stream a request's deltas. Bad input raises ValueError before anything is queued;
         if the consumer stops early the request is aborted and its blocks freed. ``span``: the
         request's tracing span, which the engine thread marks when it takes the request in and
@@ -117,12 +117,13 @@ class AsyncLLMEngine:
 
         ``forward``: called on this loop with each delta but the last as it comes, which the
         stream then does not yield (it yields the last, or raises): a worker replica puts them
-        on its delta channel with no task waking per delta."""
+        on its delta channel with no task waking per delta. ``client``: who sent it, for the
+        per-client bound of the grammar compile queue."""
         self._raise_if_dead()
         self.engine.check(prompt_token_ids, params, block_hashes, resume)  # the engine thread does not check again
         grammar = resumed = None
         if params.structured_outputs is not None:  # on the engine's compile pool: not here, not the step thread
-            grammar = await self.engine.grammars.compile_async(params.structured_outputs)
+            grammar = await self.engine.grammars.compile_async(params.structured_outputs, client)
         if resume is not None:  # the replay takes a few decodes a token: on a thread, not this loop
             resumed = await asyncio.to_thread(resumed_start, self.engine.tokenizer, prompt_token_ids, params,
                                               resume, grammar)

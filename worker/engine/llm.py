@@ -7,6 +7,7 @@ from typing import Any, Sequence as Seq
 
 from pagefleet.worker.engine.engine_args import EngineArgs
 from pagefleet.worker.engine.llm_engine import LLMEngine
+from pagefleet.worker.errors import CompileQueueFull
 from pagefleet.worker.outputs import CompletionOutput, RequestOutput, append_output
 from pagefleet.worker.sampling_params import SamplingParams
 
@@ -40,7 +41,10 @@ class LLM:
         engine = self.engine
         for params in sampling_params:  # distinct grammars compile side by side on the engine's pool
             if params.structured_outputs is not None:
-                engine.grammars.submit(params.structured_outputs)
+                try:
+                    engine.grammars.submit(params.structured_outputs)
+                except CompileQueueFull:  # the rest compile as their requests are added
+                    break
         order: list[str] = []
         results: dict[str, RequestOutput] = {}
         try:

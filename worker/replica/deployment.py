@@ -26,7 +26,7 @@ from pagefleet.worker import tracing
 from pagefleet.worker.aio import cancel_and_wait
 from pagefleet.worker.core.kv_events import KVEventBatch, KVSnapshot
 from pagefleet.worker.engine.engine_args import EngineArgs
-from pagefleet.worker.errors import EngineDeadError
+from pagefleet.worker.errors import CompileQueueFull, EngineDeadError
 from pagefleet.worker.metrics.stats import ReplicaStats
 from pagefleet.worker.outputs import RequestOutputDelta
 from pagefleet.worker.replica.delta_channel import ChannelServer, DeltaChannel
@@ -228,7 +228,8 @@ class WorkerReplica:
         they come rather than yield them (``AsyncLLMEngine.generate``); an engine that yields every
         delta is as right, only dearer."""
         return self.engine.generate(request.request_id, request.prompt_token_ids, request.params, request.extra_keys,
-                                    request.block_hashes, span=span, resume=request.resume, forward=forward)
+                                    request.block_hashes, span=span, resume=request.resume, forward=forward,
+                                    client=request.client)
 
     async def channel(self, request: ChannelOpen) -> AsyncIterator[bytes | SocketOffer]:
         """A caller's delta channel (``worker.replica.wire``): an encoded empty list once attached,
@@ -336,6 +337,8 @@ def _notice(request_id: str, exc: Exception) -> Notice:
         return Notice(request_id, "invalid", str(exc.args[0]) if exc.args else "invalid request", exc.param, exc.code)
     if isinstance(exc, EngineDeadError):
         return Notice(request_id, "engine_dead", str(exc))
+    if isinstance(exc, CompileQueueFull):
+        return Notice(request_id, "busy", str(exc))
     return Notice(request_id, "error", f"{type(exc).__name__}: {exc}")
 
 

@@ -50,6 +50,9 @@ class WorkerRequest:
     # A sequence continued here after its replica was lost: the engine starts it from this state
     # (``worker.core.resume``; params.n is 1). None: a new request.
     resume: ResumeState | None = None
+    # Who sent it (the client's address at the ingress): the worker bounds each client's share
+    # of its grammar compile queue by this key.
+    client: str = ""
 
 
 @dataclass(slots=True)
@@ -94,7 +97,7 @@ class Notice:
     """The replica's last word on a request sent on the connection, when it is not a finished
     delta: ``kind`` is ``refused`` (the replica holds as many requests as it may; nothing ran),
     ``invalid`` (the engine refused it: ``message``, ``param`` and ``code`` as ``InvalidRequest``
-    has them), ``engine_dead`` (the replica's engine died) or ``error`` (anything else)."""
+    has them), ``busy`` (its grammar compile was turned away: ``CompileQueueFull``), ``engine_dead`` (the replica's engine died) or ``error`` (anything else)."""
 
     request_id: str
     kind: str

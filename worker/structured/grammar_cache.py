@@ -1,10 +1,12 @@
-"""Compile a request's ``structured_outputs`` into an xgrammar grammar: on a small thread pool of
-its own, under a time limit, once per distinct spec (a bounded LRU of compiled grammars).
+"""Compile a request's ``structured_outputs`` into an xgrammar grammar: in a process of its own,
+under a time limit that kills the compile (``compile_pool``), once per distinct spec (a bounded LRU
+of compiled grammars).
 
 Compiling never runs on the caller's event loop nor on the engine's step thread: callers wait on
 the pool (``compile`` blocks, ``compile_async`` awaits) before the request reaches the scheduler.
-A spec xgrammar refuses, or one that does not compile in time, is an ``InvalidRequest`` naming
-``structured_outputs`` (a 400 at the ingress), never an engine error.
+A spec xgrammar refuses, one whose language is empty, or one that does not compile in time, is an
+``InvalidRequest`` naming ``structured_outputs`` (a 400 at the ingress), never an engine error; a
+full compile queue is ``CompileQueueFull`` (a 429).
 """
 
 from __future__ import annotations
@@ -14,23 +16,20 @@ import json
 import re
 import threading
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor, TimeoutError as FutureTimeout
+from concurrent.futures import Future
 from typing import NamedTuple
 
 import xgrammar as xgr
 
+from pagefleet.worker.errors import CompileQueueFull
 from pagefleet.worker.request_check import InvalidRequest
 from pagefleet.worker.sampling_params import StructuredOutputsParams
+from pagefleet.worker.structured.compile_pool import COMPILE_TIMEOUT_S, CompilePool, CompileTimeout, EmptyLanguage
 
-COMPILE_TIMEOUT_S = 10.0
 # Compiled grammars kept, least recently used dropped first once either bound is passed. A JSON
 # schema's grammar holds token masks over the vocabulary: megabytes for a large one.
 GRAMMAR_CACHE_SIZE = 256
 GRAMMAR_CACHE_BYTES = 256 << 20
-COMPILE_THREADS = 2
-# JSON may be laid out freely, but a run of whitespace in it is at most this many characters:
-# enough to indent 7 levels of 4 spaces, and a model cannot loop on newlines until max_tokens.
-JSON_MAX_WHITESPACE = 32
 # xgrammar's messages start with a timestamp and its C++ source file: not for a client.
 _XGRAMMAR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
 
@@ -63,31 +62,33 @@ class CacheInfo(NamedTuple):
     bytes: int  # of the compiled ones
 
 
+
 class GrammarCache:
     """Compiled grammars of one tokenizer, shared by every request of an engine (thread-safe).
 
     ``vocab_size`` is the width of the model's logits, which may exceed the tokenizer's
     vocabulary (a padded embedding): a grammar's bitmask then masks the ids past the tokenizer.
-    ``stop_token_ids`` end a complete grammar (the model's EOS ids)."""
+    ``stop_token_ids`` end a complete grammar (the model's EOS ids). ``pool_options``: the
+    compile pool's bounds (``CompilePool``)."""
 
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: tuple[int, ...], *,
                  timeout_s: float = COMPILE_TIMEOUT_S, max_entries: int = GRAMMAR_CACHE_SIZE,
-                 max_bytes: int = GRAMMAR_CACHE_BYTES, threads: int = COMPILE_THREADS) -> None:
+                 max_bytes: int = GRAMMAR_CACHE_BYTES, **pool_options) -> None:
         self.timeout_s = timeout_s
         self.max_entries = max_entries
         self.max_bytes = max_bytes
         self._tokenizer = tokenizer
         self._vocab_size = vocab_size
         self._stop_token_ids = list(stop_token_ids)
-        self._compiler: xgr.GrammarCompiler | None = None  # built on first use, on the pool
-        self._compiler_lock = threading.Lock()
+        self._info: xgr.TokenizerInfo | None = None  # built on first use, off the caller's thread
+        self._info_lock = threading.Lock()
         self._lock = threading.Lock()
         # A spec's future, not its result: a spec asked for again while compiling waits on the same
-        # compile, and a compile that outlives its waiter's time limit still fills the cache.
+        # compile. A refusal stays (the spec is refused again at once); a full queue does not.
         self._entries: OrderedDict[GrammarKey, Future] = OrderedDict()
         self._sizes: dict[GrammarKey, int] = {}  # bytes of each compiled entry
         self._bytes = 0
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="pagefleet-grammar")
+        self.pool = CompilePool(lambda: self.tokenizer_info().serialize_json(), timeout_s=timeout_s, **pool_options)
         self.hits = 0
         self.misses = 0
 
@@ -95,8 +96,9 @@ class GrammarCache:
         with self._lock:
             return CacheInfo(self.hits, self.misses, len(self._entries), self._bytes)
 
-    def submit(self, params: StructuredOutputsParams) -> Future:
-        """The compile of ``params``' grammar: cached, in flight, or started now on the pool."""
+    def submit(self, params: StructuredOutputsParams, client: str = "") -> Future:
+        """The compile of ``params``' grammar: cached, in flight, or queued now. ``client``: who
+        asks (the queue holds a bounded number of compiles per client). Raises CompileQueueFull."""
         key = grammar_key(params)
         with self._lock:
             future = self._entries.get(key)
@@ -104,38 +106,44 @@ class GrammarCache:
                 self._entries.move_to_end(key)
                 self.hits += 1
                 return future
+            future = self.pool.submit(key.kind, key.spec, client, lambda text: self._stored(key, text))
             self.misses += 1
-            future = self._pool.submit(self._compile_and_count, key)
             self._entries[key] = future
             self._evict()
-            return future
+        future.add_done_callback(lambda f: self._forget_if_transient(key, f))
+        return future
 
-    def compile(self, params: StructuredOutputsParams) -> xgr.CompiledGrammar:
-        """Block until ``params``' grammar is compiled (on the pool); InvalidRequest if it cannot be."""
-        future = self.submit(params)
+    def compile(self, params: StructuredOutputsParams, client: str = "") -> xgr.CompiledGrammar:
+        """Block until ``params``' grammar is compiled; InvalidRequest if it cannot be,
+        CompileQueueFull if the queue is full."""
+        future = self.submit(params, client)
         try:
-            return future.result(timeout=self.timeout_s)
-        except FutureTimeout:
-            raise self._timed_out(params) from None
+            return future.result()  # the pool ends every compile by its time limit
         except Exception as e:
-            raise _refused(params, e) from None
+            raise self._error(params, e) from None
 
-    async def compile_async(self, params: StructuredOutputsParams) -> xgr.CompiledGrammar:
+    async def compile_async(self, params: StructuredOutputsParams, client: str = "") -> xgr.CompiledGrammar:
         """``compile`` for an event loop: awaits the pool, never blocks the loop."""
-        future = self.submit(params)
+        future = self.submit(params, client)
         try:
-            # shield: this waiter's time limit must not cancel a compile other requests share.
-            return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), self.timeout_s)
-        except asyncio.TimeoutError:
-            raise self._timed_out(params) from None
+            # shield: a waiter that goes away must not cancel a compile other requests share.
+            return await asyncio.shield(asyncio.wrap_future(future))
         except Exception as e:
-            raise _refused(params, e) from None
+            raise self._error(params, e) from None
 
     def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self.pool.shutdown()
 
-    def _compile_and_count(self, key: GrammarKey) -> xgr.CompiledGrammar:
-        compiled = self._compile(key)
+    def tokenizer_info(self) -> xgr.TokenizerInfo:
+        # Reading the tokenizer's vocabulary takes a while on a large one: only once a request asks.
+        with self._info_lock:
+            if self._info is None:
+                self._info = xgr.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self._vocab_size,
+                                                                stop_token_ids=self._stop_token_ids)
+            return self._info
+
+    def _stored(self, key: GrammarKey, text: str) -> xgr.CompiledGrammar:
+        compiled = xgr.CompiledGrammar.deserialize_json(text, self.tokenizer_info())
         with self._lock:  # before the future resolves: a waiter sees the cache with its grammar in
             if key in self._entries and key not in self._sizes:
                 self._sizes[key] = compiled.memory_size_bytes
@@ -143,60 +151,28 @@ class GrammarCache:
                 self._evict()
         return compiled
 
+    def _forget_if_transient(self, key: GrammarKey, future: Future) -> None:
+        error = future.exception()
+        if isinstance(error, CompileQueueFull) or (isinstance(error, CompileTimeout) and error.queued):
+            with self._lock:
+                if self._entries.get(key) is future:
+                    del self._entries[key]
+
     def _evict(self) -> None:
         # Under self._lock. The most recent grammar stays, however large.
         while len(self._entries) > self.max_entries or (self._bytes > self.max_bytes and len(self._entries) > 1):
             key, _ = self._entries.popitem(last=False)
             self._bytes -= self._sizes.pop(key, 0)
 
-    def _timed_out(self, params: StructuredOutputsParams) -> InvalidRequest:
-        return InvalidRequest(f"structured_outputs.{params.kind} did not compile within {self.timeout_s:g} s",
-                              "structured_outputs")
-
-    def _compile(self, key: GrammarKey) -> xgr.CompiledGrammar:
-        compiler = self._get_compiler()
-        if key.kind in ("json", "json_object"):
-            schema = json.loads(key.spec) if key.kind == "json" else {"type": "object"}
-            return compiler.compile_json_schema(json.dumps(_length_bounds_as_patterns(schema)),
-                                                max_whitespace_cnt=JSON_MAX_WHITESPACE)
-        if key.kind == "regex":
-            return compiler.compile_regex(key.spec)
-        return compiler.compile_grammar(key.spec)
-
-    def _get_compiler(self) -> xgr.GrammarCompiler:
-        # Reading the tokenizer's vocabulary takes a while on a large one: only once a request asks.
-        with self._compiler_lock:
-            if self._compiler is None:
-                info = xgr.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self._vocab_size,
-                                                          stop_token_ids=self._stop_token_ids)
-                # This cache is the one cache; each compile on one thread, beside the step loop's.
-                self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
-            return self._compiler
-
-
-# Keywords whose values are JSON data, not subschemas.
-_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
-
-
-def _length_bounds_as_patterns(schema):
-    """``schema`` with each plain string's minLength/maxLength spelled as a pattern of as many
-    characters. xgrammar lowers a length-bounded string to a character class that lets raw control
-    characters through (invalid JSON; mlc-ai/xgrammar#800), while its pattern path keeps to JSON's
-    string syntax. Either way a bounded string holds no escape sequences."""
-    if isinstance(schema, list):
-        return [_length_bounds_as_patterns(s) for s in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {k: v if k in _DATA_KEYWORDS else _length_bounds_as_patterns(v) for k, v in schema.items()}
-    bounded = "minLength" in out or "maxLength" in out
-    if out.get("type") == "string" and bounded and "pattern" not in out and "format" not in out:
-        low, high = out.pop("minLength", 0), out.pop("maxLength", "")
-        out["pattern"] = f"^[\\s\\S]{{{low},{high}}}$"
-    return out
-
-
-def _refused(params: StructuredOutputsParams, error: Exception) -> InvalidRequest:
-    if isinstance(error, InvalidRequest):
-        return error
-    message = _XGRAMMAR_PREFIX.sub("", str(error).strip()) or type(error).__name__
-    return InvalidRequest(f"structured_outputs.{params.kind} does not compile: {message}", "structured_outputs")
+    def _error(self, params: StructuredOutputsParams, error: Exception) -> Exception:
+        where = f"structured_outputs.{params.kind}"
+        if isinstance(error, CompileTimeout) and error.queued:
+            return CompileQueueFull(f"{where} waited {self.timeout_s:g} s for a compile slot; retry later")
+        if isinstance(error, CompileTimeout):
+            return InvalidRequest(f"{where} did not compile within {self.timeout_s:g} s", "structured_outputs")
+        if isinstance(error, EmptyLanguage):
+            return InvalidRequest(f"{where} allows no output at all (its language is empty)", "structured_outputs")
+        if isinstance(error, (CompileQueueFull, InvalidRequest)):
+            return error
+        message = _XGRAMMAR_PREFIX.sub("", str(error).strip()) or type(error).__name__
+        return InvalidRequest(f"{where} does not compile: {message}", "structured_outputs")

@@ -2,18 +2,13 @@
 
 from __future__ import annotations
 
-import threading
+import json
+
+from pagefleet.worker.sampling_params import StructuredOutputsParams
 
 
-def slow_compile_of(cache, monkeypatch, spec: str) -> threading.Event:
-    """Make ``cache`` compile ``spec`` only once the returned event is set (others as before)."""
-    release = threading.Event()
-    real = cache._compile
-
-    def slow_for_one_spec(key):
-        if key.spec == spec:
-            release.wait(30)
-        return real(key)
-
-    monkeypatch.setattr(cache, "_compile", slow_for_one_spec)
-    return release
+def expensive_schema(tag: str) -> StructuredOutputsParams:
+    """A short schema that takes seconds to compile even on the tiny demo tokenizer (a bounded
+    repetition of 1,600 to 3,200 in a pattern; 5 s on an idle core), one per ``tag``."""
+    pattern = f"^(a|bc|[0-9]{tag}){{1600,3200}}$"
+    return StructuredOutputsParams(json=json.dumps({"type": "string", "pattern": pattern}))

@@ -9,7 +9,6 @@ import asyncio
 import json
 import re
 import shutil
-import threading
 
 import jsonschema
 import pytest
@@ -19,7 +18,7 @@ from pagefleet.worker import LLM, AsyncLLMEngine, EngineArgs, SamplingParams, St
 from pagefleet.worker.model_executor.model_config import load_model_config
 from pagefleet.worker.request_check import InvalidRequest
 
-from structured_helpers import slow_compile_of
+from structured_helpers import expensive_schema
 
 EOS = (2, 4)
 
@@ -237,11 +236,9 @@ async def run(engine, request_id: str, prompt: str, params: SamplingParams):
     return "".join(d.sequences[0].text for d in deltas if d.sequences), deltas[-1]
 
 
-def test_the_async_engine_compiles_on_the_pool_only(engine, monkeypatch):
-    threads = []
+def test_the_async_engine_compiles_each_spec_once_for_requests_that_share_it(engine):
     cache = engine.engine.grammars
-    real = cache._compile
-    monkeypatch.setattr(cache, "_compile", lambda key: threads.append(threading.current_thread().name) or real(key))
+    before = cache.cache_info()
 
     async def main():
         return await asyncio.gather(*(run(engine, f"pool-{i}", PROMPTS[0], constrained(1.0, i, regex=EMAIL))
@@ -250,14 +247,16 @@ def test_the_async_engine_compiles_on_the_pool_only(engine, monkeypatch):
     for text, last in asyncio.run(main()):
         assert re.fullmatch(EMAIL, text)
         assert last.finished and last.sequences[0].finish_reason == "stop"
-    assert len(threads) == 1  # one spec: one compile, the other two requests shared it
-    assert threads[0].startswith("pagefleet-grammar")
+    after = cache.cache_info()
+    # one spec: one compile, the other two requests shared it
+    assert (after.misses - before.misses, after.hits - before.hits) == (1, 2)
 
 
 def test_a_refused_or_slow_grammar_fails_its_request_alone(engine, monkeypatch):
     cache = engine.engine.grammars
-    release = slow_compile_of(cache, monkeypatch, "z{7}")
-    monkeypatch.setattr(cache, "timeout_s", 0.3)
+    monkeypatch.setattr(cache, "timeout_s", 1.5)
+    monkeypatch.setattr(cache.pool, "timeout_s", 1.5)
+    slow_spec = expensive_schema("s")
 
     async def outcome(request_id: str, params: SamplingParams):
         try:
@@ -267,17 +266,14 @@ def test_a_refused_or_slow_grammar_fails_its_request_alone(engine, monkeypatch):
 
     async def main():
         return await asyncio.gather(
-            outcome("slow", constrained(regex="z{7}")),
+            outcome("slow", constrained(json=slow_spec.json)),
             outcome("bad", constrained(json='{"type": "nope"}')),
             outcome("plain", SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)),
             outcome("good", constrained(choice=["left", "right"])),
         )
 
-    try:
-        slow, bad, plain, good = asyncio.run(main())
-    finally:
-        release.set()
-    assert (str(slow), slow.param) == ("structured_outputs.regex did not compile within 0.3 s", "structured_outputs")
+    slow, bad, plain, good = asyncio.run(main())
+    assert (str(slow), slow.param) == ("structured_outputs.json did not compile within 1.5 s", "structured_outputs")
     assert (str(bad), bad.param) == ('structured_outputs.json does not compile: Unsupported type "nope"',
                                      "structured_outputs")
     assert plain[1].sequences[0].finish_reason == "length"
