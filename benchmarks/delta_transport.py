@@ -29,7 +29,7 @@ from ray import serve
 
 from pagefleet.cluster.serve_env import fast_path_env, raylet_env
 from pagefleet.router.worker_client.delta_mux import ChannelMux
-from pagefleet.worker.engine.engine_args import EngineArgs
+from pagefleet.worker.engine_args import EngineArgs
 from pagefleet.worker.outputs import CompletionOutput, RequestOutputDelta
 from pagefleet.worker.replica.deployment import WorkerReplica
 

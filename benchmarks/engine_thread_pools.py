@@ -50,8 +50,8 @@ def voluntary_switches() -> int:
 
 
 def child(mode: str, ckpt: str, input_len: int, output_len: int, concurrency: list[int]) -> None:
-    from pagefleet.worker.engine.engine_args import EngineArgs
     from pagefleet.worker.engine.llm_engine import LLMEngine
+    from pagefleet.worker.engine_args import EngineArgs
 
     from _engine_alone import random_prompts, run
     from serving import num_prompts

@@ -17,8 +17,8 @@ import json
 import time
 from pathlib import Path
 
-from pagefleet.worker.engine.engine_args import EngineArgs
 from pagefleet.worker.engine.llm_engine import LLMEngine
+from pagefleet.worker.engine_args import EngineArgs
 from pagefleet.worker.sampling_params import SamplingParams
 
 from _machine import machine_with_load

@@ -1,18 +1,18 @@
 """Engine options, named as vLLM names them: each field is also a `pagefleet serve` flag and a
-`serve.yaml` arg (see ``pagefleet.worker.engine.options``), so an option is defined here once."""
+`serve.yaml` arg (see ``pagefleet.worker.options``), so an option is defined here once."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pagefleet.cluster.plan.presets import GPUS
-from pagefleet.worker.engine.options import check_choices, option, parse_bytes
 from pagefleet.worker.model_executor.model_config import QUANTIZATIONS, parse_dtype
+from pagefleet.worker.options import check_choices, option, parse_bytes
 from pagefleet.worker.request_check import (
     DEFAULT_MAX_STOP_STRING_CHARS,
     DEFAULT_MAX_STOP_STRINGS,
     DEFAULT_MAX_STOP_TOKEN_IDS,
 )
+from pagefleet.worker.simulated.presets import GPUS
 
 BLOCK_SIZES = (8, 16, 32, 64, 128)
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
