@@ -1,4 +1,5 @@
-"""The worker as a Ray Serve deployment: the only Ray-importing file in worker/.
+"""The worker as a Ray Serve deployment (Ray is imported in worker/ only here, by the TP ranks'
+placement and executor in worker/parallel/, and by the metrics recorder).
 
 ``WorkerReplica`` is plain Python around one ``AsyncLLMEngine`` (injectable,
 as in Ray Serve LLM); ``worker_deployment`` binds it into a Serve deployment.
