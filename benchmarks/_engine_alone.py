@@ -26,8 +26,8 @@ import time
 from typing import Callable
 
 from pagefleet.cluster.bench.metrics import RequestResult, compute_metrics
-from pagefleet.worker.engine.engine_args import EngineArgs
 from pagefleet.worker.engine.llm_engine import LLMEngine, resolve_device
+from pagefleet.worker.engine_args import EngineArgs
 from pagefleet.worker.model_executor.platform import platform_of
 from pagefleet.worker.sampling_params import SamplingParams
 

@@ -82,7 +82,7 @@ def oracle_hit_rate(tenants: list[int], shape: ChatShape) -> float:
 def prefill_seconds(roofline, prompt_tokens: int, chunk: int, efficiency: float) -> float:
     """A prompt's prefill on one simulated GPU, in chunks of ``chunk`` tokens as the engine
     schedules it, each step at the roofline over the efficiency."""
-    from pagefleet.cluster.plan.roofline import step_work
+    from pagefleet.worker.simulated.roofline import step_work
 
     total, start = 0.0, 0
     while start < prompt_tokens:
@@ -93,16 +93,14 @@ def prefill_seconds(roofline, prompt_tokens: int, chunk: int, efficiency: float)
 
 
 def simulated_roofline(checkpoint: str, gpu: str):
-    """The simulated engine's own roofline for this model and GPU (``cluster/plan``)."""
-    from pagefleet.cluster.plan.capacity import make_plan, step_roofline
-    from pagefleet.cluster.plan.cli import PlanArgs, plan_inputs
-    from pagefleet.worker.engine.engine_args import EngineArgs
+    """The simulated engine's own roofline for this model and GPU (``worker/simulated/sizing.py``)."""
+    from pagefleet.worker.engine_args import EngineArgs
+    from pagefleet.worker.model_executor.model_config import load_model_config
+    from pagefleet.worker.simulated.sizing import simulated_replica, size_gpu, step_roofline
 
-    inputs = plan_inputs(PlanArgs(model=checkpoint, gpu=gpu, input_len=1, output_len=1),
-                         EngineArgs(model=checkpoint, simulate=gpu))
-    plan = make_plan(inputs)
-    return (step_roofline(inputs, plan.decode_weight_bytes_per_gpu, plan.kv_bytes_per_token_per_gpu),
-            plan.kv_bytes_per_token_per_gpu)
+    replica = simulated_replica(load_model_config(checkpoint), EngineArgs(model=checkpoint, simulate=gpu))
+    sizing = size_gpu(replica)
+    return step_roofline(replica, sizing), sizing.kv_bytes_per_token
 
 
 def fleet_capacity(roofline, shape: ChatShape, workers: int, chunk: int, efficiency: float) -> float:
@@ -164,9 +162,9 @@ def main(args) -> None:
     import ray
     from ray import serve
 
-    from pagefleet.cluster.demo.simulated import simulated_checkpoint
     from pagefleet.cluster.serve_env import free_ports
     from pagefleet.router.global_scheduler.actor import stop_scheduler
+    from pagefleet.worker.simulated.checkpoint import simulated_checkpoint
 
     from _machine import machine_with_load as machine
     from _routing_client import run_phase
@@ -286,7 +284,7 @@ def start_ray(num_cpus: int) -> bool:
 
 def step_work_of_turn(shape: ChatShape):
     """A hit: only the turn is computed, after the cached system prompt."""
-    from pagefleet.cluster.plan.roofline import step_work
+    from pagefleet.worker.simulated.roofline import step_work
 
     return step_work([(shape.system_tokens, shape.prompt_tokens)])
 

@@ -101,7 +101,7 @@ def load() -> float:
 def checkpoint(model: str | None, simulate: str | None = None) -> str:
     """The checkpoint directory (the tokenizer the client counts with)."""
     if simulate is not None:
-        from pagefleet.cluster.demo.simulated import simulated_checkpoint
+        from pagefleet.worker.simulated.checkpoint import simulated_checkpoint
 
         model = model or "llama-3-8b"
         return simulated_checkpoint(model) or model

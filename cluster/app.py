@@ -27,7 +27,7 @@ from pagefleet.router.openai.preprocess import ServingLimits
 from pagefleet.router.openai.tool_choice import ToolCallOptions
 from pagefleet.router.routing.request_router import ROUTER_CLASSES
 from pagefleet.worker.cpu.threads import available_cores, compute_thread_env
-from pagefleet.worker.engine.engine_args import EngineArgs
+from pagefleet.worker.engine_args import EngineArgs
 from pagefleet.worker.replica.deployment import worker_deployment
 
 APP_NAME = "pagefleet"

@@ -12,9 +12,9 @@ from pagefleet.cluster.config import API_KEY_ENV, ServeArgs, ServeOptions
 from pagefleet.cluster.demo.model import ARCHITECTURES, DEMO_SIZES, write_demo_checkpoint
 from pagefleet.cluster.plan import cli as plan_cli
 from pagefleet.cluster.serve_env import THREAD_WAIT_ENV
-from pagefleet.worker.engine.engine_args import EngineArgs
-from pagefleet.worker.engine.options import add_cli_args
+from pagefleet.worker.engine_args import EngineArgs
 from pagefleet.worker.model_executor.model_config import DTYPES
+from pagefleet.worker.options import add_cli_args
 
 logger = logging.getLogger("pagefleet")
 

@@ -2,7 +2,7 @@
 
 Engine options are ``EngineArgs``' fields; what is not the engine's (HTTP,
 replica counts, Ray resources, the API key) are ``ServeArgs``' fields. Both
-declare each option once (``pagefleet.worker.engine.options``): the CLI flags, the
+declare each option once (``pagefleet.worker.options``): the CLI flags, the
 ``args:`` of ``deploy/serve.yaml`` and ``build_app``'s dict all come from those
 fields, with the same names (vLLM's, with underscores) and defaults.
 """
@@ -25,8 +25,8 @@ from pagefleet.router.openai.tool_parsers import TOOL_PARSERS
 from pagefleet.router.routing.kv_routing import KVRoutingOptions
 from pagefleet.router.routing.policies import POLICIES
 from pagefleet.worker.cpu.threads import cpu_compute_threads
-from pagefleet.worker.engine.engine_args import EngineArgs
-from pagefleet.worker.engine.options import check_choices, from_namespace, option, parse_bytes, split_mapping
+from pagefleet.worker.engine_args import EngineArgs
+from pagefleet.worker.options import check_choices, from_namespace, option, parse_bytes, split_mapping
 
 API_KEY_ENV = "PAGEFLEET_API_KEY"
 

@@ -140,8 +140,15 @@ def ephemeral_port_range() -> tuple[int, int]:
         return 32768, 60999
 
 
+# Every port `free_ports` has handed out in this process. A port is free when chosen, but the
+# caller binds it later (Ray binds its ports in processes `ray start` runs), so a second call
+# before then could find it free again and hand it out twice.
+_HANDED_OUT: set[int] = set()
+
+
 def free_ports(n: int) -> list[int]:
-    """``n`` distinct ports free on every interface right now, held open together while chosen.
+    """``n`` distinct ports free on every interface right now, held open together while chosen,
+    and none handed out before by this process.
 
     Chosen outside the kernel's ephemeral range: a port picked there is the kind the kernel hands
     out to sockets bound to port 0, which is how a starting Ray cluster's processes get theirs,
@@ -149,7 +156,7 @@ def free_ports(n: int) -> list[int]:
     fails to start with "Address already in use"). Falls back to the kernel's choice when no
     such range is left (an ephemeral range starting at or below ``QUIET_PORTS_START``)."""
     low = ephemeral_port_range()[0]
-    candidates = list(range(QUIET_PORTS_START, low))
+    candidates = [p for p in range(QUIET_PORTS_START, low) if p not in _HANDED_OUT]
     random.shuffle(candidates)
     with contextlib.ExitStack() as stack:
         ports: list[int] = []
@@ -167,7 +174,10 @@ def free_ports(n: int) -> list[int]:
         while len(ports) < n:  # no quiet range here: the kernel's choice
             sock = stack.enter_context(socket.socket())
             sock.bind(("", 0))
-            ports.append(sock.getsockname()[1])
+            port = sock.getsockname()[1]
+            if port not in _HANDED_OUT:  # held open, so the kernel picks another next time
+                ports.append(port)
+        _HANDED_OUT.update(ports)
         return ports
 
 

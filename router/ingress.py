@@ -48,7 +48,7 @@ from pagefleet.router.worker_client.failover import StreamProgress
 from pagefleet.router.worker_client.worker_errors import WorkerHealth, engine_died, worker_failure
 from pagefleet.worker import tracing
 from pagefleet.worker.aio import merge_streams
-from pagefleet.worker.engine.engine_args import EngineArgs
+from pagefleet.worker.engine_args import EngineArgs
 from pagefleet.worker.model_executor.model_config import model_config_of
 from pagefleet.worker.outputs import RequestOutputDelta
 from pagefleet.worker.replica.wire import Placed, WorkerRequest

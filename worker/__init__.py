@@ -4,7 +4,7 @@ Runs without Ray at tensor_parallel_size 1; Ray appears only in the adapters
 (``deployment.py`` for Serve, ``tp_executor.py`` / ``tp_placement.py`` / ``tp_worker.py`` for TP ranks).
 """
 
-from pagefleet.worker.engine.engine_args import EngineArgs
+from pagefleet.worker.engine_args import EngineArgs
 from pagefleet.worker.outputs import CompletionOutput, RequestOutput, RequestOutputDelta
 from pagefleet.worker.sampling_params import SamplingParams, StructuredOutputsParams
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from pagefleet.worker.engine.engine_args import EngineArgs
+    from pagefleet.worker.engine_args import EngineArgs
     from pagefleet.worker.model_executor.model_config import ModelConfig
     from pagefleet.worker.sampling_params import SamplingParams
 

@@ -5,7 +5,7 @@ process: the ingress and each worker replica call it with the engine option of t
 vLLM's ``--otlp-traces-endpoint``. The ingress opens one span per engine request, continuing the
 client's trace when its HTTP request carries a W3C ``traceparent``; the span's context travels to
 the worker replica inside the ``WorkerRequest`` (``trace_headers``), where the replica's span is its
-child and the engine thread adds the request's engine events to it. ``benchmarks/hop_trace.py``
+child and the engine thread adds the request's engine events to it. ``benchmarks/probes/hop_trace.py``
 reads these spans to time each hop of the serving path.
 
 The protocol is the standard variable's: ``OTEL_EXPORTER_OTLP_TRACES_PROTOCOL`` ``http/protobuf``

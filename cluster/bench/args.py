@@ -1,5 +1,5 @@
 """The options of ``pagefleet bench``, named as ``vllm bench serve`` names them: each field is a
-flag (``pagefleet.worker.engine.options``), checked here once."""
+flag (``pagefleet.worker.options``), checked here once."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import os
 from dataclasses import dataclass
 
 from pagefleet.cluster.bench.metrics import parse_goodput
-from pagefleet.worker.engine.options import check_choices, option
+from pagefleet.worker.options import check_choices, option
 
 ENDPOINTS = {"/v1/completions": "openai", "/v1/chat/completions": "openai-chat"}  # vLLM's backend names
 DATASETS = ("random", "shared-prefix", "file")

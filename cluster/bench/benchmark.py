@@ -22,8 +22,8 @@ from pagefleet.cluster.bench.args import ENDPOINTS, BenchArgs
 from pagefleet.cluster.bench.client import BenchRequest, Endpoint, send
 from pagefleet.cluster.bench.metrics import RequestResult, compute_metrics
 from pagefleet.cluster.bench.report import RunConfig, format_report, result_dict
-from pagefleet.cluster.demo.model import demo_cache_root
-from pagefleet.worker.engine.options import add_cli_args, from_namespace
+from pagefleet.worker.options import add_cli_args, from_namespace
+from pagefleet.worker.simulated.checkpoint import demo_cache_root
 
 
 def register(sub) -> None:

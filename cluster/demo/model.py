@@ -15,19 +15,18 @@ import contextlib
 import dataclasses
 import logging
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
-from pagefleet.cluster.demo.tokenizer import IM_END_TOKEN, build_demo_tokenizer
 from pagefleet.worker.model_executor.model_config import DTYPES
+from pagefleet.worker.simulated.checkpoint import cached_checkpoint, demo_cache_root
+from pagefleet.worker.simulated.tokenizer import IM_END_TOKEN, build_demo_tokenizer
 
 if TYPE_CHECKING:
     import torch
 
-    from pagefleet.worker.engine.engine_args import EngineArgs
+    from pagefleet.worker.engine_args import EngineArgs
 
 logger = logging.getLogger(__name__)
 
@@ -233,37 +232,10 @@ def write_demo_checkpoint(
     return out
 
 
-def demo_cache_root() -> Path:
-    return Path(os.environ.get("PAGEFLEET_CACHE", Path.home() / ".cache" / "pagefleet")).expanduser()
-
-
 def default_demo_model_dir() -> Path:
     """The built-in demo checkpoint (tiny Llama, random weights), written on first use."""
     target = demo_cache_root() / f"demo-tiny-llama-v{DEMO_FORMAT_VERSION}"
     return cached_checkpoint(target, lambda out: write_demo_checkpoint(out, size="tiny", arch="llama"))
-
-
-def cached_checkpoint(target: Path, write: Callable[[Path], object]) -> Path:
-    """``target``, written by ``write(directory)`` unless it holds a config.json already.
-
-    Written to a temporary sibling and renamed into place, so concurrent processes (several
-    replicas starting at once) never see a half-written directory."""
-    if (target / "config.json").is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
-    try:
-        write(staging)
-        try:
-            os.rename(staging, target)
-        except OSError:
-            # Another process renamed its copy first; theirs is identical.
-            if not (target / "config.json").is_file():
-                raise
-    finally:
-        if staging.exists():
-            shutil.rmtree(staging, ignore_errors=True)
-    return target
 
 
 def or_demo_model(args: "EngineArgs") -> "EngineArgs":

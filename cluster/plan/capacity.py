@@ -1,9 +1,9 @@
-"""The arithmetic of ``pagefleet plan``: weights per GPU, the KV pool, concurrency, the decode
-roofline and cost. Pure functions over plain numbers (no torch, no I/O).
+"""The arithmetic of ``pagefleet plan``: the KV pool, concurrency, the decode roofline and cost.
+Pure functions over plain numbers (no torch, no I/O).
 
-The KV pool is sized by the engine's own functions (``pagefleet.worker.core.kv_cache_sizing``);
-on a GPU the engine's budget is memory x utilization minus the peak its profile run reached,
-and here that peak is estimated (see ``estimate_profile_peak``).
+One GPU's weights, KV budget and step roofline are the engine's own sizing
+(``worker/simulated/sizing.py``, which the simulated engine runs on); the pool is sized by the
+engine's ``worker/core/kv_cache_sizing.py``.
 """
 
 from __future__ import annotations
@@ -11,20 +11,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-from pagefleet.cluster.plan.presets import GPUSpec, ModelShape
-from pagefleet.cluster.plan.roofline import StepRoofline, decode_work, step_work
-from pagefleet.worker.core.kv_cache_sizing import (
-    DEFAULT_CPU_KV_CACHE_BYTES,
-    gpu_kv_budget,
-    kv_bytes_per_block,
-    kv_bytes_per_token,
-    kv_heads_per_rank,
-    size_kv_pool,
-)
+from pagefleet.worker.core.kv_cache_sizing import size_kv_pool
+from pagefleet.worker.simulated.presets import GPUSpec, ModelShape
+from pagefleet.worker.simulated.roofline import StepRoofline, decode_work, step_work
+from pagefleet.worker.simulated.sizing import ReplicaShape, num_params, size_gpu, step_roofline
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1}
 HOURS_PER_MONTH = 730  # 365 * 24 / 12
-PROFILE_BLOCK_SIZE = 16  # the engine's profile run builds its scratch cache in blocks of 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,15 +64,12 @@ class PlanInputs:
     lengths: Lengths
     cost: CostInputs | None = None
 
-
-@dataclass(frozen=True, slots=True)
-class RankShape:
-    """One tensor-parallel rank's share of the model, as the engine's layers cut it."""
-
-    heads: int
-    kv_heads: int  # replicated when the model has fewer KV heads than ranks
-    intermediate: int
-    vocab_rows: int  # vocab-parallel embedding / LM head rows, padded to a multiple of the ranks
+    @property
+    def replica(self) -> ReplicaShape:
+        """What sizes one GPU of a replica, as the engine sizes it."""
+        return ReplicaShape(self.model, self.gpu, self.tensor_parallel_size, self.dtype, self.kv_cache_dtype,
+                            self.gpu_memory_utilization, self.kv_cache_bytes, self.block_size,
+                            self.max_num_batched_tokens)
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,52 +124,6 @@ class Plan:
     cost: CostPlan | None = None
 
 
-def rank_shape(m: ModelShape, tp: int) -> RankShape:
-    kv = kv_heads_per_rank(m.num_heads, m.num_kv_heads, tp)
-    if m.intermediate_size % tp:
-        raise ValueError(f"intermediate_size {m.intermediate_size} does not split over tensor_parallel_size {tp}")
-    return RankShape(m.num_heads // tp, kv, m.intermediate_size // tp, -(-m.vocab_size // tp))
-
-
-def num_params(m: ModelShape) -> int:
-    """Parameters of the whole model (tied embeddings counted once)."""
-    return weight_elements_per_rank(m, 1)
-
-
-def weight_elements_per_rank(m: ModelShape, tp: int) -> int:
-    r = rank_shape(m, tp)
-    h, d = m.hidden_size, m.head_dim
-    qkv_out = (r.heads + 2 * r.kv_heads) * d
-    layer = (h * qkv_out + r.heads * d * h + 3 * h * r.intermediate + 2 * h
-             + (qkv_out if m.attention_bias else 0) + (2 * r.intermediate + h if m.mlp_bias else 0)
-             + (2 * d if m.qk_norm else 0))
-    embed = r.vocab_rows * h
-    return m.num_layers * layer + embed + (0 if m.tie_word_embeddings else embed) + h
-
-
-def matmul_params_per_rank(m: ModelShape, tp: int) -> int:
-    """Weights one decoded token multiplies on one rank (the LM head included, the embedding not)."""
-    r = rank_shape(m, tp)
-    h, d = m.hidden_size, m.head_dim
-    layer = h * (r.heads + 2 * r.kv_heads) * d + r.heads * d * h + 3 * h * r.intermediate
-    return m.num_layers * layer + r.vocab_rows * h
-
-
-def estimate_profile_peak(p: PlanInputs, weight_bytes: int, kv_per_token: int) -> int:
-    """The memory the engine's profile run peaks at on one GPU, estimated: the weights, the
-    rotary table ([max_position, head_dim] fp32), the largest layer activations of one
-    ``max_num_batched_tokens`` step (residual and normed hidden [T, hidden], gate|up
-    [T, 2 x intermediate/TP] and its activation [T, intermediate/TP]) and the scratch KV
-    cache that step writes. CUDA context and NCCL buffers are not counted, as the engine's
-    own measure (``torch.cuda.max_memory_allocated``) does not count them either."""
-    m, t = p.model, p.max_num_batched_tokens
-    r = rank_shape(m, p.tensor_parallel_size)
-    rotary = m.max_position_embeddings * m.head_dim * 4
-    activations = t * (2 * m.hidden_size + 3 * r.intermediate) * DTYPE_BYTES[p.dtype]
-    scratch_kv = -(-t // PROFILE_BLOCK_SIZE) * PROFILE_BLOCK_SIZE * kv_per_token
-    return weight_bytes + rotary + activations + scratch_kv
-
-
 def mean_blocks_per_request(lengths: Lengths, block_size: int) -> float:
     """E[ceil((prompt + output) / block_size)] with prompt and output independent and uniform:
     a request's blocks when it has all its tokens."""
@@ -193,15 +136,6 @@ def mean_blocks_per_request(lengths: Lengths, block_size: int) -> float:
 
     total = sum(blocks_up_to(prompt + ohi) - blocks_up_to(prompt + olo - 1) for prompt in range(plo, phi + 1))
     return total / ((phi - plo + 1) * (ohi - olo + 1))
-
-
-def step_roofline(p: PlanInputs, decode_weight_bytes: int, kv_per_token: int) -> StepRoofline:
-    """One GPU of a replica of ``p``, as a step's time sees it (``p.gpu`` must be set)."""
-    m, gpu = p.model, p.gpu
-    r = rank_shape(m, p.tensor_parallel_size)
-    peak_flops = gpu.flops / (2 if p.dtype == "float32" else 1)  # fp32 weights: TF32 at half rate
-    return StepRoofline(decode_weight_bytes, matmul_params_per_rank(m, p.tensor_parallel_size), kv_per_token,
-                        4 * r.heads * m.head_dim * m.num_layers, gpu.bandwidth, peak_flops)
 
 
 def decode_step(roof: StepRoofline, batch: int, context: float, replicas: int) -> DecodeStep:
@@ -220,27 +154,8 @@ def make_plan(p: PlanInputs) -> Plan:
     if p.max_model_len > m.max_position_embeddings:
         raise ValueError(f"max_model_len {p.max_model_len} exceeds {m.name}'s limit of "
                          f"{m.max_position_embeddings} tokens")
-    r = rank_shape(m, tp)
-    weight_bytes = weight_elements_per_rank(m, tp) * DTYPE_BYTES[p.dtype]
-    embed_bytes = 0 if m.tie_word_embeddings else r.vocab_rows * m.hidden_size * DTYPE_BYTES[p.dtype]
-    kv_elem = DTYPE_BYTES[p.kv_cache_dtype]
-    kv_token = kv_bytes_per_token(m.num_layers, r.kv_heads, m.head_dim, kv_elem)
-    per_block = kv_bytes_per_block(m.num_layers, r.kv_heads, m.head_dim, kv_elem, p.block_size)
-
-    # The engine's budget rule (ModelRunner.available_kv_bytes), with the GPU's peak estimated.
-    peak = None
-    if p.kv_cache_bytes is not None:
-        budget, source = p.kv_cache_bytes, "kv_cache_bytes"
-    elif p.gpu is None:
-        budget, source = DEFAULT_CPU_KV_CACHE_BYTES, "CPU default"
-    else:
-        if weight_bytes > p.gpu.memory_bytes * p.gpu_memory_utilization:
-            raise ValueError(f"{m.name} needs {weight_bytes / 2**30:.1f} GiB of weights per GPU at "
-                             f"tensor_parallel_size {tp}, more than {p.gpu_memory_utilization:g} of a "
-                             f"{p.gpu.name}; raise tensor_parallel_size")
-        peak = estimate_profile_peak(p, weight_bytes, kv_token)
-        budget, source = gpu_kv_budget(p.gpu.memory_bytes, p.gpu_memory_utilization, peak), "gpu_memory_utilization"
-    pool = size_kv_pool(budget, per_block, p.block_size, p.max_model_len)
+    gpu = size_gpu(p.replica)
+    pool = size_kv_pool(gpu.kv_budget_bytes, gpu.kv_bytes_per_block, p.block_size, p.max_model_len)
 
     lengths = p.lengths
     longest = lengths.bounds(lengths.input_len)[1] + lengths.bounds(lengths.output_len)[1]
@@ -251,12 +166,13 @@ def make_plan(p: PlanInputs) -> Plan:
     contiguous = pool.num_tokens // p.max_model_len
     replicas = p.num_gpus // tp
 
-    plan = Plan(p, replicas, num_params(m), weight_bytes, weight_bytes - embed_bytes, kv_token, kv_token * tp,
-                source, peak, budget, pool.num_blocks, pool.num_tokens, pool.num_bytes,
-                pool.max_concurrency(p.max_model_len), mean_blocks, paged, contiguous, paged / contiguous)
+    kv_token = gpu.kv_bytes_per_token
+    plan = Plan(p, replicas, num_params(m), gpu.weight_bytes, gpu.decode_weight_bytes, kv_token, kv_token * tp,
+                gpu.kv_budget_source, gpu.peak_estimate_bytes, gpu.kv_budget_bytes, pool.num_blocks,
+                pool.num_tokens, pool.num_bytes, pool.max_concurrency(p.max_model_len), mean_blocks, paged, contiguous, paged / contiguous)
     if p.gpu is None:
         return plan
-    roof = step_roofline(p, plan.decode_weight_bytes_per_gpu, kv_token)
+    roof = step_roofline(p.replica, gpu)
     steps, compute_from = _roofline(p, plan, roof, min(paged, p.max_num_seqs))
     cost = _cost(p, plan, roof) if p.cost is not None else None
     return replace(plan, decode=steps, compute_bound_from_batch=compute_from, cost=cost)

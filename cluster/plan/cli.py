@@ -11,9 +11,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from pagefleet.cluster.plan.capacity import CostInputs, Lengths, Plan, PlanInputs, make_plan
-from pagefleet.cluster.plan.presets import GPUS, MODELS, GPUSpec, ModelShape, find_gpu, find_model
-from pagefleet.worker.engine.engine_args import DEFAULT_GPU_MEMORY_UTILIZATION, EngineArgs
-from pagefleet.worker.engine.options import add_cli_args, check_choices, from_namespace, option, parse_bytes
+from pagefleet.worker.engine_args import DEFAULT_GPU_MEMORY_UTILIZATION, EngineArgs
+from pagefleet.worker.options import add_cli_args, check_choices, from_namespace, option, parse_bytes
+from pagefleet.worker.simulated.presets import GPUS, MODELS, GPUSpec, ModelShape, find_gpu, find_model
+from pagefleet.worker.simulated.sizing import model_shape_of
 
 # The engine's own options: the same flags, defaults and checks as `pagefleet serve`.
 ENGINE_OPTIONS = ("dtype", "tensor_parallel_size", "gpu_memory_utilization", "kv_cache_bytes", "max_model_len",
@@ -129,10 +130,7 @@ def _model(name: str, max_model_len: int | None) -> tuple[ModelShape, str, int]:
     from pagefleet.worker.model_executor.model_config import load_model_config  # torch comes with it
 
     cfg = load_model_config(name, max_model_len=max_model_len)
-    shape = ModelShape(cfg.served_model_name, cfg.vocab_size, cfg.hidden_size, cfg.intermediate_size, cfg.num_layers,
-                       cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.max_position_embeddings,
-                       cfg.tie_word_embeddings, cfg.attention_bias, cfg.mlp_bias, cfg.qk_norm,
-                       str(cfg.dtype).removeprefix("torch."))
+    shape = model_shape_of(cfg)
     return shape, shape.dtype, cfg.max_model_len
 
 

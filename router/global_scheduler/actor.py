@@ -50,8 +50,13 @@ class WorkerKVView:
 
 
 class GlobalSchedulerActor:
+    """The cluster's view of every worker's KV blocks and load, and the feed its copies follow.
+    It routes nothing: each ingress ranks the workers on its own copy (``kv_mirror``), with its
+    app's cost weight, so the core's ranking options are unused here and its decision and
+    prediction counters stay 0; its view counters (batches, gaps, snapshots, drops) count."""
+
     def __init__(self) -> None:
-        self.core = GlobalScheduler()  # never ranks: each ingress's copy does, with its app's cost weight
+        self.core = GlobalScheduler()
         self.started_at = time.time()
         self.feed = ViewFeed(epoch=uuid.uuid4().hex)
         self._news = asyncio.Event()  # set (and replaced) whenever the feed grows
@@ -88,6 +93,7 @@ class GlobalSchedulerActor:
         return worker_kv_view(self.core, worker_id)
 
     async def counters(self) -> SchedulerCounters:
+        """The view's counters (the decision and prediction ones count in each ingress's copy)."""
         return self.core.counters
 
     async def start_time(self) -> float:

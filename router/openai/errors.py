@@ -4,7 +4,7 @@ Status codes: 400 for bad values, bad types and prompts that do not fit
 ``max_model_len``; 401 without the API key; 404 for an unknown model or route;
 413 for a body over the size limit; 415 for a body that is not JSON; 422 for
 well-formed requests that use a feature pagefleet does not implement (``echo``,
-``suffix``, tools, images); 429 when admission control turns a request away
+``suffix``, ``logit_bias``, images); 429 when admission control turns a request away
 (no worker has room and the admission queue is full, or the wait ran out) and
 503 when no worker can take the request (draining, a worker that died), both
 with ``Retry-After``; 500 for a bug, whose message never carries the

@@ -1,4 +1,4 @@
-"""`benchmarks/gpu_fp8_probe.py --dry-run`: the FP8 probe's code runs on CPU and prints what it promises."""
+"""`benchmarks/probes/gpu_fp8_probe.py --dry-run`: the FP8 probe's code runs on CPU and prints what it promises."""
 
 import json
 import subprocess
@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_fp8_probe_dry_run_prints_the_sweep_and_the_cosines():
-    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_fp8_probe.py"), "--dry-run"], cwd=ROOT,
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "probes" / "gpu_fp8_probe.py"), "--dry-run"], cwd=ROOT,
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     lines = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]

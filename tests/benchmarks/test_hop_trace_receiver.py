@@ -1,4 +1,4 @@
-"""benchmarks/hop_trace.py's OTLP receiver: spans a real OTLP/HTTP exporter sends become hops."""
+"""benchmarks/probes/hop_trace.py's OTLP receiver: spans a real OTLP/HTTP exporter sends become hops."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExport
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "probes"))
 from hop_trace import SPAN_HOPS, SpanReceiver  # noqa: E402
 
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from pagefleet.cluster.plan.roofline import StepRoofline, step_work
+from pagefleet.worker.simulated.roofline import StepRoofline, step_work
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from _routing_sim import (

@@ -1,11 +1,10 @@
-"""benchmarks/serving.py's and overhead_parts.py's figures over rounds: each round's ratios come from that round's runs
+"""benchmarks/serving.py's figures over rounds: each round's ratios come from that round's runs
 only, and the summary gives every round's value and their median."""
 
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from overhead_parts import medians, parts  # noqa: E402
 from serving import median_overhead, overhead  # noqa: E402
 
 
@@ -71,33 +70,3 @@ def test_the_engine_alone_keeps_a_users_wait_policy():
     assert "GOMP_SPINCOUNT" not in alone_env({"OMP_WAIT_POLICY": "ACTIVE"})
     assert alone_env({"GOMP_SPINCOUNT": "7"})["GOMP_SPINCOUNT"] == "7"
     assert alone_env({})["OMP_WAIT_POLICY"] == "PASSIVE"
-
-
-def test_the_overhead_parts_are_each_step_over_the_one_before_and_add_up_to_the_whole():
-    bare, idle = {"total": 61.5, "other": 40.0}, {"total": 120.0, "other": 45.0}
-    round_ = {"engine-alone": {16: _line(400.0, 900.0, 30.0)},
-              "engine-as-served": {16: _line(420.0, 880.0, 29.0)},
-              "engine-beside-idle-ray-serve": {16: {**_line(399.0, 920.0, 30.5), "idle_server_cpu_ms_per_s": bare}},
-              "engine-beside-idle-serve": {16: {**_line(378.0, 950.0, 31.5), "idle_server_cpu_ms_per_s": idle}},
-              "pagefleet-serve": {16: _line(340.2, 1000.0, 33.0)}}
-    line = parts(16, round_)
-    assert line == {"summary": "overhead_parts", "concurrency": 16,
-                    "ttft_p50_added_ms": {"setup": -20.0, "ray_serve_idle": 40.0, "pagefleet_idle": 30.0,
-                                          "request_path": 50.0, "total": 100.0},
-                    "tpot_added_ms": {"setup": -1.0, "ray_serve_idle": 1.5, "pagefleet_idle": 1.0, "request_path": 1.5,
-                                      "total": 3.0},
-                    "tok_s_ratio": {"setup": 1.05, "ray_serve_idle": 0.95, "pagefleet_idle": 0.947, "request_path": 0.9,
-                                    "total": 0.85},
-                    "idle_server_cpu_ms_per_s": {"engine-beside-idle-ray-serve": 61.5,
-                                                 "engine-beside-idle-serve": 120.0}}
-    other = {**line, "tok_s_ratio": {**line["tok_s_ratio"], "pagefleet_idle": 0.8, "total": 0.76},
-             "idle_server_cpu_ms_per_s": {"engine-beside-idle-ray-serve": 70.0, "engine-beside-idle-serve": 110.0}}
-    third = {**line, "tok_s_ratio": {**line["tok_s_ratio"], "pagefleet_idle": 0.85, "total": 0.766},
-             "idle_server_cpu_ms_per_s": {"engine-beside-idle-ray-serve": 58.0, "engine-beside-idle-serve": 131.0}}
-    summary = medians(16, [line, other, third])
-    assert summary["rounds"] == 3
-    assert summary["tok_s_ratio"]["pagefleet_idle"] == {"median": 0.85, "rounds": [0.947, 0.8, 0.85]}
-    assert summary["tok_s_ratio"]["total"] == {"median": 0.766, "rounds": [0.85, 0.76, 0.766]}
-    assert summary["idle_server_cpu_ms_per_s"]["engine-beside-idle-ray-serve"] == {"median": 61.5,
-                                                                                   "rounds": [61.5, 70.0, 58.0]}
-    assert summary["ttft_p50_added_ms"]["request_path"] == {"median": 50.0, "rounds": [50.0, 50.0, 50.0]}

@@ -10,8 +10,8 @@ from safetensors import safe_open
 from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from pagefleet.cluster.demo import tokenizer as demo_tokenizer
 from pagefleet.cluster.demo.model import default_demo_model_dir, write_demo_checkpoint
+from pagefleet.worker.simulated import tokenizer as demo_tokenizer
 
 ARCHS = ["llama", "qwen2", "qwen3", "mistral"]
 MODEL_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",

@@ -10,9 +10,9 @@ import pytest
 
 from pagefleet.cluster.cli import main
 from pagefleet.cluster.plan.capacity import CostInputs, Lengths, PlanInputs, make_plan, mean_blocks_per_request
-from pagefleet.cluster.plan.presets import GPUS, MODELS, find_model
-from pagefleet.cluster.plan.roofline import StepCost, StepRoofline, StepWork, decode_work, step_work
 from pagefleet.worker.core.kv_cache_sizing import kv_heads_per_rank, size_kv_pool
+from pagefleet.worker.simulated.presets import GPUS, MODELS, find_model
+from pagefleet.worker.simulated.roofline import StepCost, StepRoofline, StepWork, decode_work, step_work
 
 GiB = 2**30
 

@@ -11,13 +11,13 @@ import pytest
 import torch
 
 from pagefleet.cluster.cli import main
-from pagefleet.cluster.plan.capacity import weight_elements_per_rank
-from pagefleet.cluster.plan.presets import find_model
 from pagefleet.kernels.ops import select_kernels
 from pagefleet.worker import LLM
 from pagefleet.worker.model_executor.model import LlamaForCausalLM
 from pagefleet.worker.model_executor.model_config import ModelConfig
 from pagefleet.worker.parallel.tp_group import TPGroup
+from pagefleet.worker.simulated.presets import find_model
+from pagefleet.worker.simulated.sizing import weight_elements_per_rank
 
 
 def plan_json(capsys, *args: str) -> dict:

@@ -102,6 +102,27 @@ def test_free_ports_are_outside_the_range_ray_gets_its_ports_from(monkeypatch):
             s.bind(("", port))
 
 
+def test_free_ports_never_hands_out_a_port_twice_in_one_process(monkeypatch):
+    """A fresh clone's two-node test errored at set-up: `ray start` got one port for two of its
+    components, from two calls of one port each made before either was bound."""
+    monkeypatch.setattr(serve_env, "_HANDED_OUT", set())
+    ports = [p for _ in range(400) for p in serve_env.free_ports(1)] + serve_env.free_ports(100)
+    assert len(ports) == 500 and len(set(ports)) == 500
+    assert serve_env._HANDED_OUT == set(ports)
+
+
+def test_free_ports_past_a_used_up_quiet_range_takes_the_kernels_choice_once_each(monkeypatch):
+    monkeypatch.setattr(serve_env, "_HANDED_OUT", set())
+    # A quiet range of three ports: once they are handed out, the kernel's choice, still never twice.
+    low = serve_env.QUIET_PORTS_START + 3
+    monkeypatch.setattr(serve_env, "ephemeral_port_range", lambda: (low, 65535))
+    ports = [p for _ in range(40) for p in serve_env.free_ports(1)]
+    assert len(set(ports)) == 40
+    quiet = [p for p in ports if p < low]
+    assert len(quiet) <= 3 and ports[:len(quiet)] == quiet  # the quiet range first, while it lasts
+    assert all(p >= low for p in ports[len(quiet):])
+
+
 def test_raylet_env_sets_for_the_block_and_keeps_what_the_user_set(monkeypatch):
     monkeypatch.setenv("RAY_SERVE_ENABLE_HA_PROXY", "0")  # the user's choice wins
     monkeypatch.delenv("RAY_SERVE_THROUGHPUT_OPTIMIZED", raising=False)

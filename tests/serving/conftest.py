@@ -37,7 +37,8 @@ def client(service):
 
 
 def free_port() -> int:
-    """A port for the tests' servers: outside the range Ray's processes get theirs from."""
+    """A port for the tests' servers: outside the range Ray's processes get theirs from, and never
+    one handed out before in this run (``free_ports`` remembers them)."""
     from pagefleet.cluster.serve_env import free_ports
 
     return free_ports(1)[0]

@@ -35,8 +35,8 @@ COMPLETIONS = 24  # traffic runs until this many completed
 def server(ray_cluster, serve_http_port, tmp_path_factory):
     from ray import serve
 
-    from pagefleet.cluster.demo.simulated import simulated_checkpoint
     from pagefleet.router.global_scheduler.actor import stop_scheduler
+    from pagefleet.worker.simulated.checkpoint import simulated_checkpoint
 
     from cluster_app import APP
 

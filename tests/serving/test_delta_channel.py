@@ -21,7 +21,7 @@ from pagefleet.router.worker_client.delta_mux import (
     _FrameReader,
     read_deltas,
 )
-from pagefleet.worker.engine.engine_args import EngineArgs
+from pagefleet.worker.engine_args import EngineArgs
 from pagefleet.worker.replica.delta_channel import TOKEN_BYTES, DeltaChannel
 from pagefleet.worker.replica.deployment import WorkerReplica
 from pagefleet.worker.replica.wire import (

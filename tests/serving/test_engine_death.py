@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from pagefleet.worker.engine.engine_args import EngineArgs
+from pagefleet.worker.engine_args import EngineArgs
 from pagefleet.worker.errors import EngineDeadError
 from pagefleet.worker.replica.deployment import WorkerReplica
 from pagefleet.worker.replica.wire import WorkerRequest

@@ -16,7 +16,7 @@ from pagefleet.router.ingress import MAX_ENGINE_DEATHS, MAX_FAILOVERS, HandleWor
 from pagefleet.router.openai.errors import OpenAIError
 from pagefleet.router.openai.service import Job
 from pagefleet.worker.core.resume import ResumeState
-from pagefleet.worker.engine.engine_args import EngineArgs
+from pagefleet.worker.engine_args import EngineArgs
 from pagefleet.worker.errors import EngineDeadError
 from pagefleet.worker.outputs import CompletionOutput, RequestOutputDelta
 from pagefleet.worker.replica.deployment import WorkerReplica

@@ -152,7 +152,7 @@ def test_prompt_text_is_bounded_before_tokenizing(service, fake, monkeypatch):
 
 def test_the_default_prompt_bound_never_refuses_a_prompt_that_fits(tokenizer_dir):
     from pagefleet.router.ingress import load_model_info
-    from pagefleet.worker.engine.engine_args import EngineArgs
+    from pagefleet.worker.engine_args import EngineArgs
 
     tokenizer, info = load_model_info(EngineArgs(model=str(tokenizer_dir), max_model_len=128))
     longest = max(tokenizer.get_vocab(), key=len)

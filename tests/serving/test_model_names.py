@@ -12,7 +12,7 @@ from fastapi.testclient import TestClient
 from pagefleet.router.ingress import load_model_info
 from pagefleet.router.openai.app import build_openai_app
 from pagefleet.router.openai.service import OpenAIService
-from pagefleet.worker.engine.engine_args import EngineArgs
+from pagefleet.worker.engine_args import EngineArgs
 from pagefleet.worker.model_executor.model_config import load_model_config
 
 from serving_fakes import MAX_MODEL_LEN

@@ -13,7 +13,7 @@ from fastapi.testclient import TestClient
 from pagefleet.router.ingress import load_model_info
 from pagefleet.router.openai.app import build_openai_app
 from pagefleet.router.openai.service import OpenAIService
-from pagefleet.worker.engine.engine_args import EngineArgs
+from pagefleet.worker.engine_args import EngineArgs
 from pagefleet.worker.sampling_params import SamplingParams
 
 from serving_fakes import FakeWorkerClient
@@ -83,7 +83,7 @@ from fastapi.testclient import TestClient
 from pagefleet.router.ingress import load_model_info, OpenAIIngress
 from pagefleet.router.openai.app import build_openai_app
 from pagefleet.router.openai.service import OpenAIService
-from pagefleet.worker.engine.engine_args import EngineArgs
+from pagefleet.worker.engine_args import EngineArgs
 args = EngineArgs(model={args.model!r}, max_model_len={MAX_MODEL_LEN})
 tokenizer, info = load_model_info(args)
 app = build_openai_app(OpenAIService(tokenizer=tokenizer, info=info, client=None))

@@ -12,7 +12,7 @@ from pagefleet.router.openai.service import Job
 from pagefleet.router.routing import request_router
 from pagefleet.router.worker_client.delta_mux import ChannelLost, ChannelMux, ReplicaBusy, read_deltas
 from pagefleet.router.worker_client.worker_errors import worker_failure
-from pagefleet.worker.engine.engine_args import EngineArgs
+from pagefleet.worker.engine_args import EngineArgs
 from pagefleet.worker.replica import delta_channel
 from pagefleet.worker.replica.deployment import WorkerReplica
 from pagefleet.worker.replica.wire import ChannelOpen, Ended, Placed, WorkerRequest, encode_batch

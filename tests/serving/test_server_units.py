@@ -10,9 +10,9 @@ from pagefleet.cluster.app import build_app
 from pagefleet.cluster.config import ServeOptions
 from pagefleet.worker.core.block_hash import block_hashes, extra_keys_digest, pack_hashes
 from pagefleet.worker.core.resume import ResumeState
-from pagefleet.worker.engine.engine_args import EngineArgs
-from pagefleet.worker.engine.options import parse_bytes
+from pagefleet.worker.engine_args import EngineArgs
 from pagefleet.worker.metrics.stats import EngineStats, ReplicaStats
+from pagefleet.worker.options import parse_bytes
 from pagefleet.worker.outputs import CompletionOutput, RequestOutputDelta
 from pagefleet.worker.replica.deployment import WorkerReplica, worker_deployment_options
 from pagefleet.worker.replica.wire import WorkerRequest

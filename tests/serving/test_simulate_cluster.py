@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from pagefleet.cluster.plan.presets import GPUS
+from pagefleet.worker.simulated.presets import GPUS
 
 from cluster_app import assert_views_equal_pools, start_app, traffic, wait_idle
 
@@ -28,8 +28,8 @@ MIN_STEP_S = (2 * 8_030_261_248 - 2 * 128256 * 4096) / GPUS["h200"].bandwidth
 def server(ray_cluster, serve_http_port, tmp_path_factory):
     from ray import serve
 
-    from pagefleet.cluster.demo.simulated import simulated_checkpoint
     from pagefleet.router.global_scheduler.actor import stop_scheduler
+    from pagefleet.worker.simulated.checkpoint import simulated_checkpoint
 
     from cluster_app import APP
 

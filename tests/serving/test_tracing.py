@@ -7,7 +7,7 @@ import asyncio
 from pagefleet.router.ingress import HandleWorkerClient
 from pagefleet.router.openai.service import Job
 from pagefleet.worker import tracing
-from pagefleet.worker.engine.engine_args import EngineArgs
+from pagefleet.worker.engine_args import EngineArgs
 from pagefleet.worker.replica.deployment import WorkerReplica
 from pagefleet.worker.sampling_params import SamplingParams
 

@@ -8,7 +8,7 @@ import asyncio
 
 from pagefleet.router.ingress import HandleWorkerClient
 from pagefleet.router.openai.service import Job
-from pagefleet.worker.engine.engine_args import EngineArgs
+from pagefleet.worker.engine_args import EngineArgs
 from pagefleet.worker.replica.deployment import WorkerReplica
 from pagefleet.worker.replica.wire import ChannelOpen, decode_batch
 from pagefleet.worker.sampling_params import SamplingParams

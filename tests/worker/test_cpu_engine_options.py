@@ -7,7 +7,7 @@ import torch
 
 from pagefleet.worker import LLM
 from pagefleet.worker.cpu.threads import available_cores, compute_thread_env, cpu_compute_threads
-from pagefleet.worker.engine.engine_args import EngineArgs
+from pagefleet.worker.engine_args import EngineArgs
 
 
 def test_compute_threads_take_every_core_shared_among_ranks_unless_asked():

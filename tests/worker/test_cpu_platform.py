@@ -16,7 +16,7 @@ from pagefleet.kernels.cpu.decode_attention import decode_kernel, plan_decode
 from pagefleet.worker import LLM
 from pagefleet.worker.cpu import platform as cpu_platform
 from pagefleet.worker.cpu.platform import CpuPlatform
-from pagefleet.worker.engine.engine_args import EngineArgs
+from pagefleet.worker.engine_args import EngineArgs
 from pagefleet.worker.model_executor.model_runner import StepInput
 from pagefleet.worker.model_executor.platform import CudaPlatform, platform_for
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -98,6 +99,11 @@ def test_steps_while_the_sink_is_not_ready_go_out_as_one_batch_when_it_is(args):
         try:
             async for _ in engine.generate("a", PROMPT + PROMPT, SamplingParams(max_tokens=6, ignore_eos=True)):
                 ready[0] = False  # (no step drains: only the idle engine's publish, below)
+            # The engine thread hands a's last delta on before it finds itself idle and publishes:
+            # wait for that publish, still not ready.
+            deadline = time.monotonic() + 10
+            while not batches and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
             steps_batches = list(batches)
             ready[0] = True
             async for _ in engine.generate("b", PROMPT, SamplingParams(max_tokens=3, ignore_eos=True)):

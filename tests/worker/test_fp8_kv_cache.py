@@ -14,8 +14,8 @@ import torch
 from pagefleet.cluster.plan.capacity import make_plan
 from pagefleet.cluster.plan.cli import PlanArgs, plan_inputs
 from pagefleet.worker import LLM, SamplingParams
-from pagefleet.worker.engine.engine_args import EngineArgs
 from pagefleet.worker.engine.llm_engine import LLMEngine
+from pagefleet.worker.engine_args import EngineArgs
 from pagefleet.worker.model_executor.model_config import load_model_config
 from pagefleet.worker.model_executor.model_runner import StepInput
 

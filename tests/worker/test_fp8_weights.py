@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 from pagefleet.kernels import reference
 from pagefleet.worker import LLM, SamplingParams
 from pagefleet.worker.cpu.linear import onednn_available
-from pagefleet.worker.engine.engine_args import EngineArgs
+from pagefleet.worker.engine_args import EngineArgs
 from pagefleet.worker.model_executor.compressed_tensors import checkpoint_quantization
 from pagefleet.worker.model_executor.fp8 import (
     FP8_DTYPE,

@@ -63,7 +63,7 @@ def test_rounds_that_sample_on_the_host_run_step_by_step(tiny_checkpoint):
 
 
 def test_num_scheduler_steps_must_be_positive():
-    from pagefleet.worker.engine.engine_args import EngineArgs
+    from pagefleet.worker.engine_args import EngineArgs
 
     with pytest.raises(ValueError, match="num_scheduler_steps must be an integer >= 1"):
         EngineArgs(num_scheduler_steps=0)

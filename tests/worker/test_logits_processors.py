@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from pagefleet.worker import LLM, SamplingParams
-from pagefleet.worker.model_executor.logits_processors import bad_words_token_ids, banned_by_bad_words
 from pagefleet.worker.request_check import InvalidRequest
+from pagefleet.worker.sample.logits_processors import bad_words_token_ids, banned_by_bad_words
 
 from hf_reference import hf_model
 

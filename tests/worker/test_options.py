@@ -12,8 +12,8 @@ import yaml
 from pagefleet.cluster.cli import _parser, options_from_args
 from pagefleet.cluster.config import ServeArgs, ServeOptions
 from pagefleet.worker.engine import llm as llm_module
-from pagefleet.worker.engine.engine_args import CPU_MAX_NUM_SEQS, CUDA_MAX_NUM_SEQS, EngineArgs, default_max_num_seqs
-from pagefleet.worker.engine.options import default_of, flag_name, option_fields
+from pagefleet.worker.engine_args import CPU_MAX_NUM_SEQS, CUDA_MAX_NUM_SEQS, EngineArgs, default_max_num_seqs
+from pagefleet.worker.options import default_of, flag_name, option_fields
 
 SERVE_YAML = Path(__file__).resolve().parents[2] / "deploy" / "serve.yaml"
 

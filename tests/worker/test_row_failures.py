@@ -12,7 +12,7 @@ import torch
 import xgrammar as xgr
 
 from pagefleet.worker import LLM, SamplingParams, StructuredOutputsParams
-from pagefleet.worker.model_executor.sampler import in_vocabulary
+from pagefleet.worker.sample.sampler import in_vocabulary
 
 # (async output processing, async scheduling)
 MODES = [(False, False), (True, False), (True, True)]

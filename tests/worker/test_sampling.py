@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from pagefleet.worker import LLM, SamplingParams
-from pagefleet.worker.model_executor.sampler import Sampler, mask_to_support
-from pagefleet.worker.model_executor.seeding import draw_key, splitmix64
+from pagefleet.worker.sample.sampler import Sampler, mask_to_support
+from pagefleet.worker.sample.seeding import draw_key, splitmix64
 
 
 @pytest.fixture(scope="module")
@@ -168,7 +168,7 @@ def test_min_tokens_max_tokens_stop_token_ids(llm):
 
 def test_repetition_penalty_changes_only_seen_tokens():
     from pagefleet.worker.core.sequence import Sequence
-    from pagefleet.worker.model_executor.sampler import apply_penalties
+    from pagefleet.worker.sample.sampler import apply_penalties
 
     seq = Sequence(0, "r", 0, [1, 2], SamplingParams(repetition_penalty=2.0, presence_penalty=0.5,
                                                      frequency_penalty=0.25))
@@ -193,7 +193,7 @@ def _penalized_from_scratch(logits: torch.Tensor, seq, rep: float, presence: flo
 
 def test_penalties_kept_step_by_step_equal_the_whole_context_and_count_each_token_once():
     from pagefleet.worker.core.sequence import Sequence
-    from pagefleet.worker.model_executor.sampler import apply_penalties
+    from pagefleet.worker.sample.sampler import apply_penalties
 
     gen = torch.Generator().manual_seed(0)
     params = SamplingParams(repetition_penalty=1.7, presence_penalty=0.3, frequency_penalty=0.2)

@@ -12,7 +12,6 @@ import time
 import pytest
 
 from pagefleet.cluster.plan.capacity import Lengths, PlanInputs, make_plan
-from pagefleet.cluster.plan.presets import GPUS, find_model
 from pagefleet.router.global_scheduler.core import GlobalScheduler
 from pagefleet.router.global_scheduler.kv_index import routing_keys
 from pagefleet.worker import AsyncLLMEngine, EngineArgs, SamplingParams, StructuredOutputsParams
@@ -20,8 +19,9 @@ from pagefleet.worker.core.block_hash import pack_hashes
 from pagefleet.worker.engine.llm import LLM
 from pagefleet.worker.engine.llm_engine import LLMEngine
 from pagefleet.worker.model_executor.model_runner import StepInput
-from pagefleet.worker.model_executor.seeding import draw_key
 from pagefleet.worker.model_executor.simulated_runner import SimulatedModelRunner
+from pagefleet.worker.sample.seeding import draw_key
+from pagefleet.worker.simulated.presets import GPUS, find_model
 
 # Llama-3-8B's published shape, as tests/cluster/test_plan.py counts it.
 WEIGHTS = 2 * 8_030_261_248 - 2 * 128256 * 4096  # bf16, all but the embedding table

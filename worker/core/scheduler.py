@@ -11,7 +11,7 @@ from pagefleet.worker.core.kv_cache_manager import KVCacheManager
 from pagefleet.worker.core.sequence import Sequence, SequenceStatus
 
 if TYPE_CHECKING:
-    from pagefleet.worker.model_executor.sampler import SamplerOutput
+    from pagefleet.worker.sample.sampler import SamplerOutput
 
 
 @dataclass(slots=True)

@@ -24,7 +24,7 @@ from pagefleet.worker.cpu.malloc import keep_freed_memory
 from pagefleet.worker.cpu.threads import available_cores, cpu_compute_threads, prepare_engine_thread
 
 if TYPE_CHECKING:
-    from pagefleet.worker.engine.engine_args import EngineArgs
+    from pagefleet.worker.engine_args import EngineArgs
 
 # The model runner's logger: these start-up lines are part of building the model runner.
 logger = logging.getLogger("pagefleet.worker.model_executor.model_runner")

@@ -94,7 +94,7 @@ def prepare_engine_thread(compute_threads: int | None) -> dict[int, int]:
     each of a step's hundreds of regions ends with its threads asleep on a futex and begins with
     waking them. An engine built on another thread (loading and packing the weights are parallel
     regions: that thread's pool) and stepped on this one would have two pools
-    (``benchmarks/engine_thread_pools.py`` measures both; figures in docs/cpu_engine.md)."""
+    (figures in docs/cpu_engine.md)."""
     import torch
 
     if compute_threads is not None:

@@ -15,7 +15,6 @@ from typing import AsyncIterator, Callable
 from pagefleet.worker import tracing
 from pagefleet.worker.core.kv_events import KVEventBatch, KVSnapshot
 from pagefleet.worker.core.resume import ResumeState
-from pagefleet.worker.engine.engine_args import EngineArgs
 from pagefleet.worker.engine.handoff import (
     AbortRequest,
     AddRequest,
@@ -28,6 +27,7 @@ from pagefleet.worker.engine.handoff import (
 )
 from pagefleet.worker.engine.llm_engine import LLMEngine, resolve_device
 from pagefleet.worker.engine.resumed import resumed_start
+from pagefleet.worker.engine_args import EngineArgs
 from pagefleet.worker.errors import EngineDeadError
 from pagefleet.worker.metrics.engine_metrics import EngineMetrics, MetricsRecorder
 from pagefleet.worker.metrics.stats import EngineStats

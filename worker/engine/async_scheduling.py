@@ -29,7 +29,7 @@ from pagefleet.worker.model_executor.model_runner import StepInput, build_step_i
 
 if TYPE_CHECKING:
     from pagefleet.worker.engine.llm_engine import LLMEngine
-    from pagefleet.worker.model_executor.sampler import Drawn
+    from pagefleet.worker.sample.sampler import Drawn
 
 
 def launch_next(engine: LLMEngine, out: SchedulerOutput, drawn: Drawn) -> tuple[SchedulerOutput, object] | None:

@@ -12,8 +12,8 @@ import time
 from typing import TYPE_CHECKING
 
 from pagefleet.worker.core.sequence import Sequence
-from pagefleet.worker.model_executor.logits_processors import wants_processing
 from pagefleet.worker.model_executor.model_runner import build_step_input
+from pagefleet.worker.sample.logits_processors import wants_processing
 
 if TYPE_CHECKING:
     from pagefleet.worker.core.scheduler import SchedulerOutput

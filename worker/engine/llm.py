@@ -5,8 +5,8 @@ from __future__ import annotations
 from itertools import count
 from typing import Any, Sequence as Seq
 
-from pagefleet.worker.engine.engine_args import EngineArgs
 from pagefleet.worker.engine.llm_engine import LLMEngine
+from pagefleet.worker.engine_args import EngineArgs
 from pagefleet.worker.errors import CompileQueueFull
 from pagefleet.worker.outputs import CompletionOutput, RequestOutput, append_output
 from pagefleet.worker.sampling_params import SamplingParams

@@ -21,17 +21,17 @@ from pagefleet.worker.core.sequence import Sequence, finish_reason
 from pagefleet.worker.core.worker_load import worker_load
 from pagefleet.worker.engine.async_scheduling import launch_next
 from pagefleet.worker.engine.detokenizer import IncrementalDetokenizer
-from pagefleet.worker.engine.engine_args import EngineArgs
 from pagefleet.worker.engine.greedy_window import run_greedy_window
 from pagefleet.worker.engine.resumed import ResumedStart, new_detokenizer, resumed_start
+from pagefleet.worker.engine_args import EngineArgs
 from pagefleet.worker.metrics.stats import EngineStats
 from pagefleet.worker.model_executor.model_config import model_config_of
 from pagefleet.worker.model_executor.model_runner import build_step_input
-from pagefleet.worker.model_executor.sampler import Sampler
 from pagefleet.worker.model_executor.simulated_sampler import SimulatedSampler
 from pagefleet.worker.outputs import CompletionOutput, RequestOutputDelta
 from pagefleet.worker.parallel.executor import make_executor
 from pagefleet.worker.request_check import InvalidRequest, RequestLimits, check_request
+from pagefleet.worker.sample.sampler import Sampler
 from pagefleet.worker.sampling_params import SamplingParams
 from pagefleet.worker.structured.grammar_cache import GrammarCache
 from pagefleet.worker.structured.matcher import SequenceGrammar

@@ -13,7 +13,7 @@ from pagefleet.worker.model_executor.compressed_tensors import checkpoint_quanti
 if TYPE_CHECKING:
     import torch
 
-    from pagefleet.worker.engine.engine_args import EngineArgs
+    from pagefleet.worker.engine_args import EngineArgs
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                            "MixtralForCausalLM", "Qwen3MoeForCausalLM")
@@ -83,7 +83,7 @@ def model_config_of(args: "EngineArgs") -> ModelConfig:
     model, names = args.model, args.served_model_name
     if args.simulate is not None:
         # A model `pagefleet plan` knows by name is simulated from its config alone, served under that name.
-        from pagefleet.cluster.demo.simulated import simulated_checkpoint
+        from pagefleet.worker.simulated.checkpoint import simulated_checkpoint
 
         path = simulated_checkpoint(model)
         if path is not None:

@@ -11,7 +11,7 @@ import torch
 
 from pagefleet.kernels.ops import AttentionPlanner, AttentionSpec, no_plan
 from pagefleet.worker.core.kv_cache_sizing import DEFAULT_CPU_KV_CACHE_BYTES, gpu_kv_budget, kv_bytes_per_block
-from pagefleet.worker.engine.engine_args import DEFAULT_GPU_MEMORY_UTILIZATION
+from pagefleet.worker.engine_args import DEFAULT_GPU_MEMORY_UTILIZATION
 from pagefleet.worker.model_executor.cuda_graphs import DecodeGraphs, PrefillGraphs, capture_graphs
 from pagefleet.worker.model_executor.loader import load_model
 from pagefleet.worker.model_executor.model import AttentionMetadata

@@ -18,7 +18,7 @@ from torch import nn
 
 from pagefleet.kernels.ops import Kernels, select_kernels
 from pagefleet.worker.cpu.platform import CpuPlatform
-from pagefleet.worker.engine.engine_args import EngineArgs
+from pagefleet.worker.engine_args import EngineArgs
 
 
 class Platform(Protocol):

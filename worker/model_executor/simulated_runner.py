@@ -1,10 +1,10 @@
 """A simulated GPU in the model runner's place (``EngineArgs.simulate``): no weights and no KV
-tensors; a step waits the time ``pagefleet plan``'s roofline gives its batch on that GPU, divided
-by ``simulate_efficiency``. The pool is the one ``pagefleet plan`` sizes for that GPU's memory.
+tensors; a step waits the time the roofline gives its batch on that GPU, divided by
+``simulate_efficiency``. The pool is the one the engine would size for that GPU's memory.
 
-Both come from the plan's own functions (cluster/plan), so the simulator and the planner cannot
-disagree. The engine around this runner is the real one; the sampler that stands in for the
-model's logits is ``simulated_sampler.py``.
+Both come from ``worker/simulated/sizing.py``, which ``pagefleet plan`` builds on too, so the
+simulator and the planner cannot disagree. The engine around this runner is the real one; the
+sampler that stands in for the model's logits is ``simulated_sampler.py``.
 """
 
 from __future__ import annotations
@@ -13,12 +13,11 @@ import logging
 import time
 from typing import NamedTuple
 
-from pagefleet.cluster.plan.capacity import make_plan, step_roofline
-from pagefleet.cluster.plan.cli import PlanArgs, plan_inputs
-from pagefleet.cluster.plan.roofline import StepRoofline, StepWork, step_work
-from pagefleet.worker.engine.engine_args import EngineArgs
+from pagefleet.worker.engine_args import EngineArgs
 from pagefleet.worker.model_executor.model_config import ModelConfig
 from pagefleet.worker.model_executor.model_runner import StepInput
+from pagefleet.worker.simulated.roofline import StepRoofline, StepWork, step_work
+from pagefleet.worker.simulated.sizing import simulated_replica, size_gpu, step_roofline
 
 logger = logging.getLogger(__name__)
 
@@ -31,18 +30,12 @@ class SimulatedForward(NamedTuple):
 
 class SimulatedModelRunner:
     def __init__(self, cfg: ModelConfig, args: EngineArgs) -> None:
-        # The plan of one replica of this engine: its KV budget and its GPU's roofline. Its
-        # request lengths are unused here (they only shape the plan's printed tables).
-        # The engine's fp8 / fp8_e4m3 is the plan's fp8: 1 byte an element, as the real engine allocates.
-        kv_cache_dtype = "auto" if args.kv_cache_dtype == "auto" else "fp8"
-        inputs = plan_inputs(PlanArgs(model=str(cfg.path), gpu=args.simulate, kv_cache_dtype=kv_cache_dtype,
-                                      input_len=1, output_len=1), args)
-        plan = make_plan(inputs)
-        self.gpu = inputs.gpu
-        self.kv_budget_bytes = plan.kv_budget_bytes_per_gpu
-        self.kv_bytes_per_token = plan.kv_bytes_per_token_per_gpu
-        self.roofline: StepRoofline = step_roofline(inputs, plan.decode_weight_bytes_per_gpu,
-                                                    plan.kv_bytes_per_token_per_gpu)
+        replica = simulated_replica(cfg, args)
+        sizing = size_gpu(replica)
+        self.gpu = replica.gpu
+        self.kv_budget_bytes = sizing.kv_budget_bytes
+        self.kv_bytes_per_token = sizing.kv_bytes_per_token
+        self.roofline: StepRoofline = step_roofline(replica, sizing)
         self.efficiency = args.simulate_efficiency
         self.ready_at = 0.0  # when the simulated GPU finishes what is queued on it
         logger.info("simulated %s (%d GPU(s) per replica): steps at %g of the roofline", self.gpu.name,
@@ -53,8 +46,8 @@ class SimulatedModelRunner:
 
     def available_kv_bytes(self, kv_cache_bytes: int | None, gpu_memory_utilization: float | None,
                            max_num_batched_tokens: int) -> int:
-        """The plan's budget: ``kv_cache_bytes``, or the GPU's memory x utilization less the
-        estimated peak of the profile run (the plan read the same options)."""
+        """The sized budget: ``kv_cache_bytes``, or the GPU's memory x utilization less the
+        estimated peak of the profile run (sized from the same options)."""
         return self.kv_budget_bytes
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:

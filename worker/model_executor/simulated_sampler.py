@@ -19,10 +19,10 @@ import random
 import torch
 
 from pagefleet.worker.core.sequence import Sequence
-from pagefleet.worker.model_executor.sampler import Drawn, Sampler, SamplerOutput
-from pagefleet.worker.model_executor.seeding import draw_key, splitmix64
 from pagefleet.worker.model_executor.simulated_runner import SimulatedForward, sleep_until
 from pagefleet.worker.outputs import TokenLogprob
+from pagefleet.worker.sample.sampler import Drawn, Sampler, SamplerOutput
+from pagefleet.worker.sample.seeding import draw_key, splitmix64
 
 # The drawn token's logit over the others' 0: e^40 outweighs any vocabulary.
 SURE_LOGIT = 40.0

@@ -11,7 +11,7 @@ from typing import Protocol
 
 import torch
 
-from pagefleet.worker.engine.engine_args import EngineArgs
+from pagefleet.worker.engine_args import EngineArgs
 from pagefleet.worker.model_executor.model_config import ModelConfig
 from pagefleet.worker.model_executor.model_runner import ModelRunner, StepInput
 from pagefleet.worker.model_executor.platform import platform_for

@@ -24,7 +24,7 @@ import ray
 import torch
 import torch.distributed as dist
 
-from pagefleet.worker.engine.engine_args import EngineArgs
+from pagefleet.worker.engine_args import EngineArgs
 from pagefleet.worker.model_executor.model_config import ModelConfig
 from pagefleet.worker.model_executor.model_runner import ModelRunner, StepInput
 from pagefleet.worker.parallel.distributed import (

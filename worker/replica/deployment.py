@@ -1,4 +1,5 @@
-"""The worker as a Ray Serve deployment: the only Ray-importing file in worker/.
+"""The worker as a Ray Serve deployment (Ray is imported in worker/ only here, by the TP ranks'
+placement and executor in worker/parallel/, and by the metrics recorder).
 
 ``WorkerReplica`` is plain Python around one ``AsyncLLMEngine`` (injectable,
 as in Ray Serve LLM); ``worker_deployment`` binds it into a Serve deployment.
@@ -25,7 +26,7 @@ from ray.serve import Application
 from pagefleet.worker import tracing
 from pagefleet.worker.aio import cancel_and_wait
 from pagefleet.worker.core.kv_events import KVEventBatch, KVSnapshot
-from pagefleet.worker.engine.engine_args import EngineArgs
+from pagefleet.worker.engine_args import EngineArgs
 from pagefleet.worker.errors import CompileQueueFull, EngineDeadError
 from pagefleet.worker.metrics.stats import ReplicaStats
 from pagefleet.worker.outputs import RequestOutputDelta

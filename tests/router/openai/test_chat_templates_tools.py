@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from pagefleet.cluster.demo.tokenizer import build_demo_tokenizer
 from pagefleet.router.openai.chat_template import NoToolSupportError, render_chat, template_reads_tools
 from pagefleet.router.openai.errors import OpenAIError
 from pagefleet.router.openai.preprocess import ModelInfo, chat_conversation, chat_prompt
 from pagefleet.router.openai.protocol import ChatCompletionRequest
 from pagefleet.router.openai.tool_parsers import get_tool_parser
 from pagefleet.worker.request_check import RequestLimits
+from pagefleet.worker.simulated.tokenizer import build_demo_tokenizer
 
 TEMPLATES = Path(__file__).resolve().parents[2] / "data" / "chat_templates"
 INFO = ModelInfo(served_model_name="demo", limits=RequestLimits(vocab_size=1000, max_model_len=2048, max_num_seqs=8))

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -23,8 +24,10 @@ import torch
 
 from pagefleet.kernels.fp8_weight_matmul import FP8MatmulConfig, default_config, fp8_weight_matmul
 
-from fp8_weights_check import time_ms  # beside this file
-from gpu_check_engine import LLAMA3_8B, TINY, _prompt_logits, write_checkpoint_config
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the benchmarks beside probes/
+
+from fp8_weights_check import time_ms  # noqa: E402
+from gpu_check_engine import LLAMA3_8B, TINY, _prompt_logits, write_checkpoint_config  # noqa: E402
 
 CONFIGS = [FP8MatmulConfig(*c) for c in [
     (16, 256, 4, 4, False), (32, 256, 4, 4, False), (64, 256, 4, 4, False), (64, 128, 4, 4, False),

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from pagefleet.worker.core.sequence import Sequence
-from pagefleet.worker.model_executor.device_copies import to_device
+from pagefleet.worker.sample.device_copies import to_device
 
 
 def bad_words_token_ids(tokenizer, words: list[str]) -> list[list[int]]:

@@ -1,18 +1,18 @@
 """Engine options, named as vLLM names them: each field is also a `pagefleet serve` flag and a
-`serve.yaml` arg (see ``pagefleet.worker.engine.options``), so an option is defined here once."""
+`serve.yaml` arg (see ``pagefleet.worker.options``), so an option is defined here once."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pagefleet.cluster.plan.presets import GPUS
-from pagefleet.worker.engine.options import check_choices, option, parse_bytes
 from pagefleet.worker.model_executor.model_config import QUANTIZATIONS, parse_dtype
+from pagefleet.worker.options import check_choices, option, parse_bytes
 from pagefleet.worker.request_check import (
     DEFAULT_MAX_STOP_STRING_CHARS,
     DEFAULT_MAX_STOP_STRINGS,
     DEFAULT_MAX_STOP_TOKEN_IDS,
 )
+from pagefleet.worker.simulated.presets import GPUS
 
 BLOCK_SIZES = (8, 16, 32, 64, 128)
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
@@ -86,8 +86,10 @@ class EngineArgs:
                                                       "Default: on where async output processing is on and "
                                                       "those hold")
     num_scheduler_steps: int = option(1, metavar="N",
-                                      help="decode steps per scheduling round, as vLLM's flag: the GPU runs N "
-                                           "decode steps back to back, each fed the previous one's greedy tokens "
+                                      help="decode steps per scheduling round (pagefleet's flag; vLLM's V0 engine "
+                                           "had one of this name for multi-step scheduling, which V1 removed): "
+                                           "the GPU runs N decode steps back to back, each fed the previous one's "
+                                           "greedy tokens "
                                            "on the device, while the host checks the tokens already out (stops, "
                                            "text), so the GPU does not wait on the host between steps. Applies "
                                            "to rounds of plain greedy decoding on one GPU with CUDA graphs (no "
@@ -110,13 +112,15 @@ class EngineArgs:
     max_stop_strings: int = option(DEFAULT_MAX_STOP_STRINGS, help="stop strings per request")
     max_stop_string_chars: int = option(DEFAULT_MAX_STOP_STRING_CHARS, help="characters per stop string")
     max_stop_token_ids: int = option(DEFAULT_MAX_STOP_TOKEN_IDS, help="stop token ids per request")
-    enforce_eager: bool = option(False, help="run the model eagerly, compiling nothing. Default: a one-rank CPU "
-                                             "engine compiles its C++ kernels at start (the decode attention "
-                                             "reading KV blocks in place, norms, rotary; needs a C++ compiler, "
-                                             "c++ or $CXX; one build per model shape serves every pool and batch "
-                                             "size, cached across "
-                                             "starts under ~/.cache/pagefleet/cpu_kernels). CUDA and "
-                                             "tensor-parallel engines run the same either way")
+    enforce_eager: bool = option(False, help="run the model eagerly, as vLLM's flag: no CUDA graphs, no compiled "
+                                             "CPU kernels. Default: a one-rank CUDA engine captures its steps as "
+                                             "CUDA graphs at start and replays them (docs/gpu_engine.md); a "
+                                             "one-rank CPU engine compiles its C++ kernels at start (the decode "
+                                             "attention reading KV blocks in place, norms, rotary; needs a C++ "
+                                             "compiler, c++ or $CXX; one build per model shape serves every pool "
+                                             "and batch size, cached across starts under "
+                                             "~/.cache/pagefleet/cpu_kernels). Tensor-parallel engines run "
+                                             "eagerly either way")
     quantization: str | None = option(None, choices=QUANTIZATIONS,
                                       help="fp8: FP8 (e4m3) weights, as vLLM's flag. A full-precision checkpoint's "
                                            "linear layers are quantized as they load, one scale per output "
@@ -146,9 +150,12 @@ class EngineArgs:
 
     @property
     def max_queued_seqs(self) -> int:
-        """Requests a worker replica holds, running or waiting in its engine, before more wait in
-        Serve's router queue (where they can still go to another replica): the worker
-        deployment's request limit, and the seats of a worker in the global scheduler."""
+        """Twice ``max_num_seqs``: how much a worker replica holds, running or waiting in its
+        engine, before more waits in Serve's router queue (where it can still go to another
+        replica). The replica counts requests against it (its seats and Serve's
+        ``max_ongoing_requests``, whatever a request's ``n``); the global scheduler counts
+        sequences against it (a request of ``n`` holds ``n`` of a worker's seats there), so with
+        ``n > 1`` the scheduler sees a worker full first."""
         return 2 * self.max_num_seqs
 
     def __post_init__(self) -> None:

@@ -8,10 +8,10 @@ from typing import NamedTuple
 import torch
 
 from pagefleet.worker.core.sequence import Sequence
-from pagefleet.worker.model_executor.device_copies import to_device, to_host_async
-from pagefleet.worker.model_executor.logits_processors import apply_logits_processors, wants_processing
-from pagefleet.worker.model_executor.seeding import PositionKeyedDraws
 from pagefleet.worker.outputs import TokenLogprob
+from pagefleet.worker.sample.device_copies import to_device, to_host_async
+from pagefleet.worker.sample.logits_processors import apply_logits_processors, wants_processing
+from pagefleet.worker.sample.seeding import PositionKeyedDraws
 from pagefleet.worker.structured.matcher import GrammarMasker
 
 logger = logging.getLogger(__name__)

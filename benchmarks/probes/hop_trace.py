@@ -7,9 +7,9 @@ of its own so that the spans the server exports (``worker/tracing.py``) name the
 prints one JSON line: for each hop, the median time since the client sent the request and since
 the hop before, in milliseconds, over the requests.
 
-    python benchmarks/hop_trace.py                      # 20 requests, 256 in, 16 out
-    python benchmarks/hop_trace.py --model DIR --requests 50
-    python benchmarks/hop_trace.py --simulate h200 --input-len 32 --output-len 128   # at GPU rates
+    python benchmarks/probes/hop_trace.py                      # 20 requests, 256 in, 16 out
+    python benchmarks/probes/hop_trace.py --model DIR --requests 50
+    python benchmarks/probes/hop_trace.py --simulate h200 --input-len 32 --output-len 128   # at GPU rates
 
 Hops, in order: client_sent; ingress_http (the ingress's handler starts: the HTTP front,
 HAProxy or Serve's Python proxy, and its hand-off to the ingress replica lie before it);
@@ -47,9 +47,11 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceResponse,
 )
 
-from _machine import machine
-from cpu_contention import role_deltas, sample
-from serving import BIN, Server, checkpoint, free_port
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the benchmarks beside probes/
+
+from _machine import machine  # noqa: E402
+from cpu_contention import role_deltas, sample  # noqa: E402
+from serving import BIN, Server, checkpoint, free_port  # noqa: E402
 
 HOPS = ("client_sent", "ingress_http", "ingress_prepared", "ingress_routed", "ingress_sent", "worker_generate",
         "engine_added", "engine_first_token", "ingress_first_delta", "client_first_chunk")

@@ -5,17 +5,20 @@ no weights. ``pagefleet plan`` reads the same shape from the directory as from t
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import tempfile
 from pathlib import Path
+from typing import Callable
 
-from pagefleet.cluster.demo.model import DEMO_SIZES, cached_checkpoint, demo_cache_root
-from pagefleet.cluster.demo.tokenizer import IM_END_TOKEN, build_demo_tokenizer
-from pagefleet.cluster.plan.presets import ModelShape, find_model
+from pagefleet.worker.simulated.presets import ModelShape, find_model
+from pagefleet.worker.simulated.tokenizer import IM_END_TOKEN, build_demo_tokenizer
 
 # Bumped whenever the files written here change, so a stale cached checkpoint is never served.
 SIMULATED_FORMAT_VERSION = 1
 # The demo's larger tokenizer: a BPE vocabulary whose text is about as dense in tokens as a real
 # one's. The config keeps the model's own vocabulary size, which the roofline's LM head reads.
-TOKENIZER_VOCAB = DEMO_SIZES["small"].vocab_size
+TOKENIZER_VOCAB = 32000  # the demo's small checkpoint's too (cluster/demo/model.py): one tokenizer trained for both
 
 
 def simulated_checkpoint(model: str) -> str | None:
@@ -28,6 +31,34 @@ def simulated_checkpoint(model: str) -> str | None:
         return None
     target = demo_cache_root() / f"simulated-{shape.name.lower()}-v{SIMULATED_FORMAT_VERSION}"
     return str(cached_checkpoint(target, lambda out: write_config_checkpoint(shape, out)))
+
+
+def demo_cache_root() -> Path:
+    """Where the demo and simulated checkpoints are written on first use."""
+    return Path(os.environ.get("PAGEFLEET_CACHE", Path.home() / ".cache" / "pagefleet")).expanduser()
+
+
+def cached_checkpoint(target: Path, write: Callable[[Path], object]) -> Path:
+    """``target``, written by ``write(directory)`` unless it holds a config.json already.
+
+    Written to a temporary sibling and renamed into place, so concurrent processes (several
+    replicas starting at once) never see a half-written directory."""
+    if (target / "config.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
+    try:
+        write(staging)
+        try:
+            os.rename(staging, target)
+        except OSError:
+            # Another process renamed its copy first; theirs is identical.
+            if not (target / "config.json").is_file():
+                raise
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+    return target
 
 
 def architecture_of(shape: ModelShape) -> tuple[str, str]:
