@@ -34,7 +34,7 @@ from pagefleet.router.global_scheduler.actor import WorkerKVView, worker_kv_view
 from pagefleet.router.global_scheduler.kv_mirror import MirrorCounters, SchedulerMirror, ViewFollower
 from pagefleet.router.global_scheduler.views import SchedulerCounters
 from pagefleet.router.metrics import RouterMetrics
-from pagefleet.router.openai.app import build_openai_app
+from pagefleet.router.openai.app import build_openai_app, freeze_loaded_objects
 from pagefleet.router.openai.http_guards import BodyLimits
 from pagefleet.router.openai.node_metrics import NodeMetricsReader
 from pagefleet.router.openai.preprocess import ModelInfo, ServingLimits, longest_token_chars
@@ -324,8 +324,10 @@ class OpenAIIngress:
         logger.info("ingress serves %s (max_model_len %d)", info.served_model_name, info.limits.max_model_len)
 
     def __serve_build_asgi_app__(self):
-        return build_openai_app(self._service, api_key=self._api_key, body_limits=self._body_limits,
-                                metrics=self._metrics, node_metrics=NodeMetricsReader())
+        app = build_openai_app(self._service, api_key=self._api_key, body_limits=self._body_limits,
+                               metrics=self._metrics, node_metrics=NodeMetricsReader())
+        freeze_loaded_objects()
+        return app
 
     async def drain(self) -> ReplicaInFlight:
         """Graceful shutdown: new requests get 503 from now on; waits up to drain_timeout_s for
