@@ -26,6 +26,7 @@ import logging
 import weakref
 from typing import Any, AsyncIterator, NamedTuple
 
+import ray
 from ray import serve
 from ray.exceptions import RayActorError
 from ray.serve.handle import DeploymentHandle
@@ -125,9 +126,13 @@ class HandleWorkerClient:
         self.metrics.start_at_zero("delta_channels_opened", {"transport": "socket"}, {"transport": "serve_stream"})
         self.metrics.start_at_zero("failovers", {"reason": "worker_failed"})
         self.metrics.start_at_zero("worker_resends", {"reason": "worker_failed"}, {"reason": "connection_lost"})
+        self.metrics.start_at_zero("delta_channel_socket_failures", {"reason": "connect"}, {"reason": "dropped"})
         self.mux = ChannelMux(handle.options(method_name="channel", stream=True).remote,
                               on_opened=lambda transport: self.metrics.inc("delta_channels_opened",
-                                                                           transport=transport))
+                                                                           transport=transport),
+                              on_socket_unusable=lambda reason: self.metrics.inc("delta_channel_socket_failures",
+                                                                                 reason=reason),
+                              node_id=ray.get_runtime_context().get_node_id() if ray.is_initialized() else None)
         self._watchers: set[asyncio.Task] = set()
         self._health = health or WorkerHealth(handle.deployment_name)
         self.kv = kv
