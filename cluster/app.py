@@ -80,7 +80,8 @@ def pagefleet_app(opts: ServeOptions, drain_board: Any = None) -> Application:
         ray_actor_options={"num_cpus": serve_args.ingress_num_cpus},
     )
     serving = ServingLimits(serve_args.max_prompts_per_request, serve_args.max_prompt_chars,
-                            serve_args.max_request_id_chars, serve_args.max_chat_messages)
+                            serve_args.max_request_id_chars, serve_args.max_chat_messages,
+                            serve_args.max_unstreamed_response_tokens)
     return ingress.bind(worker, engine_args, api_key=serve_args.key(), kv_scheduler=kv_scheduler,
                         kv_routing=opts.kv_routing(), serving=serving,
                         body_limits=BodyLimits(serve_args.max_request_body_bytes),

@@ -21,6 +21,7 @@ from pagefleet.router.openai.preprocess import (
     DEFAULT_MAX_PROMPTS,
     DEFAULT_MAX_REQUEST_ID_CHARS,
 )
+from pagefleet.router.openai.request_size import DEFAULT_MAX_UNSTREAMED_RESPONSE_TOKENS
 from pagefleet.router.openai.tool_parsers import TOOL_PARSERS
 from pagefleet.router.routing.kv_routing import KVRoutingOptions
 from pagefleet.router.routing.policies import POLICIES
@@ -87,6 +88,11 @@ class ServeArgs:
                                                      "(default: max_model_len x the tokenizer's longest "
                                                      "token, so no prompt that fits is refused)")
     max_request_id_chars: int = option(DEFAULT_MAX_REQUEST_ID_CHARS, help="length of a client's request_id")
+    max_unstreamed_response_tokens: int = option(DEFAULT_MAX_UNSTREAMED_RESPONSE_TOKENS,
+                                                 help="tokens and top logprobs one non-streamed response may hold: "
+                                                      "n x max_tokens x (1 + top_logprobs), max_tokens filled in "
+                                                      "to the context where not given; larger requests get 400 "
+                                                      "(streamed ones are not bounded)")
     tool_call_parser: str | None = option(None, choices=tuple(TOOL_PARSERS),
                                           help="how the model writes tool calls, for tool_choice 'auto' (hermes: "
                                                "Qwen2.5, Qwen3 and the demo model; llama3_json: Llama 3.1/3.2; "
@@ -113,7 +119,7 @@ class ServeArgs:
             raise ValueError("admission_max_wait_s and routing_max_staleness_s must be > 0")
         self.max_request_body_bytes = parse_bytes(self.max_request_body_bytes)
         for name in ("workers", "ingress_replicas", "max_prompts_per_request", "max_request_id_chars",
-                     "max_chat_messages"):
+                     "max_chat_messages", "max_unstreamed_response_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")

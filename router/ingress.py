@@ -26,6 +26,7 @@ import logging
 import weakref
 from typing import Any, AsyncIterator, NamedTuple
 
+import ray
 from ray import serve
 from ray.exceptions import RayActorError
 from ray.serve.handle import DeploymentHandle
@@ -34,7 +35,7 @@ from pagefleet.router.global_scheduler.actor import WorkerKVView, worker_kv_view
 from pagefleet.router.global_scheduler.kv_mirror import MirrorCounters, SchedulerMirror, ViewFollower
 from pagefleet.router.global_scheduler.views import SchedulerCounters
 from pagefleet.router.metrics import RouterMetrics
-from pagefleet.router.openai.app import build_openai_app
+from pagefleet.router.openai.app import build_openai_app, freeze_loaded_objects
 from pagefleet.router.openai.http_guards import BodyLimits
 from pagefleet.router.openai.node_metrics import NodeMetricsReader
 from pagefleet.router.openai.preprocess import ModelInfo, ServingLimits, longest_token_chars
@@ -129,9 +130,13 @@ class HandleWorkerClient:
         self.metrics.start_at_zero("delta_channels_opened", {"transport": "socket"}, {"transport": "serve_stream"})
         self.metrics.start_at_zero("failovers", {"reason": "worker_failed"})
         self.metrics.start_at_zero("worker_resends", {"reason": "worker_failed"}, {"reason": "connection_lost"})
+        self.metrics.start_at_zero("delta_channel_socket_failures", {"reason": "connect"}, {"reason": "dropped"})
         self.mux = ChannelMux(handle.options(method_name="channel", stream=True).remote,
                               on_opened=lambda transport: self.metrics.inc("delta_channels_opened",
-                                                                           transport=transport))
+                                                                           transport=transport),
+                              on_socket_unusable=lambda reason: self.metrics.inc("delta_channel_socket_failures",
+                                                                                 reason=reason),
+                              node_id=ray.get_runtime_context().get_node_id() if ray.is_initialized() else None)
         self._watchers: set[asyncio.Task] = set()
         self._health = health or WorkerHealth(handle.deployment_name)
         self.kv = kv
@@ -332,8 +337,10 @@ class OpenAIIngress:
         logger.info("ingress serves %s (max_model_len %d)", info.served_model_name, info.limits.max_model_len)
 
     def __serve_build_asgi_app__(self):
-        return build_openai_app(self._service, api_key=self._api_key, body_limits=self._body_limits,
-                                metrics=self._metrics, node_metrics=NodeMetricsReader())
+        app = build_openai_app(self._service, api_key=self._api_key, body_limits=self._body_limits,
+                               metrics=self._metrics, node_metrics=NodeMetricsReader())
+        freeze_loaded_objects()
+        return app
 
     async def drain(self) -> ReplicaInFlight:
         """Graceful shutdown: new requests get 503 from now on; waits up to drain_timeout_s for

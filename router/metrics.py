@@ -44,6 +44,12 @@ ROUTER_METRICS: dict[str, MetricSpec] = {
         "the replica; serve_stream: the replica's socket could not be used, a Serve stream carries the "
         "channel). A channel closes after a few seconds without requests there.",
         tag_keys=("transport",)),
+    "delta_channel_socket_failures": MetricSpec(
+        "pagefleet_router_delta_channel_socket_failures", "counter",
+        "Delta channel sockets of worker replicas this ingress could not use, by reason (connect: no "
+        "connection within the timeout; dropped: the replica closed it before answering, as it does when "
+        "strangers hold its waiting slots). The replica's channel then goes on a Serve stream for a minute.",
+        tag_keys=("reason",)),
     "failovers": MetricSpec(
         "pagefleet_router_failovers", "counter",
         "Requests whose worker replica failed after their output started, continued on another replica "

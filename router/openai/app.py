@@ -7,6 +7,7 @@ in production and under a test client with a fake worker in tests.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -36,6 +37,7 @@ from pagefleet.router.openai.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from pagefleet.router.openai.responses import json_body
 from pagefleet.router.openai.service import OpenAIService, PreparedRequest
 from pagefleet.router.openai.sse import sse_stream
 
@@ -44,6 +46,8 @@ logger = logging.getLogger(__name__)
 VERSION = "0.1.0"
 PARSE_THREADS = 2
 HEALTH_TIMEOUT_S = 5.0
+# /tokenize answers with up to this many token ids encoded on the event loop.
+INLINE_ENCODE_TOKENS = 4096
 
 Body = TypeVar("Body", bound=BaseModel)
 
@@ -128,7 +132,7 @@ def build_openai_app(service: OpenAIService, *, api_key: str | None = None, body
         await service.admit(prepared)
         if prepared.stream:
             return _event_stream(service.stream_chunks(prepared))
-        return JSONResponse(await service.run_to_completion(prepared))
+        return Response(await service.run_to_completion_json(prepared), media_type="application/json")
 
     # Under overload a refusal must cost next to nothing: check_open answers 429 (or 503 while
     # draining) before the body is read, parsed or tokenized.
@@ -149,8 +153,14 @@ def build_openai_app(service: OpenAIService, *, api_key: str | None = None, body
 
     @app.post("/tokenize", **route_docs(request=TokenizeRequest, ok=out.TokenizeResponse, errors=reading,
                                         api_key=keyed))
-    async def tokenize(request: Request) -> dict:
-        return await service.tokenize(await _parse(request, TokenizeRequest))
+    async def tokenize(request: Request) -> Response:
+        out = await service.tokenize(await _parse(request, TokenizeRequest))
+        # as long as the prompt: encoded on the parsing threads when long, as a long body is read
+        if out["count"] > INLINE_ENCODE_TOKENS:
+            body = await asyncio.get_running_loop().run_in_executor(parsers, json_body, out)
+        else:
+            body = json_body(out)
+        return Response(body, media_type="application/json")
 
     @app.post("/detokenize", **route_docs(request=DetokenizeRequest, ok=out.DetokenizeResponse, errors=reading,
                                           api_key=keyed))
@@ -183,6 +193,15 @@ def build_openai_app(service: OpenAIService, *, api_key: str | None = None, body
         return Response(text, media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+def freeze_loaded_objects() -> None:
+    """For a process that serves the app, once it is built: what exists now (libraries, tokenizer,
+    app) lives as long as the process, so the garbage collector stops walking it (``gc.freeze``).
+    A full collection walks every object it tracks holding the GIL, whatever thread set it off: over
+    all that it would stall the event loop each time a big request's allocations start one."""
+    gc.collect()
+    gc.freeze()
 
 
 def _decode(raw: bytes, model: type[Body]) -> Body:

@@ -17,9 +17,10 @@ from typing import Any
 
 from pagefleet.router.openai.chat_template import NoToolSupportError, render_chat
 from pagefleet.router.openai.errors import OpenAIError, bad_request, unsupported
+from pagefleet.router.openai.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, ToolDefinition
+from pagefleet.router.openai.request_size import DEFAULT_MAX_UNSTREAMED_RESPONSE_TOKENS, message_chars, tool_chars
 from pagefleet.router.openai.structured import structured_outputs
 from pagefleet.router.openai.tool_choice import ToolPlan
-from pagefleet.router.openai.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 from pagefleet.worker.request_check import CONTEXT_LENGTH_EXCEEDED, InvalidRequest, RequestLimits, check_request
 from pagefleet.worker.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -41,6 +42,7 @@ class ServingLimits:
     max_prompt_chars: int | None = None  # None: not checked (the ingress derives one from the tokenizer)
     max_request_id_chars: int = DEFAULT_MAX_REQUEST_ID_CHARS
     max_chat_messages: int = DEFAULT_MAX_CHAT_MESSAGES
+    max_unstreamed_response_tokens: int = DEFAULT_MAX_UNSTREAMED_RESPONSE_TOKENS  # n x max_tokens x (1 + logprobs)
 
 
 @dataclass(slots=True, frozen=True)
@@ -74,11 +76,12 @@ def check_request_id(request_id: str | None, info: ModelInfo) -> None:
                           "request_id")
 
 
-def check_prompt_chars(num_chars: int, info: ModelInfo, param: str) -> None:
-    """Before tokenizing: refuse a prompt too long to fit, without spending the tokenizer's time on it."""
+def check_prompt_chars(num_chars: int, info: ModelInfo, param: str, what: str = "") -> None:
+    """Before rendering or tokenizing: refuse a prompt too long to fit, without spending the
+    template's or the tokenizer's time on it."""
     limit = info.serving.max_prompt_chars
     if limit is not None and num_chars > limit:
-        raise bad_request(f"a prompt has {num_chars} characters; this server reads at most {limit} before "
+        raise bad_request(f"a prompt has {num_chars} characters{what}; this server reads at most {limit} before "
                           f"tokenizing (max_prompt_chars; the context is {info.limits.max_model_len} tokens)", param,
                           CONTEXT_LENGTH_EXCEEDED)
 
@@ -133,15 +136,18 @@ def tokenize_prompts(items: list[str | list[int]], tokenizer: Any, add_special_t
 
 
 def chat_conversation(messages: list[ChatMessage], info: ModelInfo, *, add_generation_prompt: bool,
-                      continue_final_message: bool = False) -> list[dict]:
-    """The messages as the chat template takes them, checked but not yet rendered."""
+                      continue_final_message: bool = False, tools: list[ToolDefinition] | None = None) -> list[dict]:
+    """The messages as the chat template takes them, checked but not yet rendered: the text of
+    the messages and of the ``tools`` the template renders with them against ``max_prompt_chars``."""
     check_message_count(messages, info)
     if continue_final_message and add_generation_prompt:
         raise bad_request("continue_final_message and add_generation_prompt cannot both be true",
                           "continue_final_message")
-    conversation = [_plain_message(i, m) for i, m in enumerate(messages)]
-    check_prompt_chars(sum(_message_chars(m) for m in conversation), info, "messages")
-    return conversation
+    chars = sum(message_chars(m) for m in messages)
+    check_prompt_chars(chars, info, "messages")
+    if tools:
+        check_prompt_chars(chars + sum(tool_chars(t) for t in tools), info, "tools", " with its tools")
+    return [_plain_message(i, m) for i, m in enumerate(messages)]
 
 
 def check_message_count(messages: list[ChatMessage] | None, info: ModelInfo) -> None:
@@ -207,13 +213,6 @@ def _arguments(arguments: str | dict) -> str | dict:
     except json.JSONDecodeError:
         return arguments
     return parsed if isinstance(parsed, dict) else arguments
-
-
-def _message_chars(message: dict) -> int:
-    """Characters a message brings to the prompt before templating: its text and its calls' arguments."""
-    calls = message.get("tool_calls", ())
-    return len(message["content"]) + sum(len(c["function"]["name"]) + len(str(c["function"]["arguments"]))
-                                         for c in calls)
 
 
 def completion_sampling_params(req: CompletionRequest) -> SamplingParams:

@@ -7,12 +7,16 @@ OpenAI clients expect.
 
 from __future__ import annotations
 
+import json
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
 from pagefleet.worker.outputs import CompletionOutput, RequestOutputDelta, TokenLogprob, append_output
+
+# Logprobs written into a non-streamed body at a time (``full_response_json``).
+LOGPROBS_CHUNK = 256
 
 
 @dataclass(slots=True)
@@ -96,6 +100,40 @@ class ResponseBuilder(ABC):
         return {"id": self.id, "object": self.object_name,
                 "created": self.created, "model": self.model, "choices": choices,
                 "usage": self.usage.to_dict()}
+
+    def full_response_json(self) -> bytes:
+        """``full_response()`` as its JSON body (each choice's ``logprobs`` written last), for a
+        builder that is done: its outputs are released as they are written. Written
+        ``LOGPROBS_CHUNK`` logprobs at a time, so that neither the objects alive at once (which the
+        garbage collector walks, holding the GIL) nor one encoding or release grows with the
+        response: a big body built on a thread leaves the event loop its turns."""
+        head = {"id": self.id, "object": self.object_name, "created": self.created, "model": self.model}
+        pieces = [_dumps(head)[:-1], ',"choices":[']
+        for k, index in enumerate(sorted(self._choices)):
+            out = self._choices.pop(index).output
+            choice = self._choice(index, out.text, None, out.finish_reason, out.stop_reason)
+            pieces.append("," if k else "")
+            if self.want_logprobs:
+                del choice["logprobs"]
+                pieces += [_dumps(choice)[:-1], ',"logprobs":', self._logprobs_json(out.logprobs or []), "}"]
+            else:
+                pieces.append(_dumps(choice))
+        pieces += ['],"usage":', _dumps(self.usage.to_dict()), "}"]
+        return "".join(pieces).encode()
+
+    def _logprobs_json(self, entries: list[TokenLogprob]) -> str:
+        """``_logprobs(entries, 0)`` as JSON text, made chunk by chunk; ``entries`` are released as
+        they are written."""
+        parts: dict[str, list[str]] = {key: [] for key in self._logprobs([], 0)}
+        offset = 0
+        for start in range(0, len(entries), LOGPROBS_CHUNK):
+            chunk = entries[start:start + LOGPROBS_CHUNK]
+            entries[start:start + len(chunk)] = [None] * len(chunk)
+            for key, values in self._logprobs(chunk, offset).items():
+                parts[key].append(_dumps(values)[1:-1])
+            offset += sum(len(self.token_str(e.token_id)) for e in chunk)
+        lists = (f'{_dumps(key)}:[{",".join(p for p in texts if p)}]' for key, texts in parts.items())
+        return "{" + ",".join(lists) + "}"
 
     # ---- stream chunks -----------------------------------------------------------------
 
@@ -251,6 +289,15 @@ def tool_call_delta_dict(delta: Any) -> dict:
     out["function"] = {"arguments": delta.arguments} if delta.name is None else \
         {"name": delta.name, "arguments": delta.arguments}
     return out
+
+
+def json_body(content: Any) -> bytes:
+    """A response body as JSON, written as Starlette's ``JSONResponse`` writes it."""
+    return _dumps(content).encode()
+
+
+def _dumps(content: Any) -> str:
+    return json.dumps(content, ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":"))
 
 
 def finite(logprob: float) -> float:

@@ -26,8 +26,9 @@ from pagefleet.router.openai.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from pagefleet.router.openai.request_size import chat_work, check_unstreamed_size
 from pagefleet.router.openai.responses import ChatResponseBuilder, CompletionResponseBuilder, ResponseBuilder
-from pagefleet.router.openai.tool_choice import ToolCallOptions, tool_plan
+from pagefleet.router.openai.tool_choice import ToolCallOptions, ToolPlan, check_tool_count, tool_plan
 from pagefleet.router.openai.tool_parsers import get_tool_parser
 from pagefleet.worker import tracing
 from pagefleet.worker.aio import merge_streams
@@ -43,6 +44,11 @@ T = TypeVar("T")
 # goes to the tokenizer threads so it never stalls other requests' streams.
 INLINE_TEXT_CHARS = 2048
 TOKENIZER_THREADS = 2
+# Likewise a non-streamed response of up to this many tokens and logprobs is built and encoded on
+# the loop; a bigger one on a response thread (threads of their own: a big body waits behind
+# another big body, never behind a prompt being tokenized).
+INLINE_RESPONSE_TOKENS = 1024
+RESPONSE_THREADS = 2
 
 
 class WorkerClient(Protocol):
@@ -72,6 +78,7 @@ class OpenAIService:
         self.draining = False  # shutting down: in-flight requests finish, new ones get 503
         self.num_in_flight = 0  # prepared requests whose response has not ended
         self._tokenizer_pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="pagefleet-tokenize")
+        self._response_pool = ThreadPoolExecutor(RESPONSE_THREADS, thread_name_prefix="pagefleet-respond")
 
     # ---- /v1/completions, /v1/chat/completions --------------------------------------
 
@@ -96,20 +103,28 @@ class OpenAIService:
         pre.check_model_name(req.model, self.info)
         pre.check_request_id(req.request_id, self.info)
         pre.check_message_count(req.messages, self.info)
-        plan = tool_plan(req, self._tool_parser, self.tools.enable_auto_tool_choice)
-        params = pre.chat_sampling_params(req, plan)
-        prompt = await self._off_loop(_chat_work(req.messages), lambda: pre.chat_prompt(
-            pre.chat_conversation(req.messages, self.info, add_generation_prompt=req.add_generation_prompt,
-                                  continue_final_message=req.continue_final_message),
-            self.tokenizer, add_generation_prompt=req.add_generation_prompt,
-            continue_final_message=req.continue_final_message, add_special_tokens=req.add_special_tokens,
-            tools=plan.tools if plan is not None else None))
+        check_tool_count(req.tools)
+        plan, params, prompt = await self._off_loop(chat_work(req.messages, req.tools, INLINE_TEXT_CHARS),
+                                                    self._chat_prompt, req)
         engine_id = f"chatcmpl-{uuid.uuid4().hex}"
         builder = ChatResponseBuilder(request_id=req.request_id or engine_id,
                                       model=self.info.served_model_name, tokenizer=self.tokenizer,
                                       want_logprobs=req.logprobs, include_usage=_include_usage(req),
                                       tool_plan=plan)
         return self._prepared(req, builder, engine_id, [prompt.token_ids], params)
+
+    def _chat_prompt(self, req: ChatCompletionRequest) -> tuple[ToolPlan | None, SamplingParams, pre.PreparedPrompt]:
+        """All of a chat request's work that grows with it (its tools, the template, the tokenizer),
+        the text's size checked before rendering."""
+        plan = tool_plan(req, self._tool_parser, self.tools.enable_auto_tool_choice)
+        params = pre.chat_sampling_params(req, plan)
+        conversation = pre.chat_conversation(req.messages, self.info, add_generation_prompt=req.add_generation_prompt,
+                                             continue_final_message=req.continue_final_message, tools=req.tools)
+        prompt = pre.chat_prompt(conversation, self.tokenizer, add_generation_prompt=req.add_generation_prompt,
+                                 continue_final_message=req.continue_final_message,
+                                 add_special_tokens=req.add_special_tokens,
+                                 tools=plan.tools if plan is not None else None)
+        return plan, params, prompt
 
     def _prepared(self, req: CompletionRequest | ChatCompletionRequest, builder: ResponseBuilder, engine_id: str,
                   prompts: list[list[int]], params: SamplingParams) -> PreparedRequest:
@@ -128,6 +143,9 @@ class OpenAIService:
             # Engine request ids are the server's own, whatever id the client sent.
             jobs.append(Job(f"{engine_id}-{i}", token_ids, pre.with_max_tokens(params, len(token_ids), self.info),
                             hashes, extra_keys))
+        if not req.stream:  # one body holds the whole output: bounded before anything runs
+            check_unstreamed_size([job.params for job in jobs], self.info.serving.max_unstreamed_response_tokens,
+                                  pre.client_field_names(req))
         # Checked again with no await before the count: a drain that began while this request was
         # being tokenized refuses it, so once draining the count only goes down.
         self._check_open()
@@ -146,6 +164,14 @@ class OpenAIService:
         if text_chars <= INLINE_TEXT_CHARS:
             return fn(*args)
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, fn, *args)
+
+    async def _respond_off_loop(self, prepared: PreparedRequest, fn: Callable[[], T]) -> T:
+        """``fn()`` here for a small response, on a response thread for a big one."""
+        builder = prepared.builder
+        per_token = 1 + (prepared.jobs[0].params.logprobs or 0) if builder.want_logprobs else 1
+        if builder.usage.completion_tokens * per_token <= INLINE_RESPONSE_TOKENS:
+            return fn()
+        return await asyncio.get_running_loop().run_in_executor(self._response_pool, fn)
 
     def check_open(self) -> None:
         """Raises 503 while draining and 429 when admission control is refusing every newcomer:
@@ -201,6 +227,15 @@ class OpenAIService:
 
     async def run_to_completion(self, prepared: PreparedRequest) -> dict:
         """All prompts run concurrently; the response is built once every one has finished."""
+        await self._accumulate(prepared)
+        return await self._respond_off_loop(prepared, prepared.builder.full_response)
+
+    async def run_to_completion_json(self, prepared: PreparedRequest) -> bytes:
+        """``run_to_completion``'s response as its JSON body, built and encoded in one go."""
+        await self._accumulate(prepared)
+        return await self._respond_off_loop(prepared, prepared.builder.full_response_json)
+
+    async def _accumulate(self, prepared: PreparedRequest) -> None:
         builder, jobs = prepared.builder, prepared.jobs
         try:
             async for job_index, delta in self._merged(prepared):
@@ -208,7 +243,6 @@ class OpenAIService:
                     builder.accumulate(job_index * jobs[job_index].params.n + seq.index, seq)
         finally:
             prepared.ended()
-        return builder.full_response()
 
     async def stream_chunks(self, prepared: PreparedRequest) -> AsyncIterator[dict]:
         builder, jobs = prepared.builder, prepared.jobs
@@ -242,11 +276,9 @@ class OpenAIService:
         if req.messages is not None:
             add_special = False if req.add_special_tokens is None else req.add_special_tokens
             pre.check_message_count(req.messages, self.info)
-            ids = (await self._off_loop(_chat_work(req.messages), lambda: pre.chat_prompt(
-                pre.chat_conversation(req.messages, self.info, add_generation_prompt=req.add_generation_prompt),
-                self.tokenizer, add_generation_prompt=req.add_generation_prompt,
-                add_special_tokens=add_special,
-                tools=[t.model_dump(exclude_none=True) for t in req.tools or []]))).token_ids
+            check_tool_count(req.tools)
+            ids = (await self._off_loop(chat_work(req.messages, req.tools, INLINE_TEXT_CHARS),
+                                        self._tokenize_chat, req, add_special)).token_ids
         else:
             add_special = True if req.add_special_tokens is None else req.add_special_tokens
             pre.check_prompt_chars(len(req.prompt), self.info, "prompt")
@@ -256,6 +288,13 @@ class OpenAIService:
         if req.return_token_strs:
             out["token_strs"] = self.tokenizer.convert_ids_to_tokens(ids)
         return out
+
+    def _tokenize_chat(self, req: TokenizeRequest, add_special_tokens: bool) -> pre.PreparedPrompt:
+        conversation = pre.chat_conversation(req.messages, self.info, add_generation_prompt=req.add_generation_prompt,
+                                             tools=req.tools)
+        return pre.chat_prompt(conversation, self.tokenizer, add_generation_prompt=req.add_generation_prompt,
+                               add_special_tokens=add_special_tokens,
+                               tools=[t.model_dump(exclude_none=True) for t in req.tools or []])
 
     async def detokenize(self, req: DetokenizeRequest) -> dict:
         pre.check_model_name(req.model, self.info)
@@ -275,12 +314,6 @@ class OpenAIService:
             "id": name, "object": "model", "created": 0, "owned_by": "pagefleet",
             "root": root, "parent": None, "max_model_len": self.info.limits.max_model_len}
             for name in (root, *self.info.more_names)]}
-
-
-def _chat_work(messages: list) -> int:
-    """How much preparing a conversation costs, in characters of text: a message costs its text
-    and, whatever its length, about as much as a short line through the chat template."""
-    return sum(len(m.content) if isinstance(m.content, str) else 64 for m in messages) + 64 * len(messages)
 
 
 @dataclass(slots=True, weakref_slot=True)

@@ -71,16 +71,21 @@ class ToolPlan:
         return None
 
 
+def check_tool_count(tools: list | None) -> None:
+    """Before any work that grows with the tools."""
+    if tools is not None and len(tools) > MAX_TOOLS:
+        raise bad_request(f"tools holds {len(tools)} tools; at most {MAX_TOOLS} are allowed", "tools")
+
+
 def tool_plan(req: ChatCompletionRequest, parser: ToolParser | None, auto_enabled: bool) -> ToolPlan | None:
     """The request's plan, or None when it carries no tools. Raises a 400 naming the field."""
+    check_tool_count(req.tools)
     tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
     choice = req.tool_choice
     if not tools:
         if choice not in (None, "none"):
             raise bad_request("tool_choice needs tools", "tool_choice")
         return None
-    if len(tools) > MAX_TOOLS:
-        raise bad_request(f"tools holds {len(tools)} tools; at most {MAX_TOOLS} are allowed", "tools")
     names = [t["function"]["name"] for t in tools]
     for i, name in enumerate(names):
         if not FUNCTION_NAME.fullmatch(name):

@@ -96,7 +96,12 @@ class MuxCounters:
 
 
 class SocketUnusable(ConnectionError):
-    """The replica's channel socket cannot be reached, or drops the connection unanswered."""
+    """The replica's channel socket cannot be reached (``reason`` "connect"), or drops the
+    connection unanswered ("dropped")."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 class _FrameReader(asyncio.Protocol):
@@ -165,11 +170,16 @@ class ChannelMux:
 
     def __init__(self, open_channel: Callable[[ChannelOpen], Any], channel_id: str | None = None,
                  attach_timeout_s: float = ATTACH_TIMEOUT_S, sockets: bool = True,
-                 on_opened: Callable[[str], None] = lambda transport: None) -> None:
-        """``on_opened(transport)`` is called for each channel attached ("socket" or "serve_stream")."""
+                 on_opened: Callable[[str], None] = lambda transport: None,
+                 on_socket_unusable: Callable[[str], None] = lambda reason: None, node_id: str | None = None) -> None:
+        """``on_opened(transport)`` is called for each channel attached ("socket" or "serve_stream"),
+        ``on_socket_unusable(reason)`` for each socket that could not be used (``SocketUnusable``).
+        ``node_id``: this caller's Ray node (a replica there offers its loopback socket)."""
         self.channel_id = channel_id or uuid.uuid4().hex
         self._open = open_channel
         self._on_opened = on_opened
+        self._on_socket_unusable = on_socket_unusable
+        self.node_id = node_id
         self.attach_timeout_s = attach_timeout_s
         self._sockets = sockets
         self._no_socket: dict[str, float] = {}  # replica -> until when its socket is not tried again
@@ -231,7 +241,7 @@ class ChannelMux:
         try:
             while self._on.get(replica_id):
                 use_socket = self._sockets and self._no_socket.get(replica_id, 0.0) <= time.monotonic()
-                stream = self._open(ChannelOpen(self.channel_id, replica_id, socket=use_socket))
+                stream = self._open(ChannelOpen(self.channel_id, replica_id, socket=use_socket, node_id=self.node_id))
                 try:
                     # an empty batch once attached, or where to connect
                     first = await asyncio.wait_for(stream.__anext__(), self.attach_timeout_s)
@@ -245,6 +255,7 @@ class ChannelMux:
                         self._dispatch(replica_id, body)
                 except SocketUnusable as exc:
                     self._no_socket[replica_id] = time.monotonic() + SOCKET_RETRY_S
+                    self._on_socket_unusable(exc.reason)
                     logger.warning("delta channel socket of %s unusable (%s); its Serve stream carries the "
                                    "channel for the next %.0f s", replica_id, exc, SOCKET_RETRY_S)
                 except Exception as exc:  # noqa: BLE001 — the replica's requests fail on their own streams
@@ -269,15 +280,21 @@ class ChannelMux:
                 lambda: _FrameReader(offer.token, lambda body: self._dispatch(replica_id, body)),
                 offer.host, offer.port), CONNECT_TIMEOUT_S)
         except (OSError, asyncio.TimeoutError) as exc:
-            raise SocketUnusable(f"connecting to {offer.host}:{offer.port}: {exc!r}") from exc
+            raise SocketUnusable("connect", f"connecting to {offer.host}:{offer.port}: {exc!r}") from exc
         self._connections[replica_id] = reader
         try:
             keep_alive(transport.get_extra_info("socket"))
             self.counters.channels_opened += 1
             self.counters.socket_channels += 1
             self._on_opened("socket")
-            if not await reader.done:
-                raise SocketUnusable(f"{offer.host}:{offer.port} closed the connection unanswered")
+            try:
+                answered = await reader.done
+            except ConnectionError as exc:  # reset: closed with our token unread
+                if reader.frames:
+                    raise
+                raise SocketUnusable("dropped", f"{offer.host}:{offer.port} reset the connection unanswered") from exc
+            if not answered:
+                raise SocketUnusable("dropped", f"{offer.host}:{offer.port} closed the connection unanswered")
         finally:
             transport.close()
             if self._connections.get(replica_id) is reader:

@@ -115,7 +115,7 @@ def test_dashboard_names_only_series_pagefleet_exports():
     assert used and used <= exported_series(), used - exported_series()
 
 
-# Who may reach which port: docs/reliability.md's threat model, as each deploy file applies it.
+# Who may reach which port: docs/security.md's threat model, as each deploy file applies it.
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 

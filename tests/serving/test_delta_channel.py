@@ -454,10 +454,12 @@ def test_a_replica_whose_socket_cannot_be_reached_gets_serve_stream_channels():
             opened.append((request, call))
             return call
 
-        mux = ChannelMux(open_channel, channel_id="c1")
+        unusable: list[str] = []
+        mux = ChannelMux(open_channel, channel_id="c1", on_socket_unusable=unusable.append)
         q = mux.register("a")
         mux.placed("a", "w0")
         await until(lambda: len(opened) == 2)
+        assert unusable == ["connect"]  # the ingress's metric of sockets it could not use
         assert [request for request, _ in opened] == [ChannelOpen("c1", "w0", socket=True),
                                                        ChannelOpen("c1", "w0", socket=False)]
         opened[1][1].items.put_nowait(encode_batch([delta("a", 0)]))
@@ -537,30 +539,3 @@ def test_the_request_routers_send_a_channel_to_its_replica_alone(router_class):
     assert asyncio.run(router.choose_replicas(candidates, pending)) == []  # gone: no replica, never another
     # and Serve backs off before asking again (it would otherwise ask in a loop that never yields)
     assert pending.routing_context.should_backoff is True
-
-
-def test_connections_that_send_no_token_are_few_and_brief(monkeypatch):
-    from pagefleet.worker.replica import delta_channel
-
-    monkeypatch.setattr(delta_channel, "MAX_PENDING_HELLOS", 3)
-
-    async def run():
-        replica = WorkerReplica(EngineArgs(), engine_factory=SteppedEngine, channel_host="127.0.0.1")
-        offer = await replica.channel(ChannelOpen("c1", "local", socket=True)).__anext__()
-        silent = [await asyncio.open_connection(offer.host, offer.port) for _ in range(3)]
-        await until(lambda: replica._channel_server.pending_hellos == 3)
-        reader, writer = await asyncio.open_connection(offer.host, offer.port)
-        assert await asyncio.wait_for(reader.read(1), 0.5) == b""  # a fourth is closed at once
-        started = time.monotonic()
-        for r, _ in silent:  # the three are closed once HELLO_TIMEOUT_S passes without a token
-            assert await asyncio.wait_for(r.read(1), 3.0) == b""
-        assert time.monotonic() - started < delta_channel.HELLO_TIMEOUT_S + 0.5
-        assert replica._channel_server.pending_hellos == 0
-        claimed_reader, claimed = await asyncio.open_connection(offer.host, offer.port)
-        claimed.write(offer.token)  # the offer itself still works
-        assert await asyncio.wait_for(claimed_reader.readexactly(len(encode_frame([]))), 2.0) == encode_frame([])
-        for w in [writer, claimed, *(w for _, w in silent)]:
-            w.close()
-        replica._channel_server.close()
-
-    asyncio.run(run())

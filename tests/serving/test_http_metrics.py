@@ -54,8 +54,9 @@ def test_router_metrics_refuse_keys_outside_the_table():
     metrics = RecordingMetrics()
     assert set(ROUTER_METRICS) == {"http_requests", "routing_decisions", "routing_seconds",
                                    "prefix_hit_blocks_predicted", "prefix_hit_blocks_realised",
-                                   "delta_channels_opened", "worker_resends", "failovers", "admission_queue_length",
-                                   "admission_wait_seconds", "admission_rejections"}
+                                   "delta_channels_opened", "delta_channel_socket_failures", "worker_resends",
+                                   "failovers", "admission_queue_length", "admission_wait_seconds",
+                                   "admission_rejections"}
     with pytest.raises(KeyError):
         metrics.set("http_requests", 1.0)  # a counter, not a gauge
     with pytest.raises(KeyError):

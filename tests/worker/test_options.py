@@ -69,6 +69,7 @@ OTHER_VALUES = {
     "max_prompt_chars": ("10000", 10000),
     "max_request_id_chars": ("64", 64),
     "max_chat_messages": ("100", 100),
+    "max_unstreamed_response_tokens": ("65536", 65536),
     "tool_call_parser": ("mistral", "mistral"),
     "enable_auto_tool_choice": (None, True),  # --enable-auto-tool-choice, with a parser (NEEDS below)
     "drain_timeout_s": ("5", 5.0),

@@ -48,9 +48,13 @@ TOKEN_BYTES = 16
 # An offer not claimed within this long is void; a connection that sends no token this long is closed.
 OFFER_TTL_S = 30.0
 HELLO_TIMEOUT_S = 1.0
-# Connections that have not sent their token yet, at most: past it, a new one is closed at once.
-# A caller holds one connection per replica, so a peer of ours never comes near it.
+# Connections that have not sent their token yet, at most, from one source address and in all. Past
+# either bound a newcomer closes the oldest waiting one (of its own address, or of the address
+# holding the most): a peer of ours sends its token as it connects, so it is read long before a
+# stranger's flood, however renewed, reaches it; and one address never holds every slot.
 MAX_PENDING_HELLOS = 64
+MAX_PENDING_HELLOS_PER_ADDRESS = 8
+LOOPBACK = "127.0.0.1"
 
 
 def keep_alive(sock: socket.socket | None) -> None:
@@ -142,50 +146,74 @@ OnCommands = Callable[[str, "list[WorkerRequest | Abort]", "dict[str, asyncio.Ta
 
 
 class ChannelServer:
-    """A replica's listening socket for its callers' delta channels. ``offer(channel_id)`` makes
-    a one-time token for that channel; a connection that sends it within ``HELLO_TIMEOUT_S`` becomes
+    """A replica's listening sockets for its callers' delta channels. ``offer(channel_id, host)``
+    makes a one-time token for that channel, claimed on the socket listening on ``host`` (started
+    with the first offer there, on a port the system picks: loopback for a caller on the replica's
+    node, the node's address for one elsewhere). A connection that sends it within ``HELLO_TIMEOUT_S`` becomes
     the channel's reader (``DeltaChannel.batches``, so it takes over from any other) and gets every
     batch as one frame, the empty one first. A peer without a token gets nothing and is closed. One
     with a token (handed out only by the replica's ``channel`` call, through Serve) may send frames
     of requests and aborts (``wire.encode_commands``), which go to ``on_commands`` with the tasks
     that connection's requests run in; a frame that is not one closes the connection. When the
-    connection ends, its requests still running are cancelled (their requests aborted). Listens on
-    ``host`` (the node's address, where Ray's own workers listen), on a port the system picks when
-    the first offer is made."""
+    connection ends, its requests still running are cancelled (their requests aborted)."""
 
-    def __init__(self, host: str, channel_for: Callable[[str], DeltaChannel],
-                 detached: Callable[[str], None], on_commands: OnCommands | None = None) -> None:
-        self.host = host
+    def __init__(self, channel_for: Callable[[str], DeltaChannel], detached: Callable[[str], None],
+                 on_commands: OnCommands | None = None) -> None:
         self._channel_for = channel_for
         self._detached = detached
         self._on_commands = on_commands
         self._offers: dict[bytes, Offered] = {}  # token -> offer not yet claimed
-        self._server: asyncio.AbstractServer | None = None
+        self._servers: dict[str, asyncio.AbstractServer] = {}  # by the host it listens on
         self._starting = asyncio.Lock()  # two first offers at once start one server
-        self.port = 0
-        self.pending_hellos = 0
+        # connections that have not sent their token yet, oldest first, by source address
+        self._hellos: dict[str, list[asyncio.StreamWriter]] = {}
 
-    async def offer(self, channel_id: str) -> tuple[SocketOffer, Offered]:
-        if self._server is None:
+    @property
+    def pending_hellos(self) -> int:
+        return sum(map(len, self._hellos.values()))
+
+    def port(self, host: str) -> int | None:
+        server = self._servers.get(host)
+        return None if server is None else server.sockets[0].getsockname()[1]
+
+    async def offer(self, channel_id: str, host: str) -> tuple[SocketOffer, Offered]:
+        """An offer claimed on ``host``'s socket (OSError: this replica cannot listen there)."""
+        if host not in self._servers:
             async with self._starting:
-                if self._server is None:
-                    self._server = await asyncio.start_server(self._serve, self.host, 0)
-                    self.port = self._server.sockets[0].getsockname()[1]
+                if host not in self._servers:
+                    self._servers[host] = await asyncio.start_server(self._serve, host, 0)
         now = time.monotonic()
         self._offers = {t: o for t, o in self._offers.items() if o.valid_until > now}
         token = secrets.token_bytes(TOKEN_BYTES)
         offered = self._offers[token] = Offered(channel_id, now + OFFER_TTL_S)
-        return SocketOffer(self.host, self.port, token), offered
+        return SocketOffer(host, self.port(host), token), offered
+
+    def _await_hello(self, address: str, writer: asyncio.StreamWriter) -> None:
+        """Counts a connection waiting for its token, closing the oldest waiting one where a
+        bound is reached (its wait then ends at once)."""
+        waiting = self._hellos.setdefault(address, [])
+        if len(waiting) >= MAX_PENDING_HELLOS_PER_ADDRESS:
+            waiting.pop(0).close()
+        elif self.pending_hellos >= MAX_PENDING_HELLOS:
+            max(self._hellos.values(), key=len).pop(0).close()
+        waiting.append(writer)
+
+    def _hello_ended(self, address: str, writer: asyncio.StreamWriter) -> None:
+        waiting = self._hellos.get(address, [])
+        if writer in waiting:
+            waiting.remove(writer)
+        if not waiting:
+            self._hellos.pop(address, None)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peer = writer.get_extra_info("peername")
+        address = str(peer[0]) if peer else ""
         try:
-            if self.pending_hellos >= MAX_PENDING_HELLOS:
-                return
-            self.pending_hellos += 1
+            self._await_hello(address, writer)
             try:
                 token = await asyncio.wait_for(reader.readexactly(TOKEN_BYTES), HELLO_TIMEOUT_S)
             finally:
-                self.pending_hellos -= 1
+                self._hello_ended(address, writer)
             offered = self._offers.pop(token, None)
             if offered is None or time.monotonic() > offered.valid_until:
                 return
@@ -239,5 +267,5 @@ class ChannelServer:
                            channel_id, e)
 
     def close(self) -> None:
-        if self._server is not None:
-            self._server.close()
+        for server in self._servers.values():
+            server.close()

@@ -30,7 +30,7 @@ from pagefleet.worker.engine_args import EngineArgs
 from pagefleet.worker.errors import CompileQueueFull, EngineDeadError
 from pagefleet.worker.metrics.stats import ReplicaStats
 from pagefleet.worker.outputs import RequestOutputDelta
-from pagefleet.worker.replica.delta_channel import ChannelServer, DeltaChannel
+from pagefleet.worker.replica.delta_channel import LOOPBACK, ChannelServer, DeltaChannel
 from pagefleet.worker.replica.kv_publisher import KVEventPublisher
 from pagefleet.worker.replica.seats import Seats
 from pagefleet.worker.replica.wire import (
@@ -102,8 +102,11 @@ class WorkerReplica:
         # deployment's request limit, which Serve enforces only for its own calls).
         self.seats = Seats(engine_args.max_queued_seqs)
         self._channels: dict[str, DeltaChannel] = {}
-        self._channel_server = ChannelServer(channel_host or _node_ip(), self._channel, self._drop_if_unused,
-                                             self._on_commands)
+        # Where channel sockets listen: as given, else $PAGEFLEET_CHANNEL_HOST, else chosen per caller
+        # (``_channel_host``).
+        self._channel_host = channel_host or os.environ.get(CHANNEL_HOST_ENV) or None
+        self._node_id = ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
+        self._channel_server = ChannelServer(self._channel, self._drop_if_unused, self._on_commands)
         self._publisher: KVEventPublisher | None = None
         if kv_scheduler is not None:
             self._publisher = KVEventPublisher(_SchedulerLink(kv_scheduler), self.engine.kv_snapshot)
@@ -243,11 +246,12 @@ class WorkerReplica:
             raise ValueError(f"channel {request.channel_id} is for replica {request.replica_id}, "
                              f"not {self.replica_id}")
         if request.socket:
+            host = self._channel_host_for(request.node_id)
             try:
-                offer, offered = await self._channel_server.offer(request.channel_id)
-            except OSError as exc:  # cannot listen on the node's address: this stream is the channel
+                offer, offered = await self._channel_server.offer(request.channel_id, host)
+            except OSError as exc:  # cannot listen there: this stream is the channel
                 logger.warning("delta channel socket unavailable on %s (%s); serving channel %s on its Serve "
-                               "stream", self._channel_server.host, exc, request.channel_id)
+                               "stream", host, exc, request.channel_id)
             else:
                 yield offer
                 await offered.until_done()
@@ -259,6 +263,15 @@ class WorkerReplica:
         finally:
             await batches.aclose()  # detaches now, not when collected
             self._drop_if_unused(request.channel_id)
+
+    def _channel_host_for(self, caller_node_id: str | None) -> str:
+        """Loopback for a caller on this replica's node (no other machine can reach that socket),
+        the node's address for one elsewhere (the cluster spans nodes), unless the address is set."""
+        if self._channel_host is not None:
+            return self._channel_host
+        if caller_node_id is not None and caller_node_id == self._node_id:
+            return LOOPBACK
+        return _node_ip()
 
     def _channel(self, channel_id: str) -> DeltaChannel:
         return self._channels.setdefault(channel_id, DeltaChannel())
@@ -344,13 +357,9 @@ def _notice(request_id: str, exc: Exception) -> Notice:
 
 
 def _node_ip() -> str:
-    """Where this replica's channel sockets listen: ``$PAGEFLEET_CHANNEL_HOST``, else the node's
-    address, as Ray's own workers do (loopback outside a Ray worker: tests that build the class
-    directly)."""
-    configured = os.environ.get(CHANNEL_HOST_ENV)
-    if configured:
-        return configured
-    return ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
+    """The node's address, where Ray's own workers listen (loopback outside a Ray worker: tests
+    that build the class directly)."""
+    return ray.util.get_node_ip_address() if ray.is_initialized() else LOOPBACK
 
 
 def _replica_id() -> str:

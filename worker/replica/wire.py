@@ -84,6 +84,8 @@ class ChannelOpen:
     # Ask for the channel on a TCP connection: the call's one item is then a ``SocketOffer``
     # (False: the call's own stream is the channel).
     socket: bool = False
+    # The caller's Ray node: one on the replica's own node is offered a loopback socket.
+    node_id: str | None = None
 
 
 class Abort(NamedTuple):
@@ -116,8 +118,9 @@ class SocketOffer:
     token: bytes
 
 
-# Where a replica's channel sockets listen when set (else the node's address): the one-node
-# cluster ``pagefleet serve`` starts sets loopback, since every caller runs on that node.
+# Where a replica's channel sockets listen when set (else loopback for callers on the replica's
+# node and the node's address for others): the one-node cluster ``pagefleet serve`` starts sets
+# loopback, since every caller runs on that node.
 CHANNEL_HOST_ENV = "PAGEFLEET_CHANNEL_HOST"
 # A frame on a channel connection: this header (the body's length), then the body.
 FRAME_HEADER = struct.Struct("!I")
