@@ -12,7 +12,7 @@ import time
 from typing import TYPE_CHECKING
 
 from pagefleet.worker.core.sequence import Sequence
-from pagefleet.worker.model_executor.model_runner import build_step_input
+from pagefleet.worker.model_executor.step_input import build_step_input, window_steps
 
 if TYPE_CHECKING:
     from pagefleet.worker.core.scheduler import SchedulerOutput
@@ -44,15 +44,8 @@ def run_greedy_window(engine: LLMEngine, out: SchedulerOutput, started: float) -
     # token's slot was allocated by the schedule; blocks are published only over known tokens.
     if not all(engine.kv.allocate(s, window) for s in seqs):
         return None
-    steps = [build_step_input(out, engine.args.block_size, engine.kv.block_ids)]
-    for j in range(1, window):
-        first = steps[0]
-        positions = [p + j for p in first.positions]
-        tables = first.block_tables
-        bs = engine.args.block_size
-        slots = [t[p // bs] * bs + p % bs for t, p in zip(tables, positions)]
-        steps.append(type(first)([0] * len(seqs), positions, slots, tables, first.query_start_loc,
-                                 [n + j for n in first.seq_lens], first.logits_indices))
+    bs = engine.args.block_size
+    steps = window_steps(build_step_input(out, bs, engine.kv.block_ids), engine.args.num_scheduler_steps, bs)
     runs = engine.executor.decode_greedy(steps) if hasattr(engine.executor, "decode_greedy") else None
     if runs is None:
         return None

@@ -26,9 +26,9 @@ from pagefleet.worker.engine.greedy_window import run_greedy_window
 from pagefleet.worker.engine.resumed import ResumedStart, new_detokenizer, resumed_start
 from pagefleet.worker.metrics.stats import EngineStats
 from pagefleet.worker.model_executor.model_config import model_config_of
-from pagefleet.worker.model_executor.model_runner import build_step_input
 from pagefleet.worker.model_executor.sampler import Sampler
 from pagefleet.worker.model_executor.simulated_sampler import SimulatedSampler
+from pagefleet.worker.model_executor.step_input import build_step_input
 from pagefleet.worker.outputs import CompletionOutput, RequestOutputDelta
 from pagefleet.worker.parallel.executor import make_executor
 from pagefleet.worker.request_check import InvalidRequest, RequestLimits, check_request
