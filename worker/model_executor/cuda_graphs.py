@@ -5,8 +5,7 @@ GPU waits on the host between them. A graph launches them all at once. Every gra
 model over the fixed-address views of ``StepBuffers`` (input ids, positions, slots, block
 table, query starts, sequence lengths), so a step refills those buffers and replays the graph
 of the smallest bucket that holds it (``StepGraphs.pick``, the one place a step's graph is
-chosen). Padding writes no KV and is never sampled
-(``StepBuffers.fill``). Two families:
+chosen). Padding writes no KV and is never sampled (``StepBuffers.fill``). Two families:
 
 * ``DecodeGraphs``: steps of one token a sequence, by batch size (1, 2, 4, 8, then steps of 8
   up to max_num_seqs, as vLLM's); the graph includes the logits.

@@ -103,12 +103,12 @@ class StepBuffers:
         return self.dev[self.off_table:self.off_table + b * self.max_blocks].view(b, self.max_blocks)
 
     def fits(self, step) -> bool:
-        """Whether ``step`` (a model_runner.StepInput) fits the regions (an engine's steps always do)."""
+        """Whether ``step`` (a StepInput) fits the regions (an engine's steps always do)."""
         return (len(step.input_ids) <= self.max_tokens and len(step.seq_lens) <= self.max_seqs
                 and max(map(len, step.block_tables)) <= self.max_blocks)
 
     def fill(self, step, pad_to: int | None = None, pad_tokens: tuple[int, int] | None = None) -> int:
-        """Write ``step`` (a model_runner.StepInput) into the host buffer and send it; returns the
+        """Write ``step`` (a StepInput) into the host buffer and send it; returns the
         sequence count the device views cover.
 
         ``pad_to``: a decode step (one token a sequence) padded to that many rows, each padding
