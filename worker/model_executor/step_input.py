@@ -36,19 +36,12 @@ class StepInput:
 
 def build_step_input(out: SchedulerOutput, block_size: int,
                      block_ids_of: Callable[[Sequence], list[int]]) -> StepInput:
-    """Flatten a scheduler output into a StepInput; its sampled rows are ``out.sampled_seqs()``.
-
-    The first ``len(out.prev_token_rows)`` sequences compute the token being sampled for them
-    (their tokens all count as computed, so their slice of ``token_ids`` is empty): the host
-    has no id for it yet, and the device reads it from the previous step's tokens."""
-    input_ids: list[int] = [0] * len(out.prev_token_rows)
-    positions: list[int] = []
-    slots: list[int] = []
-    tables: list[list[int]] = []
-    starts = [0]
-    seq_lens: list[int] = []
-    logits_indices: list[int] = []
-    for item in out.scheduled:
+    """Flatten a scheduler output into a StepInput; its sampled rows are ``out.sampled_seqs()``."""
+    k = len(out.prev_token_rows)
+    step = _prev_token_part(out, block_size, block_ids_of) if k else StepInput([], [], [], [], [0], [], [])
+    input_ids, positions, slots, tables = step.input_ids, step.positions, step.slot_mapping, step.block_tables
+    starts, seq_lens, logits_indices = step.query_start_loc, step.seq_lens, step.logits_indices
+    for item in out.scheduled[k:] if k else out.scheduled:
         seq, n = item.seq, item.num_new_tokens
         start = seq.num_computed_tokens
         end = start + n
@@ -61,7 +54,21 @@ def build_step_input(out: SchedulerOutput, block_size: int,
         seq_lens.append(end)
         if item.sample:
             logits_indices.append(starts[-1] - 1)
-    return StepInput(input_ids, positions, slots, tables, starts, seq_lens, logits_indices, out.prev_token_rows)
+    return step
+
+
+def _prev_token_part(out: SchedulerOutput, block_size: int,
+                     block_ids_of: Callable[[Sequence], list[int]]) -> StepInput:
+    """The step's first ``len(out.prev_token_rows)`` sequences: each computes, and samples after,
+    the token the previous step is sampling for it, which sits at its computed length (every
+    token the host has counts as computed) and whose id the device reads."""
+    k = len(out.prev_token_rows)
+    seqs = [item.seq for item in out.scheduled[:k]]
+    positions = [seq.num_computed_tokens for seq in seqs]
+    tables = [block_ids_of(seq) for seq in seqs]
+    slots = [t[p // block_size] * block_size + p % block_size for t, p in zip(tables, positions)]
+    return StepInput([0] * k, positions, slots, tables, list(range(k + 1)), [p + 1 for p in positions],
+                     list(range(k)), out.prev_token_rows)
 
 
 def window_steps(first: StepInput, window: int, block_size: int) -> list[StepInput]:
