@@ -144,6 +144,9 @@ class Scheduler:
             if token is None:
                 self.finish(seq, "stop" if seq.grammar is not None else "abort")
                 continue
+            if seq.params.max_tokens == 0:  # the prompt alone was asked for (prompt_logprobs)
+                self.finish(seq, "length")
+                continue
             seq.append_token(token)
             if logprob is not None:
                 seq.logprobs.append(logprob)

@@ -123,6 +123,9 @@ class LLMEngine:
         served: the shared request check, plus what only the engine knows (its pool must hold the
         longest sequence)."""
         check_request(prompt_token_ids, params, self.limits)
+        if params.prompt_logprobs is not None and self.args.simulate is not None:
+            raise InvalidRequest("prompt_logprobs needs the model's logits, which a simulated GPU does not compute",
+                                 "prompt_logprobs")
         if resume is not None:
             check_resume(prompt_token_ids, params, resume, self.limits)
         full_blocks = len(prompt_token_ids) // self.args.block_size

@@ -35,6 +35,7 @@ class OutputProcessor:
         self._sent: dict[int, int | None] = {}
         # Resumed requests that were finished when they arrived: the next step reports them.
         self.finished_on_arrival: set[str] = set()
+        self._prompt_logprobs_sent: set[str] = set()  # requests whose prompt logprobs went out
         # Takes the previous step's deltas as soon as they are built, while this step's device work
         # runs, rather than from step()'s return once it has finished: without it a token would
         # reach its client a whole step after it was made. None: step() returns them.
@@ -102,13 +103,23 @@ class OutputProcessor:
             parts = [d for d in (self._sequence_delta(seq) for seq in seqs) if d is not None]
             finished = all(s.is_finished for s in seqs)
             deltas.append(RequestOutputDelta(rid, parts, seqs[0].num_prompt_tokens, seqs[0].num_cached_tokens,
-                                             finished))
+                                             finished, self._prompt_logprobs(rid, seqs[0], bool(parts))))
             if finished:
+                self._prompt_logprobs_sent.discard(rid)
                 del self.requests[rid]
                 for s in seqs:
                     del self.detok[s.seq_id]
                     self._sent.pop(s.seq_id, None)
         return deltas
+
+    def _prompt_logprobs(self, request_id: str, first: Sequence, with_output: bool) -> list | None:
+        """The request's prompt logprobs, in its first delta with output (a resumed sequence's went
+        out from the replica that started it)."""
+        if (first.prompt_logprobs is None or first.num_resumed_tokens or not with_output
+                or request_id in self._prompt_logprobs_sent):
+            return None
+        self._prompt_logprobs_sent.add(request_id)
+        return first.prompt_logprobs
 
     def _sequence_delta(self, seq: Sequence) -> CompletionOutput | None:
         sent = self._sent.get(seq.seq_id, 0)

@@ -24,8 +24,9 @@ from pagefleet.worker.core.kv_cache_manager import KVCacheManager
 from pagefleet.worker.core.scheduler import Scheduler, SchedulerOutput
 from pagefleet.worker.core.sequence import Sequence
 from pagefleet.worker.engine.output_processor import DeferredOutputs, OutputProcessor
-from pagefleet.worker.model_executor.step_input import build_step_input
+from pagefleet.worker.model_executor.step_input import build_step_input, prompt_logprob_spans
 from pagefleet.worker.outputs import RequestOutputDelta
+from pagefleet.worker.sample.prompt_logprobs import score_prompts
 
 if TYPE_CHECKING:
     from pagefleet.worker.model_executor.simulated_sampler import SimulatedSampler
@@ -93,8 +94,12 @@ class StepParts:
         ``launch_ahead``: launch the next step (``Scheduler.schedule_ahead``) once the sampling
         is queued and before its tokens reach the host; returned too (None: none launched)."""
         self.kv.commit_step()
+        spans = prompt_logprob_spans(out)  # before the step counts as computed
         sampled_seqs = out.sampled_seqs()
         self.scheduler.advance(out)
+        if spans:  # their logits rows follow the sampling rows
+            score_prompts(forward[len(sampled_seqs):], spans)
+            forward = forward[:len(sampled_seqs)]
         if not sampled_seqs:
             return self.scheduler.append_sampled(out, None), None
         drawn = self.sampler.draw(forward, sampled_seqs)

@@ -230,6 +230,8 @@ class StepGraphs:
         """The smallest decode graph for a step of one token a sequence, else the smallest prefill
         graph that holds the step; None: no graph holds it (it runs eagerly)."""
         num_seqs, num_tokens = len(step.seq_lens), len(step.input_ids)
+        if len(step.logits_indices) > num_seqs:
+            return None  # prompt positions scored too (prompt logprobs): more rows than a graph holds
         if num_tokens == num_seqs:
             rows = self.decode.bucket(num_seqs)
             if rows is not None:

@@ -41,10 +41,14 @@ def build_step_input(out: SchedulerOutput, block_size: int,
     step = _prev_token_part(out, block_size, block_ids_of) if k else StepInput([], [], [], [], [0], [], [])
     input_ids, positions, slots, tables = step.input_ids, step.positions, step.slot_mapping, step.block_tables
     starts, seq_lens, logits_indices = step.query_start_loc, step.seq_lens, step.logits_indices
+    prompt_rows: list[int] = []  # after the sampling rows: prompt_logprob_spans' positions
     for item in out.scheduled[k:] if k else out.scheduled:
         seq, n = item.seq, item.num_new_tokens
         start = seq.num_computed_tokens
         end = start + n
+        span = _prompt_span(seq, n)
+        if span is not None:
+            prompt_rows.extend(range(starts[-1] + span[0] - start, starts[-1] + span[1] - start))
         blocks = block_ids_of(seq)
         input_ids.extend(seq.token_ids[start:end])
         positions.extend(range(start, end))
@@ -54,7 +58,28 @@ def build_step_input(out: SchedulerOutput, block_size: int,
         seq_lens.append(end)
         if item.sample:
             logits_indices.append(starts[-1] - 1)
+    logits_indices.extend(prompt_rows)
     return step
+
+
+def prompt_logprob_spans(out: SchedulerOutput) -> list[tuple[Sequence, int, int]]:
+    """(sequence, first, stop): the positions of ``out`` (before it is counted as computed) whose
+    logits score the next prompt token, for sequences asking for prompt logprobs; their logits
+    rows follow the sampling rows, in this order (``build_step_input``)."""
+    spans = []
+    for item in out.scheduled:
+        span = _prompt_span(item.seq, item.num_new_tokens)
+        if span is not None:
+            spans.append((item.seq, *span))
+    return spans
+
+
+def _prompt_span(seq: Sequence, num_new_tokens: int) -> tuple[int, int] | None:
+    if seq.prompt_logprobs is None:
+        return None
+    first = seq.num_computed_tokens
+    stop = min(first + num_new_tokens, seq.num_prompt_tokens - 1)  # the last prompt position scores an output
+    return (first, stop) if first < stop else None
 
 
 def _prev_token_part(out: SchedulerOutput, block_size: int,
