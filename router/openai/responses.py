@@ -49,7 +49,7 @@ class ResponseBuilder(ABC):
     chunk_object_name: str  # of a stream chunk
 
     def __init__(self, *, request_id: str, model: str, tokenizer: Any,
-                 want_logprobs: bool, include_usage: bool = False) -> None:
+                 want_logprobs: bool, include_usage: bool = False, tokens_as_ids: bool = False) -> None:
         self.id = request_id
         self.model = model
         self.created = int(time.time())
@@ -57,6 +57,7 @@ class ResponseBuilder(ABC):
         self.include_usage = include_usage
         self.usage = Usage()
         self._tokenizer = tokenizer
+        self._tokens_as_ids = tokens_as_ids  # vLLM's return_tokens_as_token_ids: "token_id:<id>"
         self._token_strs: dict[int, str] = {}
         self._choices: dict[int, ChoiceState] = {}
 
@@ -79,7 +80,8 @@ class ResponseBuilder(ABC):
     def token_str(self, token_id: int) -> str:
         s = self._token_strs.get(token_id)
         if s is None:
-            s = self._token_strs[token_id] = self._tokenizer.decode([token_id])
+            s = f"token_id:{token_id}" if self._tokens_as_ids else self._tokenizer.decode([token_id])
+            self._token_strs[token_id] = s
         return s
 
     # ---- whole responses ---------------------------------------------------------------

@@ -86,6 +86,7 @@ class OpenAIService:
         self._check_open()
         pre.check_model_name(req.model, self.info)
         pre.check_request_id(req.request_id, self.info)
+        pre.check_not_implemented(req)
         items = pre.completion_prompt_items(req, self.info)
         params = pre.completion_sampling_params(req)
         text_chars = sum(len(p) for p in items if isinstance(p, str))
@@ -95,22 +96,24 @@ class OpenAIService:
         builder = CompletionResponseBuilder(request_id=req.request_id or engine_id,
                                             model=self.info.served_model_name, tokenizer=self.tokenizer,
                                             want_logprobs=req.logprobs is not None,
-                                            include_usage=_include_usage(req))
+                                            include_usage=_include_usage(req),
+                                            tokens_as_ids=bool(req.return_tokens_as_token_ids))
         return self._prepared(req, builder, engine_id, [p.token_ids for p in prompts], params)
 
     async def chat(self, req: ChatCompletionRequest) -> PreparedRequest:
         self._check_open()
         pre.check_model_name(req.model, self.info)
         pre.check_request_id(req.request_id, self.info)
+        pre.check_not_implemented(req)
         pre.check_message_count(req.messages, self.info)
         check_tool_count(req.tools)
-        plan, params, prompt = await self._off_loop(chat_work(req.messages, req.tools, INLINE_TEXT_CHARS),
-                                                    self._chat_prompt, req)
+        work = chat_work(req.messages, req.tools, INLINE_TEXT_CHARS) + pre.template_kwargs_chars(req)
+        plan, params, prompt = await self._off_loop(work, self._chat_prompt, req)
         engine_id = f"chatcmpl-{uuid.uuid4().hex}"
         builder = ChatResponseBuilder(request_id=req.request_id or engine_id,
                                       model=self.info.served_model_name, tokenizer=self.tokenizer,
                                       want_logprobs=req.logprobs, include_usage=_include_usage(req),
-                                      tool_plan=plan)
+                                      tool_plan=plan, tokens_as_ids=bool(req.return_tokens_as_token_ids))
         return self._prepared(req, builder, engine_id, [prompt.token_ids], params)
 
     def _chat_prompt(self, req: ChatCompletionRequest) -> tuple[ToolPlan | None, SamplingParams, pre.PreparedPrompt]:
@@ -123,7 +126,8 @@ class OpenAIService:
         prompt = pre.chat_prompt(conversation, self.tokenizer, add_generation_prompt=req.add_generation_prompt,
                                  continue_final_message=req.continue_final_message,
                                  add_special_tokens=req.add_special_tokens,
-                                 tools=plan.tools if plan is not None else None)
+                                 tools=plan.tools if plan is not None else None,
+                                 template_kwargs=req.chat_template_kwargs)
         return plan, params, prompt
 
     def _prepared(self, req: CompletionRequest | ChatCompletionRequest, builder: ResponseBuilder, engine_id: str,
@@ -137,7 +141,7 @@ class OpenAIService:
         extra_keys = (req.cache_salt,) if req.cache_salt else ()
         extra = extra_keys_digest(extra_keys)
         jobs = []
-        for i, token_ids in enumerate(prompts):
+        for i, token_ids in enumerate(pre.truncated_prompt(p, req, self.info) for p in prompts):
             pre.check_job(token_ids, params, self.info, req)
             hashes = pack_hashes(block_hashes(token_ids, self.info.block_size, extra))
             # Engine request ids are the server's own, whatever id the client sent.
