@@ -26,6 +26,7 @@ from pagefleet.router.openai.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from pagefleet.router.openai.reasoning import ReasoningParser
 from pagefleet.router.openai.request_size import chat_work, check_unstreamed_size
 from pagefleet.router.openai.responses import ChatResponseBuilder, CompletionResponseBuilder, ResponseBuilder
 from pagefleet.router.openai.tool_choice import ToolCallOptions, ToolPlan, check_tool_count, tool_plan
@@ -69,9 +70,10 @@ class WorkerClient(Protocol):
 
 class OpenAIService:
     def __init__(self, *, tokenizer: Any, info: pre.ModelInfo, client: WorkerClient,
-                 tools: ToolCallOptions = ToolCallOptions()) -> None:
+                 tools: ToolCallOptions = ToolCallOptions(), reasoning: ReasoningParser | None = None) -> None:
         self.tokenizer = tokenizer
         self.tools = tools
+        self.reasoning = reasoning
         self._tool_parser = get_tool_parser(tools.parser) if tools.parser is not None else None
         self.info = info
         self.client = client
@@ -113,7 +115,8 @@ class OpenAIService:
         builder = ChatResponseBuilder(request_id=req.request_id or engine_id,
                                       model=self.info.served_model_name, tokenizer=self.tokenizer,
                                       want_logprobs=req.logprobs, include_usage=_include_usage(req),
-                                      tool_plan=plan, tokens_as_ids=bool(req.return_tokens_as_token_ids))
+                                      tool_plan=plan, tokens_as_ids=bool(req.return_tokens_as_token_ids),
+                                      reasoning=self.reasoning)
         return self._prepared(req, builder, engine_id, [prompt.token_ids], params)
 
     def _chat_prompt(self, req: ChatCompletionRequest) -> tuple[ToolPlan | None, SamplingParams, pre.PreparedPrompt]:
@@ -121,6 +124,13 @@ class OpenAIService:
         the text's size checked before rendering."""
         plan = tool_plan(req, self._tool_parser, self.tools.enable_auto_tool_choice)
         params = pre.chat_sampling_params(req, plan)
+        if self.reasoning is not None and params.structured_outputs is not None:
+            # vLLM applies the grammar after the reasoning ends; pagefleet's would constrain the
+            # reasoning too, so it refuses instead.
+            field = "tool_choice" if plan is not None and plan.structured_outputs is not None else (
+                "response_format" if req.response_format is not None else "structured_outputs")
+            raise bad_request(f"{field} cannot constrain the answer of a reasoning model "
+                              f"(--reasoning-parser {self.reasoning.name}) yet", field)
         conversation = pre.chat_conversation(req.messages, self.info, add_generation_prompt=req.add_generation_prompt,
                                              continue_final_message=req.continue_final_message, tools=req.tools)
         prompt = pre.chat_prompt(conversation, self.tokenizer, add_generation_prompt=req.add_generation_prompt,
