@@ -102,7 +102,7 @@ def build_openai_app(service: OpenAIService, *, api_key: str | None = None, body
     keyed = bool(api_key)
     install_schemas(app, service.info, api_key=keyed)
     # What each route can answer besides 200 (and 401 when a key is set).
-    generating = (400, 404, 413, 415, 422, 429, 500, 503)
+    generating = (400, 404, 413, 415, 429, 500, 503)
     reading = (400, 404, 413, 415, 500)
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key, routes_of=app)

@@ -13,6 +13,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagefleet.router.openai.reasoning import ReasoningParser
 from pagefleet.worker.outputs import CompletionOutput, RequestOutputDelta, TokenLogprob, append_output
 
 # Logprobs written into a non-streamed body at a time (``full_response_json``).
@@ -39,6 +40,7 @@ class ChoiceState:
     text_offset: int = 0
     sent_role: bool = False
     tools: Any = None  # chat with tools: the choice's ToolCallStream, made on its first delta
+    reasoning: Any = None  # chat with a reasoning parser: the choice's ReasoningStream
 
 
 class ResponseBuilder(ABC):
@@ -49,7 +51,7 @@ class ResponseBuilder(ABC):
     chunk_object_name: str  # of a stream chunk
 
     def __init__(self, *, request_id: str, model: str, tokenizer: Any,
-                 want_logprobs: bool, include_usage: bool = False) -> None:
+                 want_logprobs: bool, include_usage: bool = False, tokens_as_ids: bool = False) -> None:
         self.id = request_id
         self.model = model
         self.created = int(time.time())
@@ -57,6 +59,7 @@ class ResponseBuilder(ABC):
         self.include_usage = include_usage
         self.usage = Usage()
         self._tokenizer = tokenizer
+        self._tokens_as_ids = tokens_as_ids  # vLLM's return_tokens_as_token_ids: "token_id:<id>"
         self._token_strs: dict[int, str] = {}
         self._choices: dict[int, ChoiceState] = {}
 
@@ -79,7 +82,8 @@ class ResponseBuilder(ABC):
     def token_str(self, token_id: int) -> str:
         s = self._token_strs.get(token_id)
         if s is None:
-            s = self._token_strs[token_id] = self._tokenizer.decode([token_id])
+            s = f"token_id:{token_id}" if self._tokens_as_ids else self._tokenizer.decode([token_id])
+            self._token_strs[token_id] = s
         return s
 
     # ---- whole responses ---------------------------------------------------------------
@@ -215,10 +219,11 @@ class ChatResponseBuilder(ResponseBuilder):
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
 
-    def __init__(self, *, tool_plan: Any = None, **kwargs: Any) -> None:
+    def __init__(self, *, tool_plan: Any = None, reasoning: ReasoningParser | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         # tool_choice.ToolPlan, or None: the output is plain content
         self.tool_plan = tool_plan if tool_plan is not None and tool_plan.mode != "none" else None
+        self.reasoning = reasoning  # --reasoning-parser: reasoning_content apart from content
 
     def role_chunks(self, indices: list[int]) -> list[dict]:
         """Chat streams open each choice with the assistant role, as OpenAI does."""
@@ -233,6 +238,10 @@ class ChatResponseBuilder(ResponseBuilder):
 
     def _choice(self, index, text, logprobs, finish_reason, stop_reason) -> dict:
         message: dict[str, Any] = {"role": "assistant", "content": text}
+        if self.reasoning is not None:
+            split = self.reasoning.split(text)
+            message["reasoning_content"], message["content"] = split
+            text = split.content or ""
         if self.tool_plan is not None:
             extracted = self.tool_plan.extract(text)
             message["content"] = extracted.content
@@ -243,13 +252,22 @@ class ChatResponseBuilder(ResponseBuilder):
 
     def _delta_choice(self, index, seq, logprobs) -> dict:
         finish_reason = seq.finish_reason
+        text, reasoning = seq.text, ""
+        if self.reasoning is not None:
+            state = self.choice(index)
+            if state.reasoning is None:
+                state.reasoning = self.reasoning.stream()
+            reasoning, text = state.reasoning.feed(seq.text)
+            if finish_reason is not None:
+                last = state.reasoning.finish()
+                reasoning, text = reasoning + last.reasoning, text + last.content
         if self.tool_plan is None:
-            delta = {"content": seq.text} if seq.text or finish_reason is None else {}
+            delta = {"content": text} if text or (finish_reason is None and not reasoning) else {}
         else:
             state = self.choice(index)
             if state.tools is None:
                 state.tools = self.tool_plan.stream()
-            content, calls = state.tools.feed(seq.text)
+            content, calls = state.tools.feed(text)
             if finish_reason is not None:
                 more = state.tools.finish()
                 content, calls = content + more.content, calls + more.tool_calls
@@ -257,6 +275,8 @@ class ChatResponseBuilder(ResponseBuilder):
             delta = {"content": content} if content else {}
             if calls:
                 delta["tool_calls"] = [tool_call_delta_dict(d) for d in calls]
+        if reasoning:
+            delta = {"reasoning_content": reasoning, **delta}
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         if finish_reason is not None:
             choice["stop_reason"] = seq.stop_reason

@@ -26,6 +26,7 @@ from pagefleet.router.openai.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from pagefleet.router.openai.reasoning import ReasoningParser
 from pagefleet.router.openai.request_size import chat_work, check_unstreamed_size
 from pagefleet.router.openai.responses import ChatResponseBuilder, CompletionResponseBuilder, ResponseBuilder
 from pagefleet.router.openai.tool_choice import ToolCallOptions, ToolPlan, check_tool_count, tool_plan
@@ -69,9 +70,10 @@ class WorkerClient(Protocol):
 
 class OpenAIService:
     def __init__(self, *, tokenizer: Any, info: pre.ModelInfo, client: WorkerClient,
-                 tools: ToolCallOptions = ToolCallOptions()) -> None:
+                 tools: ToolCallOptions = ToolCallOptions(), reasoning: ReasoningParser | None = None) -> None:
         self.tokenizer = tokenizer
         self.tools = tools
+        self.reasoning = reasoning
         self._tool_parser = get_tool_parser(tools.parser) if tools.parser is not None else None
         self.info = info
         self.client = client
@@ -86,6 +88,7 @@ class OpenAIService:
         self._check_open()
         pre.check_model_name(req.model, self.info)
         pre.check_request_id(req.request_id, self.info)
+        pre.check_not_implemented(req)
         items = pre.completion_prompt_items(req, self.info)
         params = pre.completion_sampling_params(req)
         text_chars = sum(len(p) for p in items if isinstance(p, str))
@@ -95,22 +98,25 @@ class OpenAIService:
         builder = CompletionResponseBuilder(request_id=req.request_id or engine_id,
                                             model=self.info.served_model_name, tokenizer=self.tokenizer,
                                             want_logprobs=req.logprobs is not None,
-                                            include_usage=_include_usage(req))
+                                            include_usage=_include_usage(req),
+                                            tokens_as_ids=bool(req.return_tokens_as_token_ids))
         return self._prepared(req, builder, engine_id, [p.token_ids for p in prompts], params)
 
     async def chat(self, req: ChatCompletionRequest) -> PreparedRequest:
         self._check_open()
         pre.check_model_name(req.model, self.info)
         pre.check_request_id(req.request_id, self.info)
+        pre.check_not_implemented(req)
         pre.check_message_count(req.messages, self.info)
         check_tool_count(req.tools)
-        plan, params, prompt = await self._off_loop(chat_work(req.messages, req.tools, INLINE_TEXT_CHARS),
-                                                    self._chat_prompt, req)
+        work = chat_work(req.messages, req.tools, INLINE_TEXT_CHARS) + pre.template_kwargs_chars(req)
+        plan, params, prompt = await self._off_loop(work, self._chat_prompt, req)
         engine_id = f"chatcmpl-{uuid.uuid4().hex}"
         builder = ChatResponseBuilder(request_id=req.request_id or engine_id,
                                       model=self.info.served_model_name, tokenizer=self.tokenizer,
                                       want_logprobs=req.logprobs, include_usage=_include_usage(req),
-                                      tool_plan=plan)
+                                      tool_plan=plan, tokens_as_ids=bool(req.return_tokens_as_token_ids),
+                                      reasoning=self.reasoning)
         return self._prepared(req, builder, engine_id, [prompt.token_ids], params)
 
     def _chat_prompt(self, req: ChatCompletionRequest) -> tuple[ToolPlan | None, SamplingParams, pre.PreparedPrompt]:
@@ -118,12 +124,20 @@ class OpenAIService:
         the text's size checked before rendering."""
         plan = tool_plan(req, self._tool_parser, self.tools.enable_auto_tool_choice)
         params = pre.chat_sampling_params(req, plan)
+        if self.reasoning is not None and params.structured_outputs is not None:
+            # vLLM applies the grammar after the reasoning ends; pagefleet's would constrain the
+            # reasoning too, so it refuses instead.
+            field = "tool_choice" if plan is not None and plan.structured_outputs is not None else (
+                "response_format" if req.response_format is not None else "structured_outputs")
+            raise bad_request(f"{field} cannot constrain the answer of a reasoning model "
+                              f"(--reasoning-parser {self.reasoning.name}) yet", field)
         conversation = pre.chat_conversation(req.messages, self.info, add_generation_prompt=req.add_generation_prompt,
                                              continue_final_message=req.continue_final_message, tools=req.tools)
         prompt = pre.chat_prompt(conversation, self.tokenizer, add_generation_prompt=req.add_generation_prompt,
                                  continue_final_message=req.continue_final_message,
                                  add_special_tokens=req.add_special_tokens,
-                                 tools=plan.tools if plan is not None else None)
+                                 tools=plan.tools if plan is not None else None,
+                                 template_kwargs=req.chat_template_kwargs)
         return plan, params, prompt
 
     def _prepared(self, req: CompletionRequest | ChatCompletionRequest, builder: ResponseBuilder, engine_id: str,
@@ -137,7 +151,7 @@ class OpenAIService:
         extra_keys = (req.cache_salt,) if req.cache_salt else ()
         extra = extra_keys_digest(extra_keys)
         jobs = []
-        for i, token_ids in enumerate(prompts):
+        for i, token_ids in enumerate(pre.truncated_prompt(p, req, self.info) for p in prompts):
             pre.check_job(token_ids, params, self.info, req)
             hashes = pack_hashes(block_hashes(token_ids, self.info.block_size, extra))
             # Engine request ids are the server's own, whatever id the client sent.

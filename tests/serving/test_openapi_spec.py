@@ -38,7 +38,7 @@ def test_request_bodies_are_the_protocol_models_narrowed_to_this_servers_limits(
 
 def test_responses_list_every_status_in_the_openai_error_shape_and_401_only_with_a_key(service):
     plain = _schema(service)["paths"]["/v1/chat/completions"]["post"]["responses"]
-    assert sorted(plain) == ["200", "400", "404", "413", "415", "422", "429", "500", "503"]
+    assert sorted(plain) == ["200", "400", "404", "413", "415", "429", "500", "503"]
     assert plain["429"]["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/ErrorResponse"}
     assert set(plain["200"]["content"]) == {"application/json", "text/event-stream"}
     keyed = _schema(service, api_key="k")

@@ -237,3 +237,30 @@ def test_an_empty_language_or_an_unenforced_keyword_is_a_400_naming_it(server, c
     r = client.chat.completions.create(model=model, messages=_chat(), max_tokens=8,
                                        extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
     assert r.choices[0].message.content in ("yes", "no")
+
+
+def test_vllm_logits_processors_and_prompt_fields_take_effect_through_the_server(server):
+    """allowed_token_ids, logit_bias, bad_words, truncate_prompt_tokens and return_tokens_as_token_ids
+    on the real engine: the token ids (read through return_tokens_as_token_ids) show each effect."""
+    base, model = server
+
+    def ids_of(**fields):
+        body = {"model": model, "prompt": "the quick brown fox jumps over", "max_tokens": 6, "temperature": 0,
+                "ignore_eos": True, "logprobs": 0, "return_tokens_as_token_ids": True, **fields}
+        r = httpx.post(f"{base}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        out = r.json()
+        tokens = out["choices"][0]["logprobs"]["tokens"]
+        assert all(t.startswith("token_id:") for t in tokens)
+        return [int(t.split(":")[1]) for t in tokens], out["usage"]["prompt_tokens"]
+
+    plain, prompt_tokens = ids_of()
+    allowed = [11, 12, 13]
+    assert set(ids_of(allowed_token_ids=allowed)[0]) <= set(allowed)
+    assert ids_of(logit_bias={"77": 100})[0] == [77] * 6
+    banned = ids_of(logit_bias={str(plain[0]): -100})[0]
+    assert banned[0] != plain[0]
+    assert ids_of(truncate_prompt_tokens=2)[1] == 2 < prompt_tokens
+    r = httpx.post(f"{base}/v1/completions", json={"model": model, "prompt": "hi", "prompt_logprobs": 1}, timeout=60)
+    assert (r.status_code, r.json()["error"]["param"], r.json()["error"]["code"]) == (400, "prompt_logprobs",
+                                                                                       "unsupported")
