@@ -13,8 +13,9 @@ class TokenLogprob(msgspec.Struct, array_like=True, gc=False):
     """The chosen token's logprob and, when asked for, the top alternatives."""
 
     token_id: int
-    logprob: float
+    logprob: float | None  # None: a prompt's first token, which nothing precedes (echo)
     top: list[tuple[int, float]] = []
+    rank: int | None = None  # the token's rank in the vocabulary (1: the most likely); prompt logprobs'
 
 
 class CompletionOutput(msgspec.Struct, array_like=True, gc=False):

@@ -85,7 +85,8 @@ def body_schemas(info: ModelInfo) -> dict[str, dict]:
          "maxItems": max_prompts},
     ], "description": "A prompt, or a list of prompts (text or token ids)"}
     completion["logprobs"] = _nullable({"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS})
-    completion["echo"] = {"const": False, "default": False, "description": "echo is not supported (400)"}
+    completion["echo"] = {"type": "boolean", "default": False,
+                          "description": "Put the prompt before the output (with logprobs: the prompt's too)"}
     completion["suffix"] = _nullable({"type": "string", "maxLength": 0}, "suffix is not supported (400)")
     completion["best_of"] = _nullable({"type": "integer"}, "Must equal n (400 otherwise)")
 
@@ -161,6 +162,8 @@ def _sampling_fields(info: ModelInfo) -> dict[str, dict]:
                                             "-1: max_model_len"),
         "truncation_side": _nullable({"enum": ["left", "right"]}),
         "return_tokens_as_token_ids": _nullable({"type": "boolean"}, "Logprobs name tokens 'token_id:<id>'"),
+        "prompt_logprobs": _nullable({"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS},
+                                     "Each prompt token's logprob and the top ones at its position"),
         "request_id": _nullable({"type": "string", "pattern": f"^{REQUEST_ID_CHARS}+$", "minLength": 1,
                                  "maxLength": info.serving.max_request_id_chars},
                                 "Echoed as the response id; the server's own id runs the request"),

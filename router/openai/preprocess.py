@@ -107,8 +107,6 @@ def check_model_name(requested: str | None, info: ModelInfo) -> None:
 
 def completion_prompt_items(req: CompletionRequest, info: ModelInfo) -> list[str | list[int]]:
     """The prompts of a completions request, checked for count and size but not yet tokenized."""
-    if req.echo:
-        raise unsupported("echo is not supported", "echo")
     if req.suffix:
         raise unsupported("suffix is not supported", "suffix")
     if req.best_of is not None and req.best_of != req.n:
@@ -238,7 +236,12 @@ def _arguments(arguments: str | dict) -> str | dict:
 
 
 def completion_sampling_params(req: CompletionRequest) -> SamplingParams:
-    return _sampling_params(req, req.max_tokens, req.logprobs, structured_outputs(req))
+    # echo with logprobs returns the prompt's logprobs ahead of the output's (lm-eval's
+    # loglikelihood); echo with max_tokens 0 returns the prompt alone.
+    prompt_logprobs = req.prompt_logprobs
+    if req.echo and (req.logprobs is not None or req.max_tokens == 0):
+        prompt_logprobs = max(prompt_logprobs or 0, req.logprobs or 0)
+    return _sampling_params(req, req.max_tokens, req.logprobs, structured_outputs(req), prompt_logprobs)
 
 
 def chat_sampling_params(req: ChatCompletionRequest, plan: ToolPlan | None = None) -> SamplingParams:
@@ -252,7 +255,10 @@ def chat_sampling_params(req: ChatCompletionRequest, plan: ToolPlan | None = Non
             raise bad_request("tool_choice forces a tool call, so response_format or structured_outputs cannot "
                               "also constrain the output", "tool_choice")
         constraint = plan.structured_outputs
-    params = _sampling_params(req, max_tokens, logprobs, constraint)
+    if req.prompt_logprobs is not None and req.stream:
+        raise unsupported("prompt_logprobs with a streamed chat completion is not supported; ask without "
+                          "stream", "prompt_logprobs")
+    params = _sampling_params(req, max_tokens, logprobs, constraint, req.prompt_logprobs)
     # A parser that reads special tokens (Mistral's [TOOL_CALLS]) must see them in the text.
     if plan is not None and plan.parser is not None and plan.parser.reads_special_tokens:
         params.skip_special_tokens = False
@@ -324,7 +330,8 @@ def truncated_prompt(token_ids: list[int], req: CompletionRequest | ChatCompleti
 
 
 def _sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: int | None,
-                     logprobs: int | None, constraint: StructuredOutputsParams | None) -> SamplingParams:
+                     logprobs: int | None, constraint: StructuredOutputsParams | None,
+                     prompt_logprobs: int | None = None) -> SamplingParams:
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options is only allowed when stream is true", "stream_options")
     stop = req.stop if req.stop is not None else []
@@ -345,6 +352,7 @@ def _sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens:
             min_tokens=req.min_tokens,
             ignore_eos=req.ignore_eos,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             include_stop_str_in_output=req.include_stop_str_in_output,
             structured_outputs=constraint,
             skip_special_tokens=req.skip_special_tokens,

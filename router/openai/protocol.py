@@ -82,6 +82,8 @@ class _SamplingFields(_Body):
     truncation_side: Literal["left", "right"] | None = None
     # vLLM's: logprobs name their tokens "token_id:<id>" instead of the token's text.
     return_tokens_as_token_ids: bool | None = None
+    # vLLM's: each prompt token's logprob and the top ones at its position.
+    prompt_logprobs: int | None = None
     request_id: str | None = None
     # vLLM's: goes into the prefix-cache hashes, so requests with different salts never share
     # (nor can time) each other's cached blocks. One salt per tenant.

@@ -95,11 +95,15 @@ class OpenAIService:
         prompts = await self._off_loop(text_chars, pre.tokenize_prompts, items, self.tokenizer,
                                        req.add_special_tokens)
         engine_id = f"cmpl-{uuid.uuid4().hex}"
+        echo = [(p.text if p.text is not None else self.tokenizer.decode(p.token_ids), p.token_ids)
+                for p in prompts] if req.echo else None
         builder = CompletionResponseBuilder(request_id=req.request_id or engine_id,
                                             model=self.info.served_model_name, tokenizer=self.tokenizer,
                                             want_logprobs=req.logprobs is not None,
                                             include_usage=_include_usage(req),
-                                            tokens_as_ids=bool(req.return_tokens_as_token_ids))
+                                            tokens_as_ids=bool(req.return_tokens_as_token_ids), n=req.n,
+                                            want_prompt_logprobs=req.prompt_logprobs is not None,
+                                            echo_prompts=echo)
         return self._prepared(req, builder, engine_id, [p.token_ids for p in prompts], params)
 
     async def chat(self, req: ChatCompletionRequest) -> PreparedRequest:
@@ -116,7 +120,8 @@ class OpenAIService:
                                       model=self.info.served_model_name, tokenizer=self.tokenizer,
                                       want_logprobs=req.logprobs, include_usage=_include_usage(req),
                                       tool_plan=plan, tokens_as_ids=bool(req.return_tokens_as_token_ids),
-                                      reasoning=self.reasoning)
+                                      reasoning=self.reasoning, n=req.n,
+                                      want_prompt_logprobs=req.prompt_logprobs is not None)
         return self._prepared(req, builder, engine_id, [prompt.token_ids], params)
 
     def _chat_prompt(self, req: ChatCompletionRequest) -> tuple[ToolPlan | None, SamplingParams, pre.PreparedPrompt]:
@@ -253,6 +258,7 @@ class OpenAIService:
         builder, jobs = prepared.builder, prepared.jobs
         try:
             async for job_index, delta in self._merged(prepared):
+                builder.record_prompt_logprobs(job_index, delta.prompt_logprobs)
                 for seq in delta.sequences:
                     builder.accumulate(job_index * jobs[job_index].params.n + seq.index, seq)
         finally:
@@ -265,6 +271,7 @@ class OpenAIService:
             for chunk in builder.role_chunks(list(range(len(jobs) * n))):
                 yield chunk
             async for job_index, delta in self._merged(prepared):
+                builder.record_prompt_logprobs(job_index, delta.prompt_logprobs)
                 for seq in delta.sequences:
                     chunk = builder.delta_chunk(job_index * n + seq.index, seq)
                     if chunk is not None:

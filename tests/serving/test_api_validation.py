@@ -19,7 +19,6 @@ def _error(r, status, param):
 
 @pytest.mark.parametrize("body, status, param", [
     ({"model": "gpt-4", "prompt": "hi"}, 404, "model"),
-    ({"prompt": "hi", "echo": True}, 400, "echo"),
     ({"prompt": "hi", "suffix": "end"}, 400, "suffix"),
     ({"prompt": "hi", "best_of": 3}, 400, "best_of"),
     ({"prompt": "hi", "logit_bias": {"x": 1.0}}, 400, "logit_bias"),
@@ -27,7 +26,8 @@ def _error(r, status, param):
     ({"prompt": "hi", "allowed_token_ids": []}, 400, "allowed_token_ids"),
     ({"prompt": "hi", "bad_words": [" "]}, 400, "bad_words"),
     ({"prompt": "hi", "truncate_prompt_tokens": 0}, 400, "truncate_prompt_tokens"),
-    ({"prompt": "hi", "prompt_logprobs": 1}, 400, "prompt_logprobs"),
+    ({"prompt": "hi", "prompt_logprobs": 21}, 400, "prompt_logprobs"),
+    ({"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
     ({"prompt": "hi", "use_beam_search": True}, 400, "use_beam_search"),
     ({"prompt": "hi", "priority": 3}, 400, "priority"),
     ({"prompt": "hi", "max_tokens": "5"}, 400, "max_tokens"),

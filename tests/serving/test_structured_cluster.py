@@ -261,6 +261,38 @@ def test_vllm_logits_processors_and_prompt_fields_take_effect_through_the_server
     banned = ids_of(logit_bias={str(plain[0]): -100})[0]
     assert banned[0] != plain[0]
     assert ids_of(truncate_prompt_tokens=2)[1] == 2 < prompt_tokens
-    r = httpx.post(f"{base}/v1/completions", json={"model": model, "prompt": "hi", "prompt_logprobs": 1}, timeout=60)
-    assert (r.status_code, r.json()["error"]["param"], r.json()["error"]["code"]) == (400, "prompt_logprobs",
+    r = httpx.post(f"{base}/v1/completions", json={"model": model, "prompt": "hi", "use_beam_search": True},
+                   timeout=60)
+    assert (r.status_code, r.json()["error"]["param"], r.json()["error"]["code"]) == (400, "use_beam_search",
                                                                                        "unsupported")
+
+
+def test_echo_logprobs_of_a_prompt_equal_transformers_through_the_server(server, tiny_checkpoint):
+    """lm-eval's loglikelihood request (echo, logprobs 1, max_tokens 0) and vLLM's prompt_logprobs:
+    the prompt tokens' logprobs equal transformers' log_softmax over the same prompt."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from hf_reference import hf_model
+
+    base, model = server
+    path = str(tiny_checkpoint("llama"))
+    prompt = "the quick brown fox jumps over the lazy dog"
+    ids = AutoTokenizer.from_pretrained(path).encode(prompt)
+    with torch.no_grad():
+        ref = hf_model(path)(input_ids=torch.tensor([ids])).logits[0].log_softmax(-1)
+    want = [float(ref[j, ids[j + 1]]) for j in range(len(ids) - 1)]
+    r = httpx.post(f"{base}/v1/completions", json={"model": model, "prompt": prompt, "echo": True, "logprobs": 1,
+                                                   "max_tokens": 0, "temperature": 0}, timeout=60)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert (choice["text"], choice["finish_reason"], r.json()["usage"]["completion_tokens"]) == (prompt, "length", 0)
+    lp = choice["logprobs"]
+    assert len(lp["tokens"]) == len(ids) and lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert lp["token_logprobs"][1:] == pytest.approx(want, abs=1e-3)
+    r = httpx.post(f"{base}/v1/completions", json={"model": model, "prompt": prompt, "prompt_logprobs": 2,
+                                                   "max_tokens": 2, "temperature": 0}, timeout=60)
+    scored = r.json()["choices"][0]["prompt_logprobs"]
+    assert scored[0] is None and len(scored) == len(ids)
+    assert [entry[str(t)]["logprob"] for entry, t in zip(scored[1:], ids[1:])] == pytest.approx(want, abs=1e-3)
+    assert all(len(entry) in (2, 3) for entry in scored[1:])  # the top 2, and the token when outside them

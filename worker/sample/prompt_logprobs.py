@@ -20,7 +20,9 @@ def score_prompts(logits: torch.Tensor, spans: list[tuple[Sequence, int, int]]) 
     logits: [R, V], one row per position of the spans, in their order."""
     targets = [seq.token_ids[j + 1] for seq, first, stop in spans for j in range(first, stop)]
     logprobs = logits.float().log_softmax(dim=-1)
-    chosen = logprobs.gather(1, to_device(targets, torch.long, logits.device).unsqueeze(1)).squeeze(1).tolist()
+    chosen_t = logprobs.gather(1, to_device(targets, torch.long, logits.device).unsqueeze(1))  # [R, 1]
+    ranks = ((logprobs > chosen_t).sum(dim=-1) + 1).tolist()
+    chosen = chosen_t.squeeze(1).tolist()
     k = max(seq.params.prompt_logprobs for seq, _, _ in spans)
     top_values, top_ids = logprobs.topk(k, dim=-1) if k else (None, None)
     top_values = top_values.tolist() if k else None
@@ -30,5 +32,5 @@ def score_prompts(logits: torch.Tensor, spans: list[tuple[Sequence, int, int]]) 
         n = seq.params.prompt_logprobs
         for j in range(first, stop):
             top = list(zip(top_ids[row][:n], top_values[row][:n])) if n else []
-            seq.prompt_logprobs[j + 1] = TokenLogprob(targets[row], chosen[row], top)
+            seq.prompt_logprobs[j + 1] = TokenLogprob(targets[row], chosen[row], top, ranks[row])
             row += 1
