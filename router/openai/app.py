@@ -26,6 +26,7 @@ from pagefleet.router.openai.http_guards import (
     INLINE_PARSE_BYTES,
     BodyLimits,
     check_content_type,
+    client_address,
     parse_json_object,
     read_body,
 )
@@ -127,8 +128,9 @@ def build_openai_app(service: OpenAIService, *, api_key: str | None = None, body
 
     async def respond(prepared: PreparedRequest, request: Request, started: float) -> Response:
         service.trace(prepared, request.headers, started)
+        client = client_address(request.client.host if request.client is not None else "", request.headers)
         for job in prepared.jobs:  # whose share of a worker's grammar compile queue it takes
-            job.client = request.client.host if request.client is not None else ""
+            job.client = client
         await service.admit(prepared)
         if prepared.stream:
             return _event_stream(service.stream_chunks(prepared))

@@ -79,3 +79,12 @@ def test_chat_template_kwargs_reach_the_template():
         for bad in ({"messages": []}, {"add_generation_prompt": False}, {"x": "y" * 5000}):
             r = client.post("/v1/chat/completions", json={"messages": messages, "chat_template_kwargs": bad})
             assert (r.status_code, r.json()["error"]["param"]) == (400, "chat_template_kwargs")
+
+
+def test_the_fronts_client_address_keys_the_per_client_bounds(client, fake):
+    """Behind HAProxy every request comes from HAProxy's address: the client's own, which HAProxy
+    sets in X-Pagefleet-Client, is whose share of a worker's compile queue a request takes."""
+    client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1},
+                headers={"X-Pagefleet-Client": "203.0.113.7"})
+    client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1})
+    assert [job.client for job in fake.routed] == ["203.0.113.7", "testclient"]
