@@ -296,3 +296,40 @@ def test_echo_logprobs_of_a_prompt_equal_transformers_through_the_server(server,
     assert scored[0] is None and len(scored) == len(ids)
     assert [entry[str(t)]["logprob"] for entry, t in zip(scored[1:], ids[1:])] == pytest.approx(want, abs=1e-3)
     assert all(len(entry) in (2, 3) for entry in scored[1:])  # the top 2, and the token when outside them
+
+
+def test_a_compile_flood_from_one_client_leaves_others_their_answers(server):
+    """Security round 3, A2, through the real server: one client (127.0.0.1) sends 6 schemas that
+    take seconds each to compile; another (127.0.0.2) asks for a small grammar meanwhile and gets
+    its answer in the quick lane, and GET /version stays fast. The flood's own requests each end
+    as a 200, a 400 (its compile stopped at the time limit) or a 429 (its client's queue full)."""
+    import concurrent.futures
+    import time
+
+    base, model = server
+
+    def expensive(tag: str) -> dict:
+        return {"model": model, "prompt": "x", "max_tokens": 2,
+                "structured_outputs": {"json": {"type": "string", "pattern": f"^(a|bc|[0-9]{tag}){{1600,3200}}$"}}}
+
+    small = {"model": model, "prompt": "Answer:", "max_tokens": 4, "temperature": 0,
+             "structured_outputs": {"choice": ["yes", "no"]}}
+    other = httpx.Client(transport=httpx.HTTPTransport(local_address="127.0.0.2"), timeout=60)
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        flood = [pool.submit(httpx.post, f"{base}/v1/completions", json=expensive(tag), timeout=120)
+                 for tag in "pqrstu"]
+        time.sleep(1.0)  # the flood's compiles are running
+        started = time.monotonic()
+        answer = other.post(f"{base}/v1/completions", json=small)
+        took = time.monotonic() - started
+        version_s = []
+        while not all(f.done() for f in flood):
+            t0 = time.monotonic()
+            assert httpx.get(f"{base}/version", timeout=10).status_code == 200
+            version_s.append(time.monotonic() - t0)
+            time.sleep(0.05)
+        statuses = sorted(f.result().status_code for f in flood)
+    assert (answer.status_code, answer.json()["choices"][0]["text"] in ("yes", "no")) == (200, True), answer.text
+    assert took < 5.0  # not behind an expensive compile (each takes seconds)
+    assert set(statuses) <= {200, 400, 429} and 429 in statuses, statuses  # 4 a client: the rest refused at once
+    assert max(version_s) < 0.25, max(version_s)
