@@ -16,12 +16,12 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from pagefleet.router.openai.http_guards import DEFAULT_MAX_BODY_BYTES
+from pagefleet.router.openai.output.reasoning import PARSERS as REASONING_PARSERS
 from pagefleet.router.openai.preprocess import (
     DEFAULT_MAX_CHAT_MESSAGES,
     DEFAULT_MAX_PROMPTS,
     DEFAULT_MAX_REQUEST_ID_CHARS,
 )
-from pagefleet.router.openai.reasoning import PARSERS as REASONING_PARSERS
 from pagefleet.router.openai.request_size import DEFAULT_MAX_UNSTREAMED_RESPONSE_TOKENS
 from pagefleet.router.openai.tool_parsers import TOOL_PARSERS
 from pagefleet.router.routing.kv_routing import KVRoutingOptions

@@ -38,8 +38,8 @@ from pagefleet.router.metrics import RouterMetrics
 from pagefleet.router.openai.app import build_openai_app, freeze_loaded_objects
 from pagefleet.router.openai.http_guards import BodyLimits
 from pagefleet.router.openai.node_metrics import NodeMetricsReader
+from pagefleet.router.openai.output.reasoning import PARSERS as REASONING_PARSERS
 from pagefleet.router.openai.preprocess import ModelInfo, ServingLimits, longest_token_chars
-from pagefleet.router.openai.reasoning import PARSERS as REASONING_PARSERS
 from pagefleet.router.openai.service import Job, OpenAIService
 from pagefleet.router.openai.tool_choice import ToolCallOptions
 from pagefleet.router.routing.admission import AdmissionCounters

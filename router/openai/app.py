@@ -19,7 +19,6 @@ from pydantic import BaseModel, ValidationError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pagefleet.router.metrics import RouterMetrics
-from pagefleet.router.openai import response_schema as out
 from pagefleet.router.openai.auth import APIKeyMiddleware
 from pagefleet.router.openai.errors import OpenAIError, from_validation_error, install_error_handlers
 from pagefleet.router.openai.http_guards import (
@@ -32,15 +31,16 @@ from pagefleet.router.openai.http_guards import (
 )
 from pagefleet.router.openai.node_metrics import NodeMetricsReader
 from pagefleet.router.openai.openapi_spec import install_schemas, route_docs
+from pagefleet.router.openai.output import response_schema as out
+from pagefleet.router.openai.output.responses import json_body
+from pagefleet.router.openai.output.sse import sse_stream
 from pagefleet.router.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
 )
-from pagefleet.router.openai.responses import json_body
 from pagefleet.router.openai.service import OpenAIService, PreparedRequest
-from pagefleet.router.openai.sse import sse_stream
 
 logger = logging.getLogger(__name__)
 

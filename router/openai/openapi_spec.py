@@ -22,8 +22,8 @@ from fastapi.responses import Response
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
-from pagefleet.router.openai import response_schema as out
 from pagefleet.router.openai.errors import ErrorResponse
+from pagefleet.router.openai.output import response_schema as out
 from pagefleet.router.openai.preprocess import (
     MAX_CACHE_SALT_CHARS,
     MAX_TEMPLATE_KWARGS_CHARS,

@@ -20,15 +20,15 @@ from typing import Any, AsyncIterator, Callable, Mapping, Protocol, TypeVar
 
 from pagefleet.router.openai import preprocess as pre
 from pagefleet.router.openai.errors import OpenAIError, bad_request, internal_error, unavailable
+from pagefleet.router.openai.output.reasoning import ReasoningParser
+from pagefleet.router.openai.output.responses import ChatResponseBuilder, CompletionResponseBuilder, ResponseBuilder
 from pagefleet.router.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
 )
-from pagefleet.router.openai.reasoning import ReasoningParser
 from pagefleet.router.openai.request_size import chat_work, check_unstreamed_size
-from pagefleet.router.openai.responses import ChatResponseBuilder, CompletionResponseBuilder, ResponseBuilder
 from pagefleet.router.openai.tool_choice import ToolCallOptions, ToolPlan, check_tool_count, tool_plan
 from pagefleet.router.openai.tool_parsers import get_tool_parser
 from pagefleet.worker import tracing

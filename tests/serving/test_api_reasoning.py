@@ -11,8 +11,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from pagefleet.router.openai.app import build_openai_app
+from pagefleet.router.openai.output.reasoning import PARSERS
 from pagefleet.router.openai.preprocess import ModelInfo
-from pagefleet.router.openai.reasoning import PARSERS
 from pagefleet.router.openai.service import OpenAIService
 from pagefleet.router.openai.tool_choice import ToolCallOptions
 from pagefleet.worker.outputs import CompletionOutput, RequestOutputDelta

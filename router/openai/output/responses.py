@@ -13,7 +13,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagefleet.router.openai.reasoning import ReasoningParser
+from pagefleet.router.openai.output.reasoning import ReasoningParser
 from pagefleet.worker.outputs import CompletionOutput, RequestOutputDelta, TokenLogprob, append_output
 
 # Logprobs written into a non-streamed body at a time (``full_response_json``).
