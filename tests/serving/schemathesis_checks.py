@@ -31,6 +31,8 @@ CROSS_FIELD_REFUSALS = (
     # characters (JSON Schema bounds neither a number written as a key nor a value's total text).
     (400, "logit_bias", None, "logit_bias token id"),
     (400, "chat_template_kwargs", None, "chat_template_kwargs hold more than"),
+    # prompt_logprobs is refused with a streamed chat completion.
+    (400, "prompt_logprobs", "unsupported", "prompt_logprobs with a streamed chat completion"),
     # Tools need a chat template that reads them (a property of the model) and distinct names.
     (400, "tools", None, "this model's chat template has no tool support"),
     (400, "tools", None, "two tools have the same function name"),
