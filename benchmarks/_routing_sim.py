@@ -308,7 +308,7 @@ def routing_counters(app: str, policy: str):
         return None
     from ray import serve
 
-    return serve.get_deployment_handle("OpenAIIngress", app).routing_counters.remote().result()
+    return serve.get_deployment_handle("OpenAIIngress", app).counters.remote().result().routing
 
 
 def kv_phase(before, after) -> dict | None:

@@ -310,10 +310,8 @@ def main() -> None:
         routing = admission = mirror = view = None
         if policy == "kv":
             ingress = serve.get_deployment_handle("OpenAIIngress", app)
-            routing = ingress.routing_counters.remote().result()
-            admission = ingress.admission_counters.remote().result()
-            mirror = ingress.mirror_counters.remote().result()
-            view = ingress.view_counters.remote().result()
+            counters = ingress.counters.remote().result()
+            routing, admission, mirror, view = counters.routing, counters.admission, counters.mirror, counters.view
         line = summarize(policy, normal, overload, oracle, routing, admission, mirror, view)
         line.update(capacity_requests_per_s=round(capacity, 2), normal_rate=round(args.load * capacity, 2),
                     overload_rate=round(3 * capacity, 2), loadavg_1m=round(os.getloadavg()[0], 2))

@@ -45,7 +45,14 @@ from pagefleet.router.openai.tool_choice import ToolCallOptions
 from pagefleet.router.routing.admission import AdmissionCounters
 from pagefleet.router.routing.kv_routing import KVRoutingClient, KVRoutingOptions, RoutingCounters
 from pagefleet.router.routing.request_router import routable
-from pagefleet.router.worker_client.delta_mux import ChannelLost, ChannelMux, ReplicaBusy, read_deltas, watch
+from pagefleet.router.worker_client.delta_mux import (
+    ChannelLost,
+    ChannelMux,
+    MuxCounters,
+    ReplicaBusy,
+    read_deltas,
+    watch,
+)
 from pagefleet.router.worker_client.failover import StreamProgress
 from pagefleet.router.worker_client.worker_errors import WorkerHealth, engine_died, worker_failure
 from pagefleet.worker import tracing
@@ -77,12 +84,19 @@ class ReplicaInFlight(NamedTuple):
     num_in_flight: int
 
 
-class ReplicaView(NamedTuple):
-    """One ingress replica's answer to ``OpenAIIngress.replica_view``."""
+@dataclasses.dataclass(frozen=True)
+class IngressCounters:
+    """One ingress replica's answer to ``OpenAIIngress.counters``: what its routing, delta
+    channels, copy of the scheduler's view and admission have counted. A Serve handle call
+    reaches one replica, so a caller that needs every replica calls until each has answered."""
 
     replica_id: str
-    view: WorkerKVView | None
-    admission: AdmissionCounters | None
+    channel: MuxCounters
+    routing: RoutingCounters | None = None     # None without kv routing, as the rest below
+    mirror: MirrorCounters | None = None       # the copy's polls and resyncs
+    view: SchedulerCounters | None = None      # the copy's decisions and predictions
+    admission: AdmissionCounters | None = None
+    worker_view: WorkerKVView | None = None    # the copy's view of the worker asked about
 
 
 # How often a draining replica tells the drain board how many requests it still has in flight.
@@ -350,36 +364,17 @@ class OpenAIIngress:
         left = await self._service.drain(self._drain_timeout_s)
         return ReplicaInFlight(_replica_id(), left)
 
-    async def routing_counters(self) -> RoutingCounters | None:
-        """This replica's kv routing counters (None without kv routing), for benchmarks and tests
-        (Serve handle call; the HTTP app does not expose them)."""
-        return None if self._client.kv is None else self._client.kv.counters
-
-    async def channel_counters(self):
-        """This replica's delta channel counters (``MuxCounters``: channels opened, batches,
-        deltas), for benchmarks and tests."""
-        return self._client.mux.counters
-
-    async def mirror_view(self, worker_id: str) -> WorkerKVView | None:
-        """What this ingress's copy of the scheduler's view holds for a worker (tests compare
-        it with the worker's own pool and with the actor's view)."""
-        return None if self._mirror is None else worker_kv_view(self._mirror.core, worker_id)
-
-    async def mirror_counters(self) -> MirrorCounters | None:
-        return None if self._mirror is None else self._mirror.counters
-
-    async def view_counters(self) -> SchedulerCounters | None:
-        """The counters of this ingress's copy of the scheduler (its decisions and predictions)."""
-        return None if self._mirror is None else self._mirror.core.counters
-
-    async def admission_counters(self):
-        kv = self._client.kv
-        return None if kv is None or kv.admission is None else kv.admission.counters
-
-    async def replica_view(self, worker_id: str) -> ReplicaView:
-        """This replica's id with its copy's view of a worker and its admission counters: a Serve
-        handle calls one replica, so tests that check every replica call until each answered."""
-        return ReplicaView(_replica_id(), await self.mirror_view(worker_id), await self.admission_counters())
+    async def counters(self, worker_id: str | None = None) -> IngressCounters:
+        """This replica's counters (Serve handle call, for operators' scripts, benchmarks and
+        tests; the HTTP app exports the same events as Prometheus metrics), with its copy's view
+        of ``worker_id`` when one is named."""
+        kv, mirror = self._client.kv, self._mirror
+        if kv is None or mirror is None:
+            return IngressCounters(_replica_id(), self._client.mux.counters)
+        return IngressCounters(
+            _replica_id(), self._client.mux.counters, routing=kv.counters, mirror=mirror.counters,
+            view=mirror.core.counters, admission=None if kv.admission is None else kv.admission.counters,
+            worker_view=None if worker_id is None else worker_kv_view(mirror.core, worker_id))
 
 
 def _replica_id() -> str:

@@ -105,9 +105,9 @@ def assert_views_equal_pools(scheduler, ingress_replicas: int = 1) -> dict:
         copies: dict[str, object] = {}
         deadline = time.monotonic() + 30
         while len(copies) < ingress_replicas:
-            answer = ingress().replica_view.remote(worker_id).result()
-            if answer.view is not None and answer.view.seq >= snap.seq:
-                copies[answer.replica_id] = answer.view
+            answer = ingress().counters.remote(worker_id).result()
+            if answer.worker_view is not None and answer.worker_view.seq >= snap.seq:
+                copies[answer.replica_id] = answer.worker_view
             assert time.monotonic() < deadline, ("ingress copies", worker_id, sorted(copies), snap.seq)
             time.sleep(0.02)
         for replica_id, copy in copies.items():

@@ -106,7 +106,7 @@ def test_two_ingress_replicas_refuse_overload_at_once_and_keep_exact_views(serve
     counters = {}
     deadline = time.monotonic() + 30
     while len(counters) < 2:
-        answer = ingress().replica_view.remote("").result()
+        answer = ingress().counters.remote().result()
         counters[answer.replica_id] = answer.admission
         assert time.monotonic() < deadline, f"only replicas {sorted(counters)} answered"
     print({rid: c for rid, c in counters.items()})

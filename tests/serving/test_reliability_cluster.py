@@ -378,11 +378,11 @@ def test_overload_is_refused_fast_with_retry_after(server, rounds):
     base, model = server
     _ok(base, model)  # the ingress's handle to the workers exists (made on the first request)
     ingress = serve.get_deployment_handle("OpenAIIngress", APP)
-    before = ingress.admission_counters.remote().result()
+    before = ingress.counters.remote().result().admission
     ingress_rss = _ingress_rss_bytes()
     offered = 3 * CAPACITY
     results, health, baseline = _overload(base, model, offered, rounds)
-    after = ingress.admission_counters.remote().result()
+    after = ingress.counters.remote().result().admission
     # who refused: the ingress's admission queue (full, or too long to wait in), or Serve's
     # queue of worker replicas behind it (the rest)
     by_admission = {k: getattr(after, f"rejected_{k}") - getattr(before, f"rejected_{k}")

@@ -302,15 +302,15 @@ def test_zero_drift_after_a_thousand_requests_with_aborts(server):
     from pagefleet.router.global_scheduler.actor import get_scheduler
 
     base, model, scheduler = server[0], server[1].name, get_scheduler()
-    before = ingress().routing_counters.remote().result()
+    before = ingress().counters.remote().result().routing
     decided_before, fallbacks_before = sum(before.decisions.values()), before.fallbacks
-    channels_before = ingress().channel_counters.remote().result()
+    channels_before = ingress().counters.remote().result().channel
     statuses = asyncio.run(traffic(base, model, NUM_REQUESTS, seed=0))
     assert statuses == [200] * NUM_REQUESTS
     wait_idle()
     # their output came on the ingress's channel connections (a request that starts while its
     # replica's channel is not attached streams on its own call), never on a Serve-stream channel
-    channels = ingress().channel_counters.remote().result()
+    channels = ingress().counters.remote().result().channel
     assert channels.deltas - channels_before.deltas >= 0.9 * NUM_REQUESTS
     assert channels.channels_opened == channels.socket_channels >= 1
     # and nearly all were sent on those connections rather than through a Serve handle call (the
@@ -324,7 +324,7 @@ def test_zero_drift_after_a_thousand_requests_with_aborts(server):
     total_blocks = sum(v.num_total_blocks for v in views.values())
     assert counters.block_events > 2 * total_blocks  # the pools were churned through, evictions included
     assert all(v.routing_keys for v in views.values())  # and both workers hold cached prefixes now
-    routing = ingress().routing_counters.remote().result()
+    routing = ingress().counters.remote().result().routing
     assert sum(routing.decisions.values()) - decided_before + routing.fallbacks - fallbacks_before == NUM_REQUESTS
     # some went where their prefix was cached, and the workers did find it there
     assert routing.decisions["prefix"] > 0 and routing.realised_hit_blocks > 0
@@ -336,9 +336,9 @@ def test_killing_the_scheduler_mid_traffic_keeps_serving_and_the_restart_rebuild
     from pagefleet.router.global_scheduler.actor import get_scheduler
 
     base, model, scheduler = server[0], server[1].name, get_scheduler()
-    before = ingress().routing_counters.remote().result()
+    before = ingress().counters.remote().result().routing
     decided_before = sum(before.decisions.values()) + before.fallbacks
-    mirror_before = ingress().mirror_counters.remote().result()
+    mirror_before = ingress().counters.remote().result().mirror
     first_start = ray.get(scheduler.start_time.remote())
 
     async def run():
@@ -354,17 +354,17 @@ def test_killing_the_scheduler_mid_traffic_keeps_serving_and_the_restart_rebuild
     killed_at, statuses = asyncio.run(run())
     assert killed_at < 100  # mid-traffic: most requests came after the kill
     assert statuses == [200] * 300  # nothing failed while the scheduler was gone
-    routing = ingress().routing_counters.remote().result()
+    routing = ingress().counters.remote().result().routing
     # every request was routed: by the ingress's copy of the view while it was current, by load
     # (a counted fallback) while it was stale
     assert sum(routing.decisions.values()) + routing.fallbacks == decided_before + 300
-    mirror = ingress().mirror_counters.remote().result()
+    mirror = ingress().counters.remote().result().mirror
     assert mirror.failed_polls > mirror_before.failed_polls  # the copy saw the actor go
     # and takes the new incarnation's whole view once it answers (the traffic may end first)
     deadline = time.monotonic() + 30
     while mirror.resyncs == mirror_before.resyncs and time.monotonic() < deadline:
         time.sleep(0.2)
-        mirror = ingress().mirror_counters.remote().result()
+        mirror = ingress().counters.remote().result().mirror
     assert mirror.resyncs > mirror_before.resyncs
     wait_idle()
     assert ray.get(scheduler.start_time.remote()) > first_start  # the same handle reaches the new incarnation
