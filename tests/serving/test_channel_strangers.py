@@ -63,7 +63,9 @@ class Strangers:
 
 def test_connections_that_never_send_their_token_keep_no_ingress_out():
     async def run():
-        replica = WorkerReplica(EngineArgs(), engine_factory=SteppedEngine)  # listens on loopback here
+        # On loopback whether or not this process joined a Ray cluster earlier in the run: a caller
+        # with no node id is told the node's address otherwise, where the strangers never connect.
+        replica = WorkerReplica(EngineArgs(), engine_factory=SteppedEngine, channel_host="127.0.0.1")
         for step in replica.engine.steps:
             step.set()  # every request runs to its end at once
         offer = await replica.channel(ChannelOpen("warm", "local", socket=True)).__anext__()
