@@ -237,7 +237,9 @@ class HandleWorkerClient:
                         # goes with it, or the replica went away. Nothing reached the client and the
                         # replica aborts whatever of it ran, so it goes through Serve as a refused one
                         # does, with its ranking and without spending an attempt (a failure there would).
-                        on_connection = False
+                        # Its output comes back on that call too: the replica may not have seen the
+                        # connection end yet, and would put the output on it, where nobody reads.
+                        on_connection, request.channel = False, None
                         self.metrics.inc("worker_resends", reason="connection_lost")
                         continue
                     error, retry = worker_failure(exc)
@@ -288,6 +290,8 @@ class HandleWorkerClient:
         """Where a sent request's deltas come from, once its ``Placed`` says: its queue, fed by the
         replica's channel (and by ``watch`` with its ``Ended`` or error), or its own stream."""
         placed = await response.__anext__()
+        if isinstance(placed, RequestOutputDelta):  # sent with no channel: its deltas are this stream
+            return _prepended(placed, response)
         if not isinstance(placed, Placed):
             raise TypeError(f"a worker answered {type(placed).__name__}, not Placed")
         self.mux.placed(request_id, placed.replica_id)  # its channel is opened if need be
@@ -375,6 +379,12 @@ class OpenAIIngress:
             _replica_id(), self._client.mux.counters, routing=kv.counters, mirror=mirror.counters,
             view=mirror.core.counters, admission=None if kv.admission is None else kv.admission.counters,
             worker_view=None if worker_id is None else worker_kv_view(mirror.core, worker_id))
+
+
+async def _prepended(first: RequestOutputDelta, rest: Any) -> AsyncIterator[RequestOutputDelta]:
+    yield first
+    async for delta in rest:
+        yield delta
 
 
 def _replica_id() -> str:
