@@ -1,4 +1,12 @@
-"""Per-sequence block tables over the shared block pool, with automatic prefix caching."""
+"""Per-sequence block tables over the shared block pool, with automatic prefix caching.
+
+With a sliding window in every layer (``sliding_window`` W), a query at position p reads keys
+from p - W + 1 on, so once a sequence has computed ``n`` tokens no later query reads a block
+wholly before token n - W + 1: the manager gives such blocks back to the pool as vLLM's
+sliding-window manager does. Their table entries stay (the ids are stale and no attention kernel
+reads them), so a table keeps one entry per block of the sequence; ``_num_skipped`` counts the
+leading entries no longer held. A freed full block keeps its hash: until evicted it is still a
+prefix-cache hit for the next prompt that starts the same way."""
 
 from __future__ import annotations
 
@@ -15,9 +23,13 @@ class PrefixHit(NamedTuple):
 
 
 class KVCacheManager:
-    def __init__(self, pool: BlockPool, block_size: int) -> None:
+    def __init__(self, pool: BlockPool, block_size: int, sliding_window: int | None = None) -> None:
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be at least 1 token, got {sliding_window}")
         self.pool = pool
         self.block_size = block_size
+        self.sliding_window = sliding_window  # set only where every layer slides (model_config)
+        self._num_skipped: dict[int, int] = {}  # leading table entries given back (out of the window)
         self.block_tables: dict[int, list[KVBlock]] = {}
         # The same tables as block ids, extended in place: a step's block table is these lists
         # as they are (``block_ids``), and one that did not change is seen not to
@@ -42,7 +54,8 @@ class KVCacheManager:
         A sequence forked from a running parent shares the parent's prompt blocks instead."""
         max_blocks = (seq.num_tokens - 1) // self.block_size
         parent = seq.parent
-        if parent is not None and parent.seq_id in self.block_tables:
+        # A parent that gave back blocks out of its window has none left to share from the start.
+        if parent is not None and parent.seq_id in self.block_tables and not self._num_skipped.get(parent.seq_id):
             shared = min(max_blocks, parent.num_computed_tokens // self.block_size,
                          seq.num_prompt_tokens // self.block_size)
             blocks = self.block_tables[parent.seq_id][:shared]
@@ -58,16 +71,22 @@ class KVCacheManager:
         return PrefixHit(hit, len(hit) * self.block_size)
 
     def allocate(self, seq: Sequence, num_new_tokens: int, prefix: PrefixHit | None = None) -> bool:
-        """Make room for ``num_new_tokens`` more tokens after the computed ones.
-        False (and nothing changed) when the pool cannot hold them."""
+        """Make room for ``num_new_tokens`` more tokens after the computed ones. False when the
+        pool cannot hold them: nothing changed then, but blocks that left the window are freed."""
         table = self.block_tables.get(seq.seq_id, [])
         hit = prefix.blocks if prefix else []
         num_computed = prefix.num_tokens if prefix else seq.num_computed_tokens
+        self._free_skipped(seq.seq_id, table, num_computed)
+        # A hit's blocks before the window are listed, never taken: no query of this sequence reads them.
+        skipped_hit = min(len(hit), self.num_skipped_blocks(num_computed)) if hit else 0
+        held_hit = hit[skipped_hit:]
         needed = -(-(num_computed + num_new_tokens) // self.block_size) - len(table) - len(hit)
-        if needed + self.pool.num_evictable(hit) > self.pool.num_free:
+        if needed + self.pool.num_evictable(held_hit) > self.pool.num_free:
             return False
-        if hit:
-            self.pool.touch(hit)
+        if held_hit:
+            self.pool.touch(held_hit)
+        if skipped_hit:
+            self._num_skipped[seq.seq_id] = skipped_hit
         new = self.pool.allocate(max(needed, 0))
         table = table + hit + new
         self.block_tables[seq.seq_id] = table
@@ -84,7 +103,8 @@ class KVCacheManager:
         if not self.pool.enable_caching:
             return
         hashes = self._hashes(seq)
-        start = self._num_published.get(seq.seq_id, 0)
+        # Never a block given back: another sequence may hold it by now.
+        start = max(self._num_published.get(seq.seq_id, 0), self._num_skipped.get(seq.seq_id, 0))
         end = min(num_tokens // self.block_size, len(hashes))
         events = self.pool.events is not None
         bs = self.block_size
@@ -104,12 +124,31 @@ class KVCacheManager:
             self._num_published.pop(seq_id, None)  # republished from the start when it runs again
         self._step_published.clear()
 
+    def num_skipped_blocks(self, num_computed_tokens: int) -> int:
+        """Leading blocks that no query after ``num_computed_tokens`` computed tokens reads."""
+        if self.sliding_window is None:
+            return 0
+        return max(0, num_computed_tokens - self.sliding_window + 1) // self.block_size
+
+    def _free_skipped(self, seq_id: int, table: list[KVBlock], num_computed_tokens: int) -> None:
+        """Give back the blocks of ``table`` that fell out of the window, newest first (as ``free``)."""
+        done = self._num_skipped.get(seq_id, 0)
+        end = min(self.num_skipped_blocks(num_computed_tokens), len(table))
+        if end > done:
+            self.pool.free(table[end - 1:done - 1 if done else None:-1])
+            self._num_skipped[seq_id] = end
+
+    def held_blocks(self, seq_id: int) -> list[KVBlock]:
+        """The blocks a sequence holds a reference on: its table less those given back."""
+        return self.block_tables.get(seq_id, [])[self._num_skipped.get(seq_id, 0):]
+
     def free(self, seq: Sequence) -> None:
         table = self.block_tables.pop(seq.seq_id, None)
         self._block_ids.pop(seq.seq_id, None)
         self._num_published.pop(seq.seq_id, None)
+        skipped = self._num_skipped.pop(seq.seq_id, 0)
         if table:
-            self.pool.free(list(reversed(table)))
+            self.pool.free(list(reversed(table[skipped:])))
 
     def block_ids(self, seq: Sequence) -> list[int]:
         """The sequence's block ids, in order: the manager's own list, which grows as the
