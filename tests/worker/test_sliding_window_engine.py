@@ -9,6 +9,8 @@ by 1e-2 or more on these checkpoints (attention weights are O(1) by the demo's i
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 import torch
 
@@ -97,3 +99,48 @@ def test_qwen2_with_full_and_sliding_layers_matches_transformers(qwen2):
     prompts = prompts_for(llm.tokenizer)
     assert_equal_to_transformers(qwen2, prompts, generate(llm, prompts), "batch")
     assert_equal_to_transformers(qwen2, prompts, generate(llm, prompts), "prefix-cached rerun")
+
+
+def test_mistral_preempted_and_parallel_samples_match_transformers(mistral):
+    # 9 blocks cannot hold four 60..70-token sequences growing by 30: preemption by recompute; the
+    # two samples of each request (n=2) share their parent's prompt blocks until the window
+    # passes them.
+    cfg = load_model_config(str(mistral))
+    per_block = 2 * cfg.num_layers * 16 * cfg.num_kv_heads * cfg.head_dim * 4  # fp32 K and V
+    llm = LLM(model=str(mistral), dtype="float32", kv_cache_bytes=9 * per_block, max_num_batched_tokens=32,
+              enable_prefix_caching=False)
+    prompts = [p for p in prompts_for(llm.tokenizer) if len(p) > 24]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, n=2)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    for prompt, out in zip(prompts, outs):
+        ref, _ = hf_greedy(str(mistral), tuple(prompt), MAX_NEW)
+        assert [o.token_ids for o in out.outputs] == [ref, ref]
+    stats = llm.engine.stats()
+    assert stats.num_preemptions > 0
+    assert stats.num_free_blocks == stats.num_total_blocks == 9
+
+
+def test_mistral_on_triton_kernels_matches_transformers(mistral, monkeypatch):
+    pytest.importorskip("triton")
+    from pagefleet.kernels import ops
+    from pagefleet.kernels.triton_kernel import TritonKernel
+
+    launches = Counter()
+    real_on = TritonKernel.on
+
+    def counting_on(self, device):
+        launches[self.__name__] += 1
+        return real_on(self, device)
+
+    monkeypatch.setattr(TritonKernel, "on", counting_on)
+    monkeypatch.setenv(ops.ENV_VAR, "triton")  # the interpreter on CPU
+    # 16-token steps: the 50-token prompts prefill in chunks that cross the 24-token window.
+    llm = LLM(model=str(mistral), dtype="float32", device="cpu", kv_cache_bytes=4 << 20, max_num_batched_tokens=16)
+    prompts = prompts_for(llm.tokenizer)[3:]  # the two 50-token prompts with a shared 48-token prefix
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    first = llm.generate([{"prompt_token_ids": prompts[0]}], params)
+    second = llm.generate([{"prompt_token_ids": prompts[1]}], params)  # a 48-token prefix hit
+    assert second[0].num_cached_tokens == 48
+    for prompt, out in zip(prompts, first + second):
+        assert out.outputs[0].token_ids == hf_greedy(str(mistral), tuple(prompt), 6)[0]
+    assert launches["_paged_attention_kernel"] > 0
