@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 
 from pagefleet.worker import LLM, SamplingParams
+from pagefleet.worker.core.block_hash import block_hashes
 from pagefleet.worker.core.block_pool import BlockPool
-from pagefleet.worker.core.kv_cache_manager import KVCacheManager
+from pagefleet.worker.core.kv_cache_manager import NULL_BLOCK, KVCacheManager
 from pagefleet.worker.core.sequence import Sequence
 from pagefleet.worker.model_executor.model_config import load_model_config
 
@@ -60,6 +61,43 @@ def test_blocks_outside_the_window_are_freed_and_a_prefix_hit_skips_them():
     assert pool.num_free == 10 and all(b.ref_cnt == 0 for b in pool.blocks)
 
 
+def _cached_prompt(kv: KVCacheManager, tokens: list[int]) -> None:
+    """Compute ``tokens`` as a prompt and end the sequence: its full blocks stay cached, idle."""
+    seq = Sequence(99, "cached", 0, tokens, SamplingParams(max_tokens=1))
+    assert kv.allocate(seq, len(tokens), kv.find_prefix(seq))
+    kv.free(seq)
+
+
+@pytest.mark.parametrize("window", [WINDOW, None])
+def test_a_hit_needs_only_the_blocks_its_window_reads(window):
+    pool = BlockPool(10)
+    kv = KVCacheManager(pool, BS, sliding_window=window)
+    _cached_prompt(kv, list(range(20)))  # blocks 0..4
+    pool.uncache(pool.blocks[0])  # evicted, as the oldest blocks of a windowed sequence go first
+    pool.uncache(pool.blocks[1])
+    seq = Sequence(1, "b", 0, list(range(20)) + [99], SamplingParams(max_tokens=4))
+    hit = kv.find_prefix(seq)
+    if window is None:
+        assert hit.num_tokens == 0  # a hit starts at the prompt's first block
+        return
+    # Position 20 reads 15 on: blocks 3 and 4 (and 2 need not be there either).
+    assert hit.num_tokens == 20 and _ids(hit.blocks) == [0, 0, 2, 3, 4] and hit.blocks[0] is NULL_BLOCK
+    assert kv.allocate(seq, 1, hit)
+    assert kv.block_ids(seq) == [0, 0, 2, 3, 4, 5] and _ids(kv.held_blocks(1)) == [3, 4, 5]
+    assert [b.ref_cnt for b in pool.blocks[:6]] == [0, 0, 0, 1, 1, 1] and pool.num_free == 7
+    kv.free(seq)
+    assert pool.num_free == 10 and NULL_BLOCK.ref_cnt == 0
+
+
+def test_a_hit_stops_where_its_window_would_read_an_evicted_block():
+    pool = BlockPool(10)
+    kv = KVCacheManager(pool, BS, sliding_window=WINDOW)
+    _cached_prompt(kv, list(range(20)))
+    pool.uncache(pool.blocks[3])  # tokens 12..15: a query at 16..20 reads some of them
+    hit = kv.find_prefix(Sequence(1, "b", 0, list(range(20)) + [99], SamplingParams(max_tokens=4)))
+    assert hit.num_tokens == 12 and _ids(hit.blocks) == [0, 1, 2]
+
+
 def test_without_a_window_nothing_is_freed_early():
     pool = BlockPool(10)
     kv = KVCacheManager(pool, BS)
@@ -91,3 +129,20 @@ def test_long_windowed_generation_runs_in_a_small_pool(tiny_checkpoint):
     stats = llm.engine.stats()
     assert stats.num_preemptions == 0
     assert stats.num_free_blocks == stats.num_total_blocks == 7
+
+
+def test_a_hit_whose_first_blocks_were_evicted_gives_exact_output(tiny_checkpoint):
+    checkpoint = tiny_checkpoint("mistral", sliding_window=24)
+    llm = LLM(model=str(checkpoint), dtype="float32", kv_cache_bytes=32 << 20)
+    prompt = llm.tokenizer.encode("a much longer prompt about serving language models from a cluster " * 6)[:70]
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    want = hf_greedy(str(checkpoint), tuple(prompt), 20)[0]
+    assert llm.generate([{"prompt_token_ids": prompt}], params)[0].outputs[0].token_ids == want
+    # Forget the prompt's first two blocks (tokens 0..31), as eviction would: its 64-token hit
+    # still stands, since the first query after it (position 64) reads 41 on.
+    pool = llm.engine.pool
+    for h in block_hashes(prompt, 16, b"")[:2]:
+        pool.uncache(pool.lookup(h))
+    again = llm.generate([{"prompt_token_ids": prompt}], params)[0]
+    assert again.num_cached_tokens == 64
+    assert again.outputs[0].token_ids == want

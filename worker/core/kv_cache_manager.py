@@ -6,7 +6,8 @@ wholly before token n - W + 1: the manager gives such blocks back to the pool as
 sliding-window manager does. Their table entries stay (the ids are stale and no attention kernel
 reads them), so a table keeps one entry per block of the sequence; ``_num_skipped`` counts the
 leading entries no longer held. A freed full block keeps its hash: until evicted it is still a
-prefix-cache hit for the next prompt that starts the same way."""
+prefix-cache hit for the next prompt that starts the same way, and a hit needs only the blocks
+its own window reads (``NULL_BLOCK`` stands in for evicted ones before it, as in vLLM)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,11 @@ from typing import NamedTuple
 from pagefleet.worker.core.block_hash import block_hashes
 from pagefleet.worker.core.block_pool import BlockPool, KVBlock
 from pagefleet.worker.core.sequence import Sequence
+
+
+# Stands in, in a table, for a block before the window that the prefix cache no longer holds:
+# never held (a free of it fails loudly, its ref count being 0), and its id is never read.
+NULL_BLOCK = KVBlock(0)
 
 
 class PrefixHit(NamedTuple):
@@ -51,24 +57,39 @@ class KVCacheManager:
 
     def find_prefix(self, seq: Sequence) -> PrefixHit:
         """Longest run of cached leading blocks; never covers the last token (its logits are needed).
-        A sequence forked from a running parent shares the parent's prompt blocks instead."""
+        A sequence forked from a running parent shares the parent's prompt blocks instead, unless
+        the parent gave back blocks that the child's window still reads."""
         max_blocks = (seq.num_tokens - 1) // self.block_size
         parent = seq.parent
-        # A parent that gave back blocks out of its window has none left to share from the start.
-        if parent is not None and parent.seq_id in self.block_tables and not self._num_skipped.get(parent.seq_id):
+        if parent is not None and parent.seq_id in self.block_tables:
             shared = min(max_blocks, parent.num_computed_tokens // self.block_size,
                          seq.num_prompt_tokens // self.block_size)
-            blocks = self.block_tables[parent.seq_id][:shared]
-            return PrefixHit(blocks, len(blocks) * self.block_size)
+            if self._num_skipped.get(parent.seq_id, 0) <= self.num_skipped_blocks(shared * self.block_size):
+                blocks = self.block_tables[parent.seq_id][:shared]
+                return PrefixHit(blocks, len(blocks) * self.block_size)
         if not self.pool.enable_caching or seq.params.prompt_logprobs is not None:
             return PrefixHit([], 0)  # prompt logprobs need every prompt position computed (as vLLM)
+        hit = self._cached_prefix(self._hashes(seq)[:max_blocks])
+        return PrefixHit(hit, len(hit) * self.block_size)
+
+    def _cached_prefix(self, hashes: list) -> list[KVBlock]:
+        """The blocks of the longest prefix of ``hashes`` whose KV the queries after it can read: all
+        of it cached, or, with a window, all from the first block that window reads (NULL_BLOCK in
+        the place of evicted blocks before it)."""
         hit: list[KVBlock] = []
-        for h in self._hashes(seq)[:max_blocks]:
+        best = run_start = 0  # the longest valid prefix; the first block of the current cached run
+        for i, h in enumerate(hashes):
             block = self.pool.lookup(h)
             if block is None:
-                break
+                if self.sliding_window is None:
+                    break
+                hit.append(NULL_BLOCK)
+                run_start = i + 1
+                continue
             hit.append(block)
-        return PrefixHit(hit, len(hit) * self.block_size)
+            if run_start <= self.num_skipped_blocks((i + 1) * self.block_size):
+                best = i + 1
+        return hit[:best]
 
     def allocate(self, seq: Sequence, num_new_tokens: int, prefix: PrefixHit | None = None) -> bool:
         """Make room for ``num_new_tokens`` more tokens after the computed ones. False when the
