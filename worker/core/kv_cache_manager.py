@@ -17,7 +17,6 @@ from pagefleet.worker.core.block_hash import block_hashes
 from pagefleet.worker.core.block_pool import BlockPool, KVBlock
 from pagefleet.worker.core.sequence import Sequence
 
-
 # Stands in, in a table, for a block before the window that the prefix cache no longer holds:
 # never held (a free of it fails loudly, its ref count being 0), and its id is never read.
 NULL_BLOCK = KVBlock(0)
