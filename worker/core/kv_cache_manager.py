@@ -162,6 +162,12 @@ class KVCacheManager:
         """The blocks a sequence holds a reference on: its table less those given back."""
         return self.block_tables.get(seq_id, [])[self._num_skipped.get(seq_id, 0):]
 
+    def held_block_tables(self) -> dict[int, list[KVBlock]]:
+        """``held_blocks`` of every sequence with a table (the tables themselves without a window)."""
+        if self.sliding_window is None:
+            return self.block_tables
+        return {seq_id: self.held_blocks(seq_id) for seq_id in self.block_tables}
+
     def free(self, seq: Sequence) -> None:
         table = self.block_tables.pop(seq.seq_id, None)
         self._block_ids.pop(seq.seq_id, None)

@@ -273,9 +273,10 @@ class LLMEngine:
     def kv_load(self) -> KVLoad:
         """Sequences running and waiting, the blocks they will still take, and when the running
         ones end (``core.worker_load``)."""
-        sched, args = self.scheduler, self.args
-        return worker_load(sched.running, sched.waiting, self.kv.block_tables, args.block_size,
-                           self.model_config.max_model_len, args.max_num_batched_tokens, self.step_time_s)
+        sched, args, max_len = self.scheduler, self.args, self.model_config.max_model_len
+        held = None if self.kv.sliding_window is None else -(-self._max_tokens_held(max_len) // args.block_size)
+        return worker_load(sched.running, sched.waiting, self.kv.held_block_tables(), args.block_size, max_len,
+                           args.max_num_batched_tokens, self.step_time_s, held)
 
     def stats(self) -> EngineStats:
         return EngineStats(
