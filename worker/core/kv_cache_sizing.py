@@ -59,6 +59,12 @@ class KVPoolSize:
         return self.num_tokens / max_model_len
 
 
+def step_tokens(max_num_batched_tokens: int, num_scheduler_steps: int) -> int:
+    """The most tokens one engine step allocates for a sequence: a prompt chunk, or a greedy
+    window's decode tokens (``--num-scheduler-steps``)."""
+    return max(max_num_batched_tokens, num_scheduler_steps)
+
+
 def max_tokens_held(max_model_len: int, block_size: int, sliding_window: int | None, step_tokens: int) -> int:
     """Tokens' worth of KV one sequence holds at most: all of ``max_model_len``, or, with a window
     in every layer (the KV manager gives back what leaves it), the window, one step's
@@ -66,6 +72,15 @@ def max_tokens_held(max_model_len: int, block_size: int, sliding_window: int | N
     if sliding_window is None:
         return max_model_len
     return min(max_model_len, sliding_window - 1 + step_tokens + block_size)
+
+
+def max_blocks_per_seq(max_model_len: int, block_size: int, sliding_window: int | None,
+                       step_tokens: int) -> int | None:
+    """The blocks one sequence ever holds where every layer slides (``max_tokens_held``); None
+    without such a window (a sequence then holds every block it grows to)."""
+    if sliding_window is None:
+        return None
+    return -(-max_tokens_held(max_model_len, block_size, sliding_window, step_tokens) // block_size)
 
 
 def size_kv_pool(budget_bytes: int, bytes_per_block: int, block_size: int, max_model_len: int,

@@ -12,7 +12,7 @@ from transformers import AutoTokenizer
 from pagefleet.worker.core.block_hash import HASH_SIZE, extra_keys_digest, unpack_hashes
 from pagefleet.worker.core.block_pool import BlockPool
 from pagefleet.worker.core.kv_cache_manager import KVCacheManager
-from pagefleet.worker.core.kv_cache_sizing import max_tokens_held, size_kv_pool
+from pagefleet.worker.core.kv_cache_sizing import max_blocks_per_seq, max_tokens_held, size_kv_pool, step_tokens
 from pagefleet.worker.core.kv_events import KVEventBatch, KVEventLog, KVEventSource, KVLoad, KVSnapshot
 from pagefleet.worker.core.resume import ResumeState, check_resume
 from pagefleet.worker.core.scheduler import Scheduler
@@ -121,7 +121,7 @@ class LLMEngine:
         """The KV a sequence of ``num_tokens`` holds at most (less with a window in every layer)."""
         args = self.args
         return max_tokens_held(num_tokens, args.block_size, self.model_config.kv_sliding_window,
-                               max(args.max_num_batched_tokens, args.num_scheduler_steps))
+                               step_tokens(args.max_num_batched_tokens, args.num_scheduler_steps))
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -274,7 +274,8 @@ class LLMEngine:
         """Sequences running and waiting, the blocks they will still take, and when the running
         ones end (``core.worker_load``)."""
         sched, args, max_len = self.scheduler, self.args, self.model_config.max_model_len
-        held = None if self.kv.sliding_window is None else -(-self._max_tokens_held(max_len) // args.block_size)
+        held = max_blocks_per_seq(max_len, args.block_size, self.kv.sliding_window,
+                                  step_tokens(args.max_num_batched_tokens, args.num_scheduler_steps))
         return worker_load(sched.running, sched.waiting, self.kv.held_block_tables(), args.block_size, max_len,
                            args.max_num_batched_tokens, self.step_time_s, held)
 
