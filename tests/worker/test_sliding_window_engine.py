@@ -87,6 +87,18 @@ def test_mistral_past_its_window_matches_transformers(mistral, enforce_eager):
     assert stats.num_free_blocks == stats.num_total_blocks
 
 
+def test_mistral_with_async_scheduling_matches_transformers(mistral):
+    # The next step is scheduled (its blocks freed and allocated) while this one runs: the blocks
+    # that leave the window then are ones no query of the running step reads either.
+    llm = LLM(model=str(mistral), dtype="float32", kv_cache_bytes=32 << 20, async_output_proc=True,
+              async_scheduling=True)
+    assert llm.engine.async_scheduling
+    prompts = prompts_for(llm.tokenizer)
+    assert_equal_to_transformers(mistral, prompts, generate(llm, prompts), "async scheduling")
+    stats = llm.engine.stats()
+    assert stats.num_free_blocks == stats.num_total_blocks
+
+
 def test_mistral_chunked_prefill_across_the_window(mistral):
     # 7-token chunks: chunks start before, inside and past each window.
     llm = LLM(model=str(mistral), dtype="float32", kv_cache_bytes=32 << 20, max_num_batched_tokens=7)
