@@ -81,7 +81,8 @@ class Kernels:
     write_kv_cache: Callable      # (k, v [T, Hkv, D], key_cache, value_cache [N, bs, Hkv, D], slots [T],
     #                                *, k_scale, v_scale) -> None
     paged_attention: Callable     # (q [T, Hq, D], caches, block_table [B, W], query_start_loc [B+1],
-    #                                seq_lens [B], scale, *, k_scale, v_scale, plan) -> [T, Hq, D]
+    #                                seq_lens [B], scale, *, k_scale, v_scale, sliding_window, plan)
+    #                                -> [T, Hq, D]; sliding_window None or W: keys p - W + 1 .. p
     fused_moe: Callable           # (x [T, H], w13 [E, 2*I, H], w2 [E, H, I], topk_weights [T, K],
     #                                topk_ids [T, K]) -> [T, H]
     # Caches hold the query's dtype or float8_e4m3fn (K / k_scale, V / v_scale); see reference.py.

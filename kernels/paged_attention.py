@@ -14,6 +14,9 @@ Twin: `reference.paged_attention`. Design:
   table, so BLOCK_N and block_size are independent (any block_size works).
 * Online softmax in fp32 in the log2 domain; fully masked rows are guarded so
   padding rows never produce inf - inf.
+* A sliding window (SLIDING, window W) hides keys more than W - 1 positions behind each
+  query: a program starts at the tile holding its first query's first visible key, and
+  loads nothing before it (those blocks may be freed: their table entries are stale).
 * Split-KV (NUM_SPLITS > 1): the context of each query block is cut into
   NUM_SPLITS ranges handled by separate programs, which write unnormalised
   partials that `attention_merge` combines. It exists for decode batches too
@@ -60,6 +63,7 @@ def _paged_attention_kernel(
     partial_sum_ptr,      # [T, Hq, NUM_SPLITS] fp32 row sum of exp2, NUM_SPLITS > 1
     qk_scale_log2,        # softmax scale * k_scale * log2(e)
     v_scale,              # 1.0 unless the caches are fp8
+    sliding_window,       # W: a query sees keys p - W + 1 .. p; read only when SLIDING
     num_seqs,
     stride_q_tok,
     stride_q_head,
@@ -86,6 +90,7 @@ def _paged_attention_kernel(
     BLOCK_D: tl.constexpr,        # HEAD_DIM rounded up to a power of 2
     NUM_SPLITS: tl.constexpr,
     FP8: tl.constexpr,            # the caches are float8_e4m3fn
+    SLIDING: tl.constexpr,        # the layer attends over a sliding window of sliding_window keys
     UPCAST: tl.constexpr,         # interpreter: compute on fp32 copies (bf16 is uint16 in numpy)
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 caches (no tf32 rounding), else the default
 ):
@@ -130,10 +135,15 @@ def _paged_attention_kernel(
 
     # Causality bounds the keys this block needs by its last query row's position.
     kv_len = context_len + tl.minimum((q_block + 1) * BLOCK_Q, q_len)
-    num_tiles = (kv_len + BLOCK_N - 1) // BLOCK_N
+    # A window bounds them from below by its first query row's first visible key.
+    kv_start = 0
+    if SLIDING:
+        kv_start = tl.maximum(context_len + q_block * BLOCK_Q - sliding_window + 1, 0)
+    first_tile = kv_start // BLOCK_N
+    num_tiles = (kv_len + BLOCK_N - 1) // BLOCK_N - first_tile
     tiles_per_split = (num_tiles + NUM_SPLITS - 1) // NUM_SPLITS
-    tile_start = split * tiles_per_split
-    tile_end = tl.minimum(tile_start + tiles_per_split, num_tiles)
+    tile_start = first_tile + split * tiles_per_split
+    tile_end = tl.minimum(tile_start + tiles_per_split, first_tile + num_tiles)
 
     block_table_row = block_table_ptr + seq.to(tl.int64) * stride_block_table
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -141,7 +151,7 @@ def _paged_attention_kernel(
     acc = tl.full([BLOCK_M, BLOCK_D], 0.0, dtype=tl.float32)
     for tile in range(tile_start, tile_end):
         offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_valid = offs_n < kv_len
+        n_valid = (offs_n < kv_len) & (offs_n >= kv_start)
         block_ids = tl.load(block_table_row + offs_n // block_size, mask=n_valid, other=0).to(tl.int64)
         in_block = offs_n % block_size
         k_rows = block_ids * stride_kc_block + in_block * stride_kc_tok + kv_head * stride_kc_head  # [BLOCK_N]
@@ -159,6 +169,8 @@ def _paged_attention_kernel(
 
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale_log2  # [BLOCK_M, BLOCK_N]
         visible = n_valid[None, :] & (offs_n[None, :] <= q_pos[:, None])
+        if SLIDING:
+            visible = visible & (offs_n[None, :] > q_pos[:, None] - sliding_window)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.reduce(s, 1, MAX))
         # A row that has seen no visible key yet keeps m = -inf; shift by 0 so exp2 gives 0, not NaN.
@@ -243,14 +255,16 @@ def _choose_num_splits(device: torch.device, num_seqs: int, num_kv_heads: int, m
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     block_table: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                     scale: float, *, k_scale: float = 1.0, v_scale: float = 1.0,
-                    num_kv_splits: int | None = None, config: AttentionConfig | None = None,
-                    plan: None = None) -> torch.Tensor:
+                    sliding_window: int | None = None, num_kv_splits: int | None = None,
+                    config: AttentionConfig | None = None, plan: None = None) -> torch.Tensor:
     """Same contract as `reference.paged_attention`; returns [T, Hq, D].
 
     query: [T, Hq, D] (a strided view is fine); key_cache, value_cache: [N, bs, Hkv, D] of
     query's dtype, or float8_e4m3fn holding K / k_scale and V / v_scale (other caches ignore
     the scales, Python floats: constant for an engine, so a CUDA graph may hold them);
     block_table: [B, max_blocks]; query_start_loc: [B + 1]; seq_lens: [B] (all int32 or int64).
+    sliding_window: W for a sliding-window layer (each query sees its last W positions; blocks
+    wholly before that are never read), None for full attention.
     num_kv_splits: force the split-KV variant's split count (tests, benchmarks);
     None picks 1 unless the batch is decode-only and too small to fill a CUDA device.
     config: force the launch shape (tests, tuning); None uses `default_config`.
@@ -269,6 +283,8 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         raise ValueError(f"caches must share the query's dtype or be float8_e4m3fn, got {query.dtype}, "
                          f"{key_cache.dtype}, {value_cache.dtype}")
     check_kv_scales(k_scale, v_scale)
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be at least 1 token, got {sliding_window}")
     fp8 = key_cache.dtype == torch.float8_e4m3fn
     num_seqs = seq_lens.shape[0]
     index_dtypes = (torch.int32, torch.int64)
@@ -325,7 +341,7 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         query_start_loc_ptr=query_start_loc, seq_lens_ptr=seq_lens, out_ptr=out,
         partial_out_ptr=partial_out, partial_max_ptr=partial_max, partial_sum_ptr=partial_sum,
         qk_scale_log2=scale * (k_scale if fp8 else 1.0) * _LOG2_E, v_scale=v_scale if fp8 else 1.0,
-        num_seqs=num_seqs,
+        sliding_window=sliding_window or 0, num_seqs=num_seqs,
         stride_q_tok=query.stride(0), stride_q_head=query.stride(1),
         stride_kc_block=key_cache.stride(0), stride_kc_tok=key_cache.stride(1), stride_kc_head=key_cache.stride(2),
         stride_vc_block=value_cache.stride(0), stride_vc_tok=value_cache.stride(1),
@@ -335,7 +351,8 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         stride_pm_tok=partial_max.stride(0), stride_pm_head=partial_max.stride(1),
         block_size=block_size,
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
-        HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=num_kv_splits, FP8=fp8, UPCAST=interpreted(device),
+        HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=num_kv_splits, FP8=fp8,
+        SLIDING=sliding_window is not None, UPCAST=interpreted(device),
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         num_warps=config.num_warps, num_stages=config.num_stages,
     )

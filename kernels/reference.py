@@ -153,8 +153,8 @@ def _length_groups(rows: list[int], lens: list[int], max_padding: float = 1.25) 
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     block_table: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                     scale: float, *, k_scale: float = 1.0, v_scale: float = 1.0,
-                    plan: None = None) -> torch.Tensor:
-    """Causal attention of each sequence's new tokens over its whole paged context.
+                    sliding_window: int | None = None, plan: None = None) -> torch.Tensor:
+    """Causal attention of each sequence's new tokens over its paged context.
 
     query: [T, Hq, D]; key_cache, value_cache: [N, bs, Hkv, D] of query's dtype or
     float8_e4m3fn, whose stored values are K / k_scale and V / v_scale (``write_kv_cache``):
@@ -163,51 +163,76 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     block_table: [B, max_blocks] int32; query_start_loc: [B+1] int32; seq_lens: [B] int32
     (context length including this step's tokens, which are already in the cache).
     Query token i of sequence b sits at position seq_lens[b] - q_len[b] + i.
+    sliding_window: W where the layer slides: the query at position p sees keys p - W + 1 .. p
+    only, and blocks wholly before its window are never read (the KV manager may have freed
+    them); None for full attention.
     plan: the step's attention plan (``ops.Kernels``); the twin plans nothing, so it is None.
     Returns [T, Hq, D].
 
-    Decode rows (one query token) run as a few batched calls, grouped by context
-    length so that padding to a group's longest row stays small; each multi-token
-    row (prefill or a prefill chunk) runs on its own.
+    Decode rows (one query token) run as a few batched calls, grouped by the span they read
+    so that padding to a group's longest row stays small; each multi-token row (prefill or a
+    prefill chunk) runs on its own.
     """
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be at least 1 token, got {sliding_window}")
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
     num_seqs = len(lens)
     q_lens = [starts[b + 1] - starts[b] for b in range(num_seqs)]
     out = torch.empty_like(query)
-    device = query.device  # index and mask tensors live with the data (the twin also runs on CUDA)
-    block_size = key_cache.shape[1]
-    gqa = query.shape[1] != key_cache.shape[2]
     fp8 = key_cache.dtype == torch.float8_e4m3fn
     if fp8:
         scale = scale * k_scale
-
-    decode = sorted((b for b in range(num_seqs) if q_lens[b] == 1), key=lambda b: lens[b])
-    for group in _length_groups(decode, lens):
-        max_len = lens[group[-1]]
-        idx = torch.tensor(group, dtype=torch.long, device=device)
-        tables = block_table.index_select(0, idx)[:, :(max_len + block_size - 1) // block_size].long()
-        k = _gather_blocks(key_cache, tables, query.dtype)[:, :max_len]  # [Bd, L, Hkv, D]
-        v = _gather_blocks(value_cache, tables, query.dtype)[:, :max_len]
-        ctx = torch.tensor([lens[b] for b in group], device=device)
-        mask = torch.arange(max_len, device=device).unsqueeze(0) < ctx.unsqueeze(1)  # [Bd, L]
-        q_rows = torch.tensor([starts[b] for b in group], dtype=torch.long, device=device)
-        q = query.index_select(0, q_rows).unsqueeze(2)  # [Bd, Hq, 1, D]
-        o = F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2),
-                                           attn_mask=mask[:, None, None, :], scale=scale,
-                                           enable_gqa=gqa)
-        out.index_copy_(0, q_rows, o.squeeze(2))
-
+    decode = [b for b in range(num_seqs) if q_lens[b] == 1]
+    decode_attention_rows(query, key_cache, value_cache, block_table, starts, lens, scale, sliding_window,
+                          decode, out)
     multi_token_attention(query, key_cache, value_cache, block_table, starts, lens, scale,
-                          [b for b in range(num_seqs) if q_lens[b] != 1], out)
+                          [b for b in range(num_seqs) if q_lens[b] != 1], out, sliding_window)
     if fp8 and v_scale != 1.0:
         out.mul_(v_scale)
     return out
 
 
+def first_visible_block(first_query_pos: int, block_size: int, sliding_window: int | None) -> int:
+    """The first block a query at ``first_query_pos`` (or any later one) may see."""
+    if sliding_window is None:
+        return 0
+    return max(0, first_query_pos - sliding_window + 1) // block_size
+
+
+def decode_attention_rows(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                          block_table: torch.Tensor, starts: list[int], lens: list[int], scale: float,
+                          sliding_window: int | None, seqs: list[int], out: torch.Tensor) -> None:
+    """The one-token rows ``seqs`` of ``paged_attention``, written into ``out`` [T, Hq, D]. Each row
+    gathers its blocks from the first its window sees (block 0 without a window)."""
+    device = query.device  # index and mask tensors live with the data (the twin also runs on CUDA)
+    bs = key_cache.shape[1]
+    gqa = query.shape[1] != key_cache.shape[2]
+    first = [first_visible_block(n - 1, bs, sliding_window) * bs for n in lens]  # each row's first token read
+    spans = [n - f for n, f in zip(lens, first)]
+    for group in _length_groups(sorted(seqs, key=spans.__getitem__), spans):
+        span = spans[group[-1]]
+        idx = torch.tensor(group, dtype=torch.long, device=device)
+        first_tok = torch.tensor([first[b] for b in group], device=device)
+        cols = (first_tok // bs).unsqueeze(1) + torch.arange(-(-span // bs), device=device)
+        tables = block_table.index_select(0, idx).long().gather(1, cols.clamp_(max=block_table.shape[1] - 1))
+        k = _gather_blocks(key_cache, tables, query.dtype)[:, :span]  # [Bd, span, Hkv, D]
+        v = _gather_blocks(value_cache, tables, query.dtype)[:, :span]
+        pos = first_tok.unsqueeze(1) + torch.arange(span, device=device)  # [Bd, span]
+        ctx = torch.tensor([lens[b] for b in group], device=device).unsqueeze(1)
+        mask = pos < ctx
+        if sliding_window is not None:
+            mask &= pos >= ctx - sliding_window
+        q_rows = torch.tensor([starts[b] for b in group], dtype=torch.long, device=device)
+        q = query.index_select(0, q_rows).unsqueeze(2)  # [Bd, Hq, 1, D]
+        o = F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2),
+                                           attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=gqa)
+        out.index_copy_(0, q_rows, o.squeeze(2))
+
+
 def multi_token_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                           block_table: torch.Tensor, starts: list[int], lens: list[int], scale: float,
-                          seqs: list[int], out: torch.Tensor) -> None:
+                          seqs: list[int], out: torch.Tensor, sliding_window: int | None = None) -> None:
     """The rows of ``paged_attention`` with several new tokens (prompts, prefill chunks), one
     sequence at a time, written into ``out`` [T, Hq, D]; ``seqs`` are their indices and
     ``starts``/``lens`` the step's query_start_loc and seq_lens as lists. Over an fp8 cache,
@@ -218,18 +243,23 @@ def multi_token_attention(query: torch.Tensor, key_cache: torch.Tensor, value_ca
     for b in seqs:
         q_len = starts[b + 1] - starts[b]
         ctx_len = lens[b]
-        nblocks = (ctx_len + block_size - 1) // block_size
-        table = block_table[b, :nblocks].long()
+        first_block = first_visible_block(ctx_len - q_len, block_size, sliding_window)
+        first_tok = first_block * block_size
+        table = block_table[b, first_block:(ctx_len + block_size - 1) // block_size].long()
         # 4-D [1, H, L, D]: with a batch dimension CPU SDPA takes its flash kernel (3-D inputs fall
         # back to its much slower math path)
-        k = _gather_blocks(key_cache, table, query.dtype)[:ctx_len].transpose(0, 1)[None]  # [1, Hkv, L, D]
-        v = _gather_blocks(value_cache, table, query.dtype)[:ctx_len].transpose(0, 1)[None]
+        span = ctx_len - first_tok
+        k = _gather_blocks(key_cache, table, query.dtype)[:span].transpose(0, 1)[None]  # [1, Hkv, L, D]
+        v = _gather_blocks(value_cache, table, query.dtype)[:span].transpose(0, 1)[None]
         q = query[starts[b]:starts[b + 1]].transpose(0, 1)[None]  # [1, Hq, q_len, D]
-        if q_len == ctx_len:
+        if q_len == ctx_len and sliding_window is None:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
         else:
             pos = torch.arange(ctx_len - q_len, ctx_len, device=device).unsqueeze(1)
-            mask = torch.arange(ctx_len, device=device).unsqueeze(0) <= pos  # [q_len, L]
+            key_pos = torch.arange(first_tok, ctx_len, device=device).unsqueeze(0)
+            mask = key_pos <= pos  # [q_len, L]
+            if sliding_window is not None:
+                mask &= key_pos > pos - sliding_window
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
         out[starts[b]:starts[b + 1]] = o[0].transpose(0, 1)
 

@@ -57,6 +57,7 @@ from pagefleet.router.worker_client.failover import StreamProgress
 from pagefleet.router.worker_client.worker_errors import WorkerHealth, engine_died, worker_failure
 from pagefleet.worker import tracing
 from pagefleet.worker.aio import merge_streams
+from pagefleet.worker.core.kv_cache_sizing import max_blocks_per_seq, step_tokens
 from pagefleet.worker.engine_args import EngineArgs
 from pagefleet.worker.model_executor.model_config import model_config_of
 from pagefleet.worker.outputs import RequestOutputDelta
@@ -315,9 +316,12 @@ def load_model_info(args: EngineArgs, serving: ServingLimits = ServingLimits()) 
     tokenizer = AutoTokenizer.from_pretrained(str(cfg.path), trust_remote_code=False)
     if serving.max_prompt_chars is None:
         serving = dataclasses.replace(serving, max_prompt_chars=cfg.max_model_len * longest_token_chars(tokenizer))
+    held = max_blocks_per_seq(cfg.max_model_len, args.block_size, cfg.kv_sliding_window,
+                              step_tokens(args.max_num_batched_tokens, args.num_scheduler_steps))
     return tokenizer, ModelInfo(served_model_name=cfg.served_model_name, limits=RequestLimits.of(cfg, args),
                                 serving=serving, block_size=args.block_size,
-                                more_names=cfg.served_model_names[1:], path_names=cfg.model_path_names)
+                                more_names=cfg.served_model_names[1:], path_names=cfg.model_path_names,
+                                max_blocks_per_seq=held)
 
 
 @serve.ingress()
@@ -339,7 +343,8 @@ class OpenAIIngress:
             kv_routing = kv_routing or KVRoutingOptions()
             self._mirror = SchedulerMirror(kv_routing.cost_weight, max_seqs_per_worker=engine_args.max_queued_seqs)
             follower = ViewFollower(ActorFeedLink(kv_scheduler), self._mirror)
-            kv = KVRoutingClient(self._mirror, kv_routing, engine_args.block_size, self._metrics)
+            kv = KVRoutingClient(self._mirror, kv_routing, engine_args.block_size, self._metrics,
+                                 max_blocks_per_seq=info.max_blocks_per_seq)
             with contextlib.suppress(RuntimeError):  # Serve runs constructors on the replica's loop
                 asyncio.get_running_loop()
                 follower.start()

@@ -60,7 +60,8 @@ _MOE_KWARGS = {"mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2, "sl
 # Fixed text mixed into the synthetic corpus so that digits, punctuation, code
 # and common English words get merges of their own.
 def _model_config(arch: str, size: DemoSize, *, vocab_size: int, num_key_value_heads: int,
-                  tie_word_embeddings: bool | None, dtype: str, token_ids: dict[str, int]):
+                  tie_word_embeddings: bool | None, dtype: str, token_ids: dict[str, int],
+                  sliding_window: int | None = None, max_window_layers: int | None = None):
     from transformers import LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     config_class = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config,
@@ -88,11 +89,29 @@ def _model_config(arch: str, size: DemoSize, *, vocab_size: int, num_key_value_h
         # Mistral v0.2+ checkpoints ship without a sliding window.
         kwargs["sliding_window"] = None
     kwargs.update(_MOE_KWARGS.get(arch, {}))
+    kwargs.update(_window_kwargs(arch, sliding_window, max_window_layers))
     import torch
 
     config = config_class(**kwargs)
     config.dtype = getattr(torch, dtype)
     return config
+
+
+def _window_kwargs(arch: str, sliding_window: int | None, max_window_layers: int | None) -> dict:
+    """The config fields of a sliding window: every layer's for Mistral and Mixtral; for Qwen2 and
+    Qwen3 the layers from max_window_layers on (0 when not given: all of them)."""
+    if sliding_window is None:
+        if max_window_layers is not None:
+            raise ValueError("max_window_layers needs a sliding_window")
+        return {}
+    if arch in ("mistral", "mixtral"):
+        if max_window_layers is not None:
+            raise ValueError(f"{arch} slides in every layer: it has no max_window_layers")
+        return {"sliding_window": sliding_window}
+    if arch in ("qwen2", "qwen3"):
+        return {"use_sliding_window": True, "sliding_window": sliding_window,
+                "max_window_layers": max_window_layers or 0}
+    raise ValueError(f"the {arch} demo has no sliding window")
 
 
 def _init_weights(model: torch.nn.Module, seed: int) -> None:
@@ -177,11 +196,15 @@ def write_demo_checkpoint(
     tie_word_embeddings: bool | None = None,
     vocab_size: int | None = None,
     num_key_value_heads: int | None = None,
+    sliding_window: int | None = None,
+    max_window_layers: int | None = None,
 ) -> Path:
     """Write a random-weight checkpoint to `out_dir` (created if needed) and return its path.
 
     `tie_word_embeddings=None` keeps the architecture's default (untied for all
-    four); `vocab_size` and `num_key_value_heads` override the size preset."""
+    four); `vocab_size` and `num_key_value_heads` override the size preset.
+    `sliding_window` gives Mistral and Mixtral a window in every layer, Qwen2 and Qwen3 one in
+    the layers from `max_window_layers` on."""
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
 
@@ -205,7 +228,8 @@ def write_demo_checkpoint(
     tokenizer = build_demo_tokenizer(vocab_size, DEMO_SIZES["small"].max_position_embeddings)
     token_ids = {"bos": tokenizer.bos_token_id, "eos": tokenizer.eos_token_id, "pad": tokenizer.pad_token_id}
     config = _model_config(arch, preset, vocab_size=vocab_size, num_key_value_heads=num_kv_heads,
-                           tie_word_embeddings=tie_word_embeddings, dtype=dtype, token_ids=token_ids)
+                           tie_word_embeddings=tie_word_embeddings, dtype=dtype, token_ids=token_ids,
+                           sliding_window=sliding_window, max_window_layers=max_window_layers)
 
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _init_weights(model, seed)

@@ -64,10 +64,12 @@ inline void store(uint16_t* p, float x) {  // round to nearest even, as torch co
 
 // q: rows of HQ x D (q_stride elements apart); caches: [num_blocks, BS, HKV, D]; block_table:
 // [rows, width]; seq_lens: [rows]; out: [rows, HQ, D]. Row b attends over its first
-// seq_lens[b] tokens.
+// seq_lens[b] tokens, or with window > 0 over the last `window` of them only (blocks before
+// those are never read: the KV manager may have freed them).
 template <typename T>
 void decode(const T* q, int64_t q_stride, const T* k_cache, const T* v_cache, const int32_t* block_table,
-            int64_t width, const int32_t* seq_lens, T* out, int64_t rows, float scale, int64_t threads) {
+            int64_t width, const int32_t* seq_lens, T* out, int64_t rows, float scale, int64_t window,
+            int64_t threads) {
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
   for (int64_t b = 0; b < rows; ++b) {
     float qf[HQ][D], acc[HQ][D], m[HQ], l[HQ], s[HQ][BS];
@@ -80,12 +82,15 @@ void decode(const T* q, int64_t q_stride, const T* k_cache, const T* v_cache, co
       l[r] = 0.f;
     }
     const int64_t len = seq_lens[b];
-    for (int64_t blk = 0; blk * BS < len; ++blk) {
+    const int64_t lo = window > 0 ? std::max<int64_t>(0, len - window) : 0;  // first visible token
+    for (int64_t blk = lo / BS; blk * BS < len; ++blk) {
+      const bool first = blk == lo / BS;
+      const int64_t t0 = first ? lo - blk * BS : 0;  // the first visible token in this block
       const int64_t n = std::min(BS, len - blk * BS);
       const int64_t base = static_cast<int64_t>(block_table[b * width + blk]) * BS * KV_ROW;
       const T* kb = k_cache + base;
       const T* vb = v_cache + base;
-      for (int64_t t = 0; t < n; ++t) {
+      for (int64_t t = t0; t < n; ++t) {
         for (int64_t r = 0; r < HQ; ++r) {
           const T* k = kb + t * KV_ROW + (r / G) * D;
           float dot = 0.f;
@@ -95,15 +100,15 @@ void decode(const T* q, int64_t q_stride, const T* k_cache, const T* v_cache, co
         }
       }
       for (int64_t r = 0; r < HQ; ++r) {  // online softmax: fold this block in
-        float mx = blk ? m[r] : s[r][0];
-        for (int64_t t = 0; t < n; ++t) mx = std::max(mx, s[r][t]);
+        float mx = first ? s[r][t0] : m[r];
+        for (int64_t t = t0; t < n; ++t) mx = std::max(mx, s[r][t]);
         float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-        for (int64_t t = 0; t < n; ++t) {
+        for (int64_t t = t0; t < n; ++t) {
           s[r][t] = std::exp(s[r][t] - mx);
           sum += s[r][t];
         }
-        if (blk) {
+        if (!first) {
           const float corr = std::exp(m[r] - mx);
           l[r] = l[r] * corr + sum;
 #pragma omp simd
@@ -113,7 +118,7 @@ void decode(const T* q, int64_t q_stride, const T* k_cache, const T* v_cache, co
         }
         m[r] = mx;
       }
-      for (int64_t t = 0; t < n; ++t) {
+      for (int64_t t = t0; t < n; ++t) {
         for (int64_t r = 0; r < HQ; ++r) {
           const T* v = vb + t * KV_ROW + (r / G) * D;
           const float p = s[r][t];
@@ -133,8 +138,9 @@ void decode(const T* q, int64_t q_stride, const T* k_cache, const T* v_cache, co
 #define ENTRY(name, T)                                                                                  \
   extern "C" void name(const T* q, int64_t q_stride, const T* k_cache, const T* v_cache,              \
                        const int32_t* block_table, int64_t width, const int32_t* seq_lens, T* out,     \
-                       int64_t rows, float scale, int64_t threads) {                                   \
-    decode<T>(q, q_stride, k_cache, v_cache, block_table, width, seq_lens, out, rows, scale, threads); \
+                       int64_t rows, float scale, int64_t window, int64_t threads) {                   \
+    decode<T>(q, q_stride, k_cache, v_cache, block_table, width, seq_lens, out, rows, scale, window,   \
+              threads);                                                                                 \
   }
 ENTRY(decode_f32, float)
 ENTRY(decode_bf16, uint16_t)
@@ -142,7 +148,7 @@ ENTRY(decode_f16, _Float16)
 """
 
 _ARGTYPES = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
-             ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int64]
+             ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int64, ctypes.c_int64]
 
 
 def decode_kernel(dtype: torch.dtype, head_dim: int, group: int, num_kv_heads: int,
@@ -197,8 +203,11 @@ def decode_attention_planner(spec: AttentionSpec) -> AttentionPlanner:
 
 
 def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, plan: DecodePlan,
-                     scale: float) -> torch.Tensor:
-    """Attention of the plan's decode rows. query: [T, Hq, D] -> [B, Hq, D] for plan.rows."""
+                     scale: float, sliding_window: int | None = None) -> torch.Tensor:
+    """Attention of the plan's decode rows. query: [T, Hq, D] -> [B, Hq, D] for plan.rows; with
+    ``sliding_window`` W each row sees its last W tokens only."""
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be at least 1 token, got {sliding_window}")
     num_heads, head_dim = query.shape[1:]
     if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
         raise ValueError("the CPU decode attention reads contiguous [num_blocks, block_size, Hkv, D] caches")
@@ -208,13 +217,15 @@ def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
     rows = q.shape[0]
     out = torch.empty(rows, num_heads, head_dim, dtype=query.dtype)
     plan.kernel(q.data_ptr(), q.stride(0), key_cache.data_ptr(), value_cache.data_ptr(), plan.block_table.data_ptr(),
-       plan.block_table.shape[1], plan.seq_lens.data_ptr(), out.data_ptr(), rows, scale, torch.get_num_threads())
+       plan.block_table.shape[1], plan.seq_lens.data_ptr(), out.data_ptr(), rows, scale, sliding_window or 0,
+       torch.get_num_threads())
     return out
 
 
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     block_table: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                    *, k_scale: float = 1.0, v_scale: float = 1.0, plan: DecodePlan | None = None) -> torch.Tensor:
+                    *, k_scale: float = 1.0, v_scale: float = 1.0, sliding_window: int | None = None,
+                    plan: DecodePlan | None = None) -> torch.Tensor:
     """``reference.paged_attention``'s contract, with the step's decode rows (``plan``) read in
     place by the kernel and the rest computed by the twin. Returns [T, Hq, D]. The caches hold
     the query's dtype (an fp8 cache keeps the twin: ``compiled_cpu_kernels``), so the scales,
@@ -224,12 +235,12 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
                          f"got {key_cache.dtype}")
     if plan is None:
         return reference.paged_attention(query, key_cache, value_cache, block_table, query_start_loc, seq_lens,
-                                          scale)
-    decoded = decode_attention(query, key_cache, value_cache, plan, scale)
+                                          scale, sliding_window=sliding_window)
+    decoded = decode_attention(query, key_cache, value_cache, plan, scale, sliding_window)
     if plan.rows is None:
         return decoded
     out = torch.empty_like(query)
     out.index_copy_(0, plan.rows, decoded)
     reference.multi_token_attention(query, key_cache, value_cache, block_table, plan.starts, plan.lens, scale,
-                                    plan.multi, out)
+                                    plan.multi, out, sliding_window)
     return out

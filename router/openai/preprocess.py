@@ -61,6 +61,9 @@ class ModelInfo:
     block_size: int = 16  # the engines' KV block size: the ingress hashes prompts in these blocks
     more_names: tuple[str, ...] = ()  # further names of --served-model-name, listed after the first
     path_names: tuple[str, ...] = ()  # the checkpoint path as --model gave it: accepted, never listed
+    # The blocks one sequence ever holds where every layer slides (kv_cache_sizing.max_blocks_per_seq);
+    # None: a sequence holds all it grows to.
+    max_blocks_per_seq: int | None = None
 
     def accepts(self, name: str) -> bool:
         return name == self.served_model_name or name in self.more_names or name in self.path_names

@@ -71,10 +71,15 @@ class RoutingCounters:
     choose_s: deque = field(default_factory=lambda: deque(maxlen=10_000))  # decision times, latest
 
 
-def request_blocks(prompt_len: int, max_tokens: int, n: int, block_size: int) -> int:
+def request_blocks(prompt_len: int, max_tokens: int, n: int, block_size: int,
+                   max_blocks_per_seq: int | None = None) -> int:
     """Blocks a request holds at its peak on a worker with nothing cached: each of its ``n``
-    sequences grows to prompt + max_tokens; the full prompt blocks are shared among them."""
+    sequences grows to prompt + max_tokens; the full prompt blocks are shared among them. With
+    ``max_blocks_per_seq`` (a model sliding in every layer) a sequence holds at most that many,
+    and its prompt blocks are counted as its own (they leave the window as it grows)."""
     per_seq = -(-(prompt_len + max_tokens) // block_size)
+    if max_blocks_per_seq is not None:
+        return n * min(per_seq, max_blocks_per_seq)
     return per_seq + (n - 1) * (per_seq - prompt_len // block_size)
 
 
@@ -93,10 +98,12 @@ def route_by_inflight(total_blocks: Mapping[str, int], inflight_blocks: Mapping[
 
 class KVRoutingClient:
     def __init__(self, mirror: SchedulerMirror, options: KVRoutingOptions, block_size: int,
-                 metrics: RouterMetrics | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+                 metrics: RouterMetrics | None = None, clock: Callable[[], float] = time.monotonic,
+                 max_blocks_per_seq: int | None = None) -> None:
         self.mirror = mirror
         self.options = options
         self.block_size = block_size
+        self.max_blocks_per_seq = max_blocks_per_seq  # ModelInfo's: set for a model sliding in every layer
         self.clock = clock
         self.metrics = metrics or RouterMetrics()
         self.metrics.start_at_zero("routing_decisions", *({"policy": "kv", "reason": r} for r in KV_REASONS))
@@ -119,8 +126,8 @@ class KVRoutingClient:
                     n: int) -> RouteDecision | None:
         """Where the request goes (None: no worker known yet, route without a ranking).
         Raises OpenAIError 429."""
-        req = RouteRequest(request_id, block_hashes, request_blocks(prompt_len, max_tokens, n, self.block_size), n,
-                           max_tokens)
+        need = request_blocks(prompt_len, max_tokens, n, self.block_size, self.max_blocks_per_seq)
+        req = RouteRequest(request_id, block_hashes, need, n, max_tokens)
         if self.admission is None:
             decision = self._decide(req, force=True)
         else:

@@ -104,6 +104,11 @@ LAUNCHERS = {
         *_llama8b_batch([(1, 20), (5, 9)]).args(), 128**-0.5),
     "paged_attention_split_decode_bf16": lambda: paged_attention.paged_attention(
         *_llama8b_batch([(1, 20)]).args(), 128**-0.5, num_kv_splits=8),
+    # A sliding-window layer (Mistral v0.1's 4096 tokens): its own specialisation of the kernel.
+    "paged_attention_mixed_bf16_sliding": lambda: paged_attention.paged_attention(
+        *_llama8b_batch([(1, 20), (5, 9)]).args(), 128**-0.5, sliding_window=4096),
+    "paged_attention_split_decode_bf16_sliding": lambda: paged_attention.paged_attention(
+        *_llama8b_batch([(1, 20)]).args(), 128**-0.5, sliding_window=4096, num_kv_splits=8),
     "paged_attention_mixed_fp16": lambda: paged_attention.paged_attention(
         *_llama8b_batch([(1, 20), (5, 9)], torch.float16).args(), 128**-0.5),
     "paged_attention_mixed_fp32": lambda: paged_attention.paged_attention(

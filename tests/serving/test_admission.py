@@ -119,6 +119,27 @@ def test_request_blocks_share_full_prompt_blocks_between_sequences():
     assert request_blocks(5, 1, 1, 16) == 1
 
 
+def test_request_blocks_of_a_windowed_model_stop_at_what_a_sequence_holds():
+    # Every layer sliding, a sequence holds at most 5 blocks: a 40 + 300-token request needs 5, not
+    # 22; three samples 15 (their prompt blocks leave the window, so none is counted as shared).
+    assert request_blocks(40, 300, 1, 16, max_blocks_per_seq=5) == 5
+    assert request_blocks(40, 300, 3, 16, max_blocks_per_seq=5) == 15
+    assert request_blocks(40, 300, 1, 16) == 22
+    assert request_blocks(20, 10, 1, 16, max_blocks_per_seq=5) == 2  # shorter than the cap
+
+
+def test_ingress_model_info_caps_a_windowed_sequence(tiny_checkpoint):
+    from pagefleet.router.ingress import load_model_info
+    from pagefleet.worker.engine_args import EngineArgs
+
+    # A 24-token window, 32-token steps, blocks of 16: 23 + 32 + 16 tokens = 5 blocks.
+    _, info = load_model_info(EngineArgs(model=str(tiny_checkpoint("mistral", sliding_window=24)),
+                                         max_num_batched_tokens=32))
+    assert info.max_blocks_per_seq == 5 and info.limits.max_model_len == 2048
+    _, info = load_model_info(EngineArgs(model=str(tiny_checkpoint("qwen2", sliding_window=20, max_window_layers=1))))
+    assert info.max_blocks_per_seq is None  # its full-attention layer keeps every block
+
+
 def test_expected_wait_past_the_limit_refuses_on_arrival():
     async def run():
         now = [0.0]  # moved by hand: nobody's wait runs out

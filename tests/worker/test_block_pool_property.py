@@ -57,13 +57,15 @@ class PoolMachine(RuleBasedStateMachine):
     the pool's KV events, draining at random points, always ends up with the pool's exact
     set of cached hashes, and the undrained log never exceeds two entries per block."""
 
+    SLIDING_WINDOW: int | None = None  # the KV manager's window (every layer sliding)
+
     def __init__(self) -> None:
         super().__init__()
         self.pool = BlockPool(10, enable_caching=True, events=KVEventLog())  # small enough to force preemption
         self.source = KVEventSource("w", self.pool)
         self.view: set = set()
         self.in_use: set = set()  # the consumer's view of which cached hashes are in use
-        self.kv = KVCacheManager(self.pool, BLOCK)
+        self.kv = KVCacheManager(self.pool, BLOCK, self.SLIDING_WINDOW)
         self.sched = Scheduler(self.kv, max_num_seqs=5, max_num_batched_tokens=12)
         self.seqs: list[Sequence] = []
         self.next_id = 0
@@ -127,7 +129,7 @@ class PoolMachine(RuleBasedStateMachine):
 
     @invariant()
     def blocks_accounted(self):
-        refs = Counter(b.block_id for table in self.kv.block_tables.values() for b in table)
+        refs = Counter(b.block_id for seq_id in self.kv.block_tables for b in self.kv.held_blocks(seq_id))
         free_ids = {b.block_id for b in self.pool.free_queue}
         assert len(free_ids) == self.pool.num_free
         for block in self.pool.blocks:
@@ -150,3 +152,25 @@ class PoolMachine(RuleBasedStateMachine):
 
 TestPoolMachine = PoolMachine.TestCase
 TestPoolMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+class WindowedPoolMachine(PoolMachine):
+    """The same traffic with a 6-token window in every layer: blocks that leave a sequence's
+    window go back to the pool while it runs, and the accounting above still holds over the
+    blocks each sequence still holds."""
+
+    SLIDING_WINDOW = 6
+
+    @invariant()
+    def windows_bounded(self):
+        for seq in self.seqs:
+            if seq.status is SequenceStatus.RUNNING:
+                held = self.kv.held_blocks(seq.seq_id)
+                skipped = len(self.kv.block_tables[seq.seq_id]) - len(held)
+                # Never a block a later query reads; at most the window and one step's 12 tokens held.
+                assert skipped <= self.kv.num_skipped_blocks(seq.num_computed_tokens)
+                assert len(held) <= -(-(self.SLIDING_WINDOW - 1 + 12) // BLOCK) + 1
+
+
+TestWindowedPoolMachine = WindowedPoolMachine.TestCase
+TestWindowedPoolMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)

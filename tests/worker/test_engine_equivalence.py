@@ -140,9 +140,9 @@ def decode_calls(monkeypatch):
     calls = []
     real = cpu_decode_attention.decode_attention
 
-    def counted(*args):
-        calls.append(args[-2].seq_lens.numel())
-        return real(*args)
+    def counted(query, key_cache, value_cache, plan, *rest):
+        calls.append(plan.seq_lens.numel())
+        return real(query, key_cache, value_cache, plan, *rest)
 
     monkeypatch.setattr(cpu_decode_attention, "decode_attention", counted)
     return calls

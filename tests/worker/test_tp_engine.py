@@ -36,6 +36,10 @@ CASES = {
     # Each expert's intermediate dimension split over the ranks, the router replicated.
     "mixtral_experts_split": dict(arch="mixtral"),
     "qwen3_moe_with_a_dense_layer": dict(arch="qwen3_moe"),
+    # Windows shorter than the long prompt: every layer sliding (its blocks freed as it goes), and
+    # a full layer then a sliding one.
+    "mistral_sliding_window": dict(arch="mistral", sliding_window=16),
+    "qwen2_full_and_sliding_layers": dict(arch="qwen2", sliding_window=12, max_window_layers=1),
 }
 
 

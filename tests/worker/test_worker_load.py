@@ -75,3 +75,16 @@ def test_releases_pack_as_uint32_triples_and_a_merged_batch_keeps_the_last_ones(
     last = KVEventBatch("w0", 1, 1, False, releases=pack_releases([Release(4, 1, 1)]), step_time_s=0.03)
     merged = merge_batches([first, last])
     assert (unpack_releases(merged.releases), merged.step_time_s) == ([Release(4, 1, 1)], 0.03)
+
+
+def test_a_windowed_model_reserves_no_more_than_a_sequence_ever_holds():
+    # Every layer sliding: a sequence holds at most 5 blocks (its window, a step and one more),
+    # whatever its length, so a 40-token prompt growing to 200 reserves 5, and one holding 2 of them
+    # (its table less the blocks given back) 3 more.
+    running = seq(0, 40, 160, computed=40, outputs=1)
+    waiting = seq(1, 40, 160)
+    load = worker_load([running], [waiting], {0: table(1, 1)}, BLOCK, MAX_LEN, BUDGET, 0.01, max_blocks_held=5)
+    assert load.num_reserved_blocks == 3 + 5
+    assert unpack_releases(load.releases) == [Release(159, 1, 5)]
+    unwindowed = worker_load([running], [waiting], {0: table(1, 1)}, BLOCK, MAX_LEN, BUDGET, 0.01)
+    assert unwindowed.num_reserved_blocks == (13 - 2) + 13

@@ -59,18 +59,47 @@ class KVPoolSize:
         return self.num_tokens / max_model_len
 
 
-def size_kv_pool(budget_bytes: int, bytes_per_block: int, block_size: int, max_model_len: int) -> KVPoolSize:
+def step_tokens(max_num_batched_tokens: int, num_scheduler_steps: int) -> int:
+    """The most tokens one engine step allocates for a sequence: a prompt chunk, or a greedy
+    window's decode tokens (``--num-scheduler-steps``)."""
+    return max(max_num_batched_tokens, num_scheduler_steps)
+
+
+def max_tokens_held(max_model_len: int, block_size: int, sliding_window: int | None, step_tokens: int) -> int:
+    """Tokens' worth of KV one sequence holds at most: all of ``max_model_len``, or, with a window
+    in every layer (the KV manager gives back what leaves it), the window, one step's
+    ``step_tokens`` and the block the window starts inside."""
+    if sliding_window is None:
+        return max_model_len
+    return min(max_model_len, sliding_window - 1 + step_tokens + block_size)
+
+
+def max_blocks_per_seq(max_model_len: int, block_size: int, sliding_window: int | None,
+                       step_tokens: int) -> int | None:
+    """The blocks one sequence ever holds where every layer slides (``max_tokens_held``); None
+    without such a window (a sequence then holds every block it grows to)."""
+    if sliding_window is None:
+        return None
+    return -(-max_tokens_held(max_model_len, block_size, sliding_window, step_tokens) // block_size)
+
+
+def size_kv_pool(budget_bytes: int, bytes_per_block: int, block_size: int, max_model_len: int,
+                 tokens_held: int | None = None) -> KVPoolSize:
     """Whole blocks in the budget. Raises ValueError, as the engine does at start-up, when not one
-    block fits or when one request of ``max_model_len`` would not fit: every long request would
+    block fits or when one request of ``max_model_len`` would not fit (``tokens_held``: what such a
+    request holds at once, ``max_tokens_held``; all of it by default): every long request would
     fail later instead (vLLM refuses the same way)."""
     num_blocks = budget_bytes // bytes_per_block
     if num_blocks < 1:
         raise ValueError(f"the KV cache budget of {budget_bytes} bytes holds no block of {bytes_per_block} bytes; "
                          "raise kv_cache_bytes / gpu_memory_utilization")
     pool = KVPoolSize(num_blocks, block_size, bytes_per_block)
-    if pool.num_tokens < max_model_len:
+    held = max_model_len if tokens_held is None else tokens_held
+    if pool.num_tokens < -(-held // block_size) * block_size:
+        what = f"max_model_len {max_model_len}" if held == max_model_len else (
+            f"a sliding-window request of max_model_len {max_model_len} (holding up to {held} tokens)")
         raise ValueError(
-            f"max_model_len {max_model_len} is larger than the {pool.num_tokens} tokens the KV cache "
+            f"{what} is larger than the {pool.num_tokens} tokens the KV cache "
             f"holds ({num_blocks} blocks of {block_size}); lower max_model_len or raise "
             "kv_cache_bytes / gpu_memory_utilization")
     return pool

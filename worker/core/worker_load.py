@@ -45,23 +45,31 @@ def shared_blocks(table: Seq[KVBlock]) -> int:
 
 
 def worker_load(running: Iterable[Sequence], waiting: Iterable[Sequence], block_tables: Mapping[int, Seq[KVBlock]],
-                block_size: int, max_model_len: int, max_num_batched_tokens: int, step_time_s: float) -> KVLoad:
+                block_size: int, max_model_len: int, max_num_batched_tokens: int, step_time_s: float,
+                max_blocks_held: int | None = None) -> KVLoad:
     """Sequences running and waiting; the blocks they will still take (each grows to
     ``final_tokens``, less the blocks it holds now); and, per number of steps left, the running
     sequences that end by then and the blocks their end frees (its final blocks less the shared
-    ones: at least what it gives back, since a shared prefix is freed by whichever holder ends last)."""
+    ones: at least what it gives back, since a shared prefix is freed by whichever holder ends last).
+    ``block_tables`` hold the blocks each sequence holds; ``max_blocks_held`` caps what one ever
+    holds (a model sliding in every layer gives back what leaves its window)."""
     running, waiting = list(running), list(waiting)
+
+    def final_blocks_of(seq: Sequence) -> int:
+        final = -(-final_tokens(seq, max_model_len) // block_size)
+        return final if max_blocks_held is None else min(final, max_blocks_held)
+
     reserved = 0
     ending: dict[int, list[int]] = {}  # steps left -> [sequences, blocks]
     for seq in running:
         table = block_tables.get(seq.seq_id, ())
-        final_blocks = -(-final_tokens(seq, max_model_len) // block_size)
+        final_blocks = final_blocks_of(seq)
         reserved += max(final_blocks - len(table), 0)
         entry = ending.setdefault(steps_left(seq, max_model_len, max_num_batched_tokens), [0, 0])
         entry[0] += 1
         entry[1] += max(final_blocks - shared_blocks(table), 0)
     for seq in waiting:
-        final_blocks = -(-final_tokens(seq, max_model_len) // block_size)
+        final_blocks = final_blocks_of(seq)
         reserved += max(final_blocks - len(block_tables.get(seq.seq_id, ())), 0)
     releases = pack_releases(Release(steps, seqs, blocks) for steps, (seqs, blocks) in sorted(ending.items()))
     return KVLoad(len(running), len(waiting), reserved, releases, step_time_s)

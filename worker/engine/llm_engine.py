@@ -12,7 +12,7 @@ from transformers import AutoTokenizer
 from pagefleet.worker.core.block_hash import HASH_SIZE, extra_keys_digest, unpack_hashes
 from pagefleet.worker.core.block_pool import BlockPool
 from pagefleet.worker.core.kv_cache_manager import KVCacheManager
-from pagefleet.worker.core.kv_cache_sizing import size_kv_pool
+from pagefleet.worker.core.kv_cache_sizing import max_blocks_per_seq, max_tokens_held, size_kv_pool, step_tokens
 from pagefleet.worker.core.kv_events import KVEventBatch, KVEventLog, KVEventSource, KVLoad, KVSnapshot
 from pagefleet.worker.core.resume import ResumeState, check_resume
 from pagefleet.worker.core.scheduler import Scheduler
@@ -64,7 +64,7 @@ class LLMEngine:
             self.executor.shutdown()  # TP actors and process groups must not outlive a failed start
             raise
         self.pool = BlockPool(num_blocks, args.enable_prefix_caching)
-        self.kv = KVCacheManager(self.pool, args.block_size)
+        self.kv = KVCacheManager(self.pool, args.block_size, cfg.kv_sliding_window)
         self.scheduler = Scheduler(self.kv, args.max_num_seqs, args.max_num_batched_tokens)
         if args.simulate is None:
             self.sampler: Sampler | SimulatedSampler = Sampler(cfg.eos_token_ids, self.tokenizer)
@@ -111,9 +111,17 @@ class LLMEngine:
         per_block = self.executor.kv_bytes_per_block(args.block_size)
         budget = self.executor.available_kv_bytes(args.kv_cache_bytes, args.gpu_memory_utilization,
                                                   args.max_num_batched_tokens)
-        pool = size_kv_pool(budget, per_block, args.block_size, self.model_config.max_model_len)
+        cfg = self.model_config
+        pool = size_kv_pool(budget, per_block, args.block_size, cfg.max_model_len,
+                            self._max_tokens_held(cfg.max_model_len))
         self.executor.allocate_kv_cache(pool.num_blocks, args.block_size)
         return pool.num_blocks, per_block
+
+    def _max_tokens_held(self, num_tokens: int) -> int:
+        """The KV a sequence of ``num_tokens`` holds at most (less with a window in every layer)."""
+        args = self.args
+        return max_tokens_held(num_tokens, args.block_size, self.model_config.kv_sliding_window,
+                               step_tokens(args.max_num_batched_tokens, args.num_scheduler_steps))
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -134,7 +142,7 @@ class LLMEngine:
                              f"{len(prompt_token_ids)} tokens (16 bytes a full block)")
         max_len = self.limits.max_model_len
         longest = min(max_len, len(prompt_token_ids) + (params.max_tokens or max_len))
-        if -(-longest // self.args.block_size) > self.pool.num_blocks:
+        if -(-self._max_tokens_held(longest) // self.args.block_size) > self.pool.num_blocks:
             raise InvalidRequest(f"a sequence of {longest} tokens needs more KV blocks than the whole pool "
                                  f"({self.pool.num_blocks} blocks of {self.args.block_size})", "max_tokens")
 
@@ -265,9 +273,11 @@ class LLMEngine:
     def kv_load(self) -> KVLoad:
         """Sequences running and waiting, the blocks they will still take, and when the running
         ones end (``core.worker_load``)."""
-        sched, args = self.scheduler, self.args
-        return worker_load(sched.running, sched.waiting, self.kv.block_tables, args.block_size,
-                           self.model_config.max_model_len, args.max_num_batched_tokens, self.step_time_s)
+        sched, args, max_len = self.scheduler, self.args, self.model_config.max_model_len
+        held = max_blocks_per_seq(max_len, args.block_size, self.kv.sliding_window,
+                                  step_tokens(args.max_num_batched_tokens, args.num_scheduler_steps))
+        return worker_load(sched.running, sched.waiting, self.kv.held_block_tables(), args.block_size, max_len,
+                           args.max_num_batched_tokens, self.step_time_s, held)
 
     def stats(self) -> EngineStats:
         return EngineStats(

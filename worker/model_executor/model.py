@@ -1,7 +1,8 @@
 """The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen3-MoE) over the paged KV cache.
 
 One class covers them all: Qwen2 adds q/k/v biases, Qwen3 adds per-head q/k RMSNorm, and the
-mixture-of-experts models put a SparseMoeBlock (moe.py) in place of the MLP of some layers.
+mixture-of-experts models put a SparseMoeBlock (moe.py) in place of the MLP of some layers, and
+a layer with a sliding window (Mistral's, Qwen2's upper layers) hands it to the attention kernel.
 """
 
 from __future__ import annotations
@@ -40,9 +41,10 @@ class AttentionMetadata:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPGroup, kernels: Kernels, device) -> None:
+    def __init__(self, cfg: ModelConfig, index: int, tp: TPGroup, kernels: Kernels, device) -> None:
         super().__init__()
         self.kernels = kernels
+        self.sliding_window = cfg.sliding_window(index)  # None: this layer attends over the whole context
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads,
                                           cfg.attention_bias, tp, cfg.dtype, device)
         self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, False, tp, cfg.dtype, device)
@@ -75,7 +77,7 @@ class Attention(nn.Module):
                                     v_scale=self.v_scale)
         o = self.kernels.paged_attention(q, key_cache, value_cache, meta.block_table, meta.query_start_loc,
                                          meta.seq_lens, self.scale, k_scale=self.k_scale, v_scale=self.v_scale,
-                                         plan=meta.attn_plan)
+                                         sliding_window=self.sliding_window, plan=meta.attn_plan)
         return self.o_proj(o.reshape(num_tokens, self.num_heads * self.head_dim))
 
 
@@ -100,7 +102,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, index: int, tp: TPGroup, kernels: Kernels, device) -> None:
         super().__init__()
         self.kernels = kernels
-        self.self_attn = Attention(cfg, tp, kernels, device)
+        self.self_attn = Attention(cfg, index, tp, kernels, device)
         # A mixture-of-experts layer or a dense one: the config says which (moe_layers).
         self.mlp = (SparseMoeBlock(cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob, cfg.hidden_size,
                                    cfg.moe_intermediate_size, tp, kernels, cfg.dtype, device)

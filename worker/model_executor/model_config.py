@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pagefleet.worker.model_executor.compressed_tensors import checkpoint_quantization
+from pagefleet.worker.model_executor.sliding_window import kv_sliding_window, sliding_windows
 
 if TYPE_CHECKING:
     import torch
@@ -60,6 +61,18 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True
     moe_layers: tuple[int, ...] = ()
+    # Each layer's sliding window in tokens, None for a full-attention layer (sliding_window.py);
+    # () where every layer attends over the whole context.
+    sliding_windows: tuple[int | None, ...] = ()
+
+    def sliding_window(self, layer: int) -> int | None:
+        """Layer ``layer``'s attention window in tokens, None for full attention."""
+        return self.sliding_windows[layer] if self.sliding_windows else None
+
+    @property
+    def kv_sliding_window(self) -> int | None:
+        """The window past which the KV cache frees blocks: set only when every layer slides."""
+        return kv_sliding_window(self.sliding_windows)
 
     @property
     def active_parameters_per_token(self) -> int:
@@ -150,9 +163,6 @@ def load_model_config(model: str, *, dtype: str = "auto", max_model_len: int | N
         rope_scaling = rope
     max_pos = int(cfg.get("max_position_embeddings", 2048))
     limit = max_pos
-    window = cfg.get("sliding_window") if cfg.get("use_sliding_window", arch in ("MistralForCausalLM", "MixtralForCausalLM")) else None
-    if window:
-        limit = min(limit, int(window))  # no sliding-window attention: stay inside the window
     if max_model_len is None:
         max_model_len = limit
     elif max_model_len > limit:
@@ -190,6 +200,7 @@ def load_model_config(model: str, *, dtype: str = "auto", max_model_len: int | N
         dtype=resolve_dtype(dtype, cfg),
         eos_token_ids=tuple(eos),
         quantization=checkpoint_quantization(cfg, path),
+        sliding_windows=sliding_windows(arch, cfg),
         **moe_fields(arch, cfg),
     )
 
