@@ -174,7 +174,7 @@ class HandleWorkerClient:
     async def _attempts(self, job: Job) -> AsyncIterator[RequestOutputDelta]:
         request = WorkerRequest(job.request_id, job.token_ids, job.params, job.block_hashes, job.extra_keys,
                                 job.ranking, channel=self.mux.channel_id, trace_headers=tracing.headers_of(job.span),
-                                client=job.client)
+                                client=job.client, priority=job.priority)
         async for delta in self._follow(job, request, StreamProgress(job.params.n), failovers=0):
             yield delta
 
