@@ -93,6 +93,8 @@ def test_a_priority_the_fcfs_engine_cannot_honour_is_refused_alike(ingress, llm,
     with pytest.raises(ValueError) as offline:
         llm.generate({"prompt_token_ids": [5, 6]}, SamplingParams(max_tokens=2), priority=priority)
     assert str(offline.value) == message
+    with pytest.raises(ValueError, match="^1 priorities for 2 prompts$"):  # one for all, or one a prompt
+        llm.generate([{"prompt_token_ids": [5, 6]}] * 2, SamplingParams(max_tokens=2), priority=[0])
     assert not llm.engine.has_unfinished()
     r = ingress.post("/v1/completions", json={"prompt": [5, 6], "max_tokens": 2, "priority": 0},
                      headers={"X-Vllm-Priority": "not a number"})  # ignored, as vLLM ignores it
