@@ -153,7 +153,7 @@ class HandleWorkerClient:
         if self.follower is not None:
             self.follower.start()  # a no-op once running (started by the constructor where it can)
         decision = await self.kv.route(job.request_id, job.block_hashes, len(job.token_ids), job.params.max_tokens,
-                                       job.params.n)
+                                       job.params.n, job.priority)
         if decision is None:
             return None
         # The blocks this request may hold count in the ingress's own load until its stream ends
