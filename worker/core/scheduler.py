@@ -42,7 +42,6 @@ class Scheduler:
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.policy = policy
         self.waiting = waiting_queue(policy)
         self.running: list[Sequence] = []
         self.num_preemptions = 0
