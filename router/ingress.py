@@ -168,7 +168,7 @@ class HandleWorkerClient:
         if self.follower is not None:
             self.follower.start()  # a no-op once running (started by the constructor where it can)
         decision = await self.kv.route(job.request_id, job.block_hashes, len(job.token_ids), job.params.max_tokens,
-                                       job.params.n)
+                                       job.params.n, job.priority)
         if decision is None:
             return None
         # The blocks this request may hold count in the ingress's own load until its stream ends
@@ -189,7 +189,7 @@ class HandleWorkerClient:
     async def _attempts(self, job: Job) -> AsyncIterator[RequestOutputDelta]:
         request = WorkerRequest(job.request_id, job.token_ids, job.params, job.block_hashes, job.extra_keys,
                                 job.ranking, channel=self.mux.channel_id, trace_headers=tracing.headers_of(job.span),
-                                client=job.client)
+                                client=job.client, priority=job.priority)
         async for delta in self._follow(job, request, StreamProgress(job.params.n), failovers=0):
             yield delta
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pagefleet.worker.core.request_queue import SCHEDULING_POLICIES
 from pagefleet.worker.model_executor.model_config import QUANTIZATIONS, parse_dtype
 from pagefleet.worker.options import check_choices, option, parse_bytes
 from pagefleet.worker.request_check import (
@@ -47,6 +48,12 @@ class EngineArgs:
     max_num_seqs: int | None = option(None, help=f"sequences per engine step (default: {CUDA_MAX_NUM_SEQS} on a CUDA "
                                                  f"device, where a decode step of many sequences costs about what "
                                                  f"one costs; {CPU_MAX_NUM_SEQS} on CPU and a simulated GPU)")
+    scheduling_policy: str = option("fcfs", choices=SCHEDULING_POLICIES,
+                                    help="as vLLM's flag: fcfs serves waiting requests in arrival order and "
+                                         "preempts the newest running one when KV blocks run out (a request's "
+                                         "priority other than 0 is refused); priority serves them by the "
+                                         "request's priority, lower first, then arrival, and preempts the "
+                                         "running request of the highest priority value, latest arrival")
     max_num_batched_tokens: int = option(2048, help="tokens per engine step (long prompts are chunked)")
     max_model_len: int | None = option(None, help="context length (default: the model's)")
     kv_cache_bytes: int | None = option(None, parse=parse_bytes, metavar="BYTES",

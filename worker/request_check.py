@@ -46,13 +46,14 @@ class RequestLimits:
     max_stop_strings: int = DEFAULT_MAX_STOP_STRINGS
     max_stop_string_chars: int = DEFAULT_MAX_STOP_STRING_CHARS
     max_stop_token_ids: int = DEFAULT_MAX_STOP_TOKEN_IDS
+    scheduling_policy: str = "fcfs"  # the engines' (EngineArgs.scheduling_policy)
 
     @classmethod
     def of(cls, cfg: "ModelConfig", args: "EngineArgs") -> "RequestLimits":
         """The limits of an engine with these options serving this model (the ingress reads the same)."""
         return cls(vocab_size=cfg.vocab_size, max_model_len=cfg.max_model_len, max_num_seqs=args.max_num_seqs,
                    max_stop_strings=args.max_stop_strings, max_stop_string_chars=args.max_stop_string_chars,
-                   max_stop_token_ids=args.max_stop_token_ids)
+                   max_stop_token_ids=args.max_stop_token_ids, scheduling_policy=args.scheduling_policy)
 
 
 def check_request(prompt_token_ids: list[int], params: "SamplingParams", limits: RequestLimits) -> None:
@@ -101,6 +102,19 @@ def check_request(prompt_token_ids: list[int], params: "SamplingParams", limits:
     if bad is not None:
         raise InvalidRequest(f"stop token id {params.stop_token_ids[bad]!r} is outside the vocabulary "
                              f"[0, {limits.vocab_size})", "stop_token_ids")
+
+
+def check_priority(priority: int, limits: RequestLimits) -> None:
+    """Raise ``InvalidRequest`` for a priority the engines cannot honour. vLLM documents that a
+    priority other than 0 is an error unless the server schedules by priority: a server that
+    would serve it first come, first served refuses it rather than ignore it."""
+    if not isinstance(priority, int) or isinstance(priority, bool) or not -(2**63) <= priority < 2**63:
+        raise InvalidRequest(f"priority must be an integer that fits in a signed 64-bit integer, got {priority!r}",
+                             "priority")
+    if priority != 0 and limits.scheduling_policy != "priority":
+        raise InvalidRequest(f"priority {priority} needs a server started with --scheduling-policy priority; "
+                             f"this one schedules {limits.scheduling_policy} (only priority 0)", "priority",
+                             "unsupported")
 
 
 def _first_outside_vocab(token_ids: list[int], vocab_size: int) -> int | None:

@@ -47,6 +47,7 @@ logger = logging.getLogger(__name__)
 VERSION = "0.1.0"
 PARSE_THREADS = 2
 HEALTH_TIMEOUT_S = 5.0
+PRIORITY_HEADER = "X-Vllm-Priority"
 # /tokenize answers with up to this many token ids encoded on the event loop.
 INLINE_ENCODE_TOKENS = 4096
 
@@ -144,14 +145,16 @@ def build_openai_app(service: OpenAIService, *, api_key: str | None = None, body
     async def create_completion(request: Request) -> Response:
         started = time.time()
         service.check_open()
-        return await respond(await service.completion(await _parse(request, CompletionRequest)), request, started)
+        body = _priority_from_header(await _parse(request, CompletionRequest), request)
+        return await respond(await service.completion(body), request, started)
 
     @app.post("/v1/chat/completions", **route_docs(request=ChatCompletionRequest, ok=out.ChatCompletionResponse,
                                                    chunk=out.ChatCompletionChunk, errors=generating, api_key=keyed))
     async def create_chat_completion(request: Request) -> Response:
         started = time.time()
         service.check_open()
-        return await respond(await service.chat(await _parse(request, ChatCompletionRequest)), request, started)
+        body = _priority_from_header(await _parse(request, ChatCompletionRequest), request)
+        return await respond(await service.chat(body), request, started)
 
     @app.post("/tokenize", **route_docs(request=TokenizeRequest, ok=out.TokenizeResponse, errors=reading,
                                         api_key=keyed))
@@ -211,6 +214,18 @@ def _decode(raw: bytes, model: type[Body]) -> Body:
         return model.model_validate(parse_json_object(raw))
     except ValidationError as exc:
         raise from_validation_error(exc) from exc
+
+
+def _priority_from_header(body: Body, request: Request) -> Body:
+    """vLLM's ``X-Vllm-Priority`` header: when it holds an integer it replaces the body's
+    ``priority`` (one that does not is ignored, as vLLM ignores it)."""
+    value = request.headers.get(PRIORITY_HEADER)
+    if value is not None:
+        try:
+            body.priority = int(value)
+        except ValueError:
+            pass
+    return body
 
 
 def _event_stream(chunks: AsyncIterator[dict]) -> StreamingResponse:

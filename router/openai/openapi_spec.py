@@ -168,6 +168,11 @@ def _sampling_fields(info: ModelInfo) -> dict[str, dict]:
                                  "maxLength": info.serving.max_request_id_chars},
                                 "Echoed as the response id; the server's own id runs the request"),
         "cache_salt": _nullable({"type": "string", "minLength": 1, "maxLength": MAX_CACHE_SALT_CHARS}),
+        "priority": ({"type": "integer", "minimum": INT64_MIN, "maximum": INT64_MAX, "default": 0,
+                      "description": "Lower is served earlier (--scheduling-policy priority)"}
+                     if limits.scheduling_policy == "priority" else
+                     {"type": "integer", "const": 0, "default": 0,
+                      "description": "Only 0: this server schedules first come, first served"}),
     }
 
 

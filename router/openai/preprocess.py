@@ -27,7 +27,13 @@ from pagefleet.router.openai.request_size import (
 from pagefleet.router.openai.structured import structured_outputs
 from pagefleet.router.openai.tool_choice import ToolPlan
 from pagefleet.router.openai.vllm_fields import NOT_IMPLEMENTED
-from pagefleet.worker.request_check import CONTEXT_LENGTH_EXCEEDED, InvalidRequest, RequestLimits, check_request
+from pagefleet.worker.request_check import (
+    CONTEXT_LENGTH_EXCEEDED,
+    InvalidRequest,
+    RequestLimits,
+    check_priority,
+    check_request,
+)
 from pagefleet.worker.sampling_params import SamplingParams, StructuredOutputsParams
 
 DEFAULT_MAX_PROMPTS = 256
@@ -283,6 +289,14 @@ def check_job(token_ids: list[int], params: SamplingParams, info: ModelInfo,
     """The engine's own request check, as a 400 naming the client's field."""
     try:
         check_request(token_ids, params, info.limits)
+    except InvalidRequest as exc:
+        raise as_bad_request(exc, req) from exc
+
+
+def check_request_priority(req: CompletionRequest | ChatCompletionRequest, info: ModelInfo) -> None:
+    """The engines' own priority check (``request_check.check_priority``), as a 400."""
+    try:
+        check_priority(req.priority, info.limits)
     except InvalidRequest as exc:
         raise as_bad_request(exc, req) from exc
 

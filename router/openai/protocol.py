@@ -88,6 +88,10 @@ class _SamplingFields(_Body):
     # vLLM's: goes into the prefix-cache hashes, so requests with different salts never share
     # (nor can time) each other's cached blocks. One salt per tenant.
     cache_salt: str | None = None
+    # vLLM's: lower is served earlier (and preempted later) under --scheduling-policy priority;
+    # anything but 0 is refused by a server that schedules fcfs. The X-Vllm-Priority header, when
+    # it holds an integer, replaces it (app.py), as in vLLM.
+    priority: int = 0
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
 

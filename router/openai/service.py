@@ -153,6 +153,7 @@ class OpenAIService:
         if len(prompts) * params.n > limit:
             raise bad_request(f"this request asks for {len(prompts)} prompts x n={params.n} sequences; at most "
                               f"{limit} are allowed in one request (max_prompts_per_request)", "n")
+        pre.check_request_priority(req, self.info)
         extra_keys = (req.cache_salt,) if req.cache_salt else ()
         extra = extra_keys_digest(extra_keys)
         jobs = []
@@ -161,7 +162,7 @@ class OpenAIService:
             hashes = pack_hashes(block_hashes(token_ids, self.info.block_size, extra))
             # Engine request ids are the server's own, whatever id the client sent.
             jobs.append(Job(f"{engine_id}-{i}", token_ids, pre.with_max_tokens(params, len(token_ids), self.info),
-                            hashes, extra_keys))
+                            hashes, extra_keys, priority=req.priority))
         if not req.stream:  # one body holds the whole output: bounded before anything runs
             check_unstreamed_size([job.params for job in jobs], self.info.serving.max_unstreamed_response_tokens,
                                   pre.client_field_names(req))
@@ -349,6 +350,7 @@ class Job:
     ranking: list[str] | None = None  # where the global scheduler would run it, best first
     span: Any = None  # its span while tracing is on (``worker.tracing``)
     client: str = ""  # the client's address, as the ingress sees it (``WorkerRequest.client``)
+    priority: int = 0  # vLLM's request priority (``WorkerRequest.priority``)
 
 
 @dataclass(slots=True, weakref_slot=True)

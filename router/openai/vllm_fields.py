@@ -9,7 +9,6 @@ from __future__ import annotations
 from typing import Any
 
 _SHARED: dict[str, Any] = {
-    "priority": 0,  # no --scheduling-policy priority
     "use_beam_search": False,
     "length_penalty": 1.0,  # beam search's
     "spaces_between_special_tokens": True,

@@ -1,9 +1,12 @@
-"""Admission control: a bounded FIFO where requests wait for a worker with room (asyncio, no Ray).
+"""Admission control: a bounded queue where requests wait for a worker with room (asyncio, no Ray).
 
 When no worker can take a request's blocks now, piling it onto one anyway
 only makes that worker preempt (recompute) running sequences. Instead the
 request waits here: first come, first served, only the head asks again (every
 ``retry_s``), at most ``max_size`` waiting and none longer than ``max_wait_s``.
+A request's ``priority`` (vLLM's; lower first, 0 unless the workers schedule by
+priority) places it ahead of the waiters of a higher value, but never ahead of
+the head, which may be asking for room at that moment.
 A request that finds the queue full, or waits out its time, is refused with
 ``AdmissionRejected`` (the ingress answers 429 with Retry-After).
 
@@ -69,6 +72,7 @@ class AdmissionCounters:
 class _Waiter:
     need: Any  # what the forecast is given for it
     deadline: float
+    priority: int = 0
     turn: asyncio.Event = field(default_factory=asyncio.Event)  # set: its turn, or its refusal
     refusal: AdmissionRejected | None = None
 
@@ -112,29 +116,46 @@ class AdmissionQueue:
         """What a refused client is told to wait (whole seconds, as HTTP wants)."""
         return max(1, math.ceil(self.max_wait_s))
 
-    def expected_wait_s(self) -> float | None:
-        """How long a request joining the queue now would wait, at the recent rate (None: unknown)."""
+    def expected_wait_s(self, priority: int | None = None) -> float | None:
+        """How long a request joining the queue now would wait, at the recent rate (None: unknown);
+        without ``priority``, one joining at the end."""
         if self.departure_interval_s is None or not self._waiting:
             return None
-        return (len(self._waiting) + 1) * self.departure_interval_s
+        ahead = len(self._waiting) if priority is None else self._place(priority)
+        return (ahead + 1) * self.departure_interval_s
 
-    def check_room(self, need: Any = None) -> None:
+    def _place(self, priority: int) -> int:
+        """Where a newcomer of ``priority`` joins: behind the head and every waiter of a value up
+        to its own."""
+        i = len(self._waiting)
+        while i > 1 and self._waiting[i - 1].priority > priority:
+            i -= 1
+        return i
+
+    def check_room(self, need: Any = None, priority: int | None = None) -> None:
         """Raises AdmissionRejected when a request arriving now would be refused without waiting.
-        With ``need`` (what the forecast takes) its own forecast wait decides; without, the last
-        waiter's (the newcomer would wait longer)."""
+        With ``need`` (what the forecast takes) its own forecast wait decides, at its place by
+        ``priority``; without, the last waiter's (the newcomer would wait longer, unless its
+        priority places it ahead: that is not known before its body is read)."""
         if len(self._waiting) >= self.max_size:
             self.counters.rejected_queue_full += 1
             raise AdmissionRejected(f"all workers are full and {len(self._waiting)} requests are already "
                                     "waiting for one; retry later", "queue_full", self.retry_after_s)
-        waits = None
+        waits, place = None, len(self._waiting)
         if self.forecast is not None and (need is not None or self._waiting):
-            waits = self.forecast([w.need for w in self._waiting] + ([need] if need is not None else []))
+            needs = [w.need for w in self._waiting]
+            if need is not None:
+                place = self._place(priority or 0)
+                needs.insert(place, need)
+            else:
+                place = len(needs) - 1
+            waits = self.forecast(needs)
         if waits is not None:
-            if waits[-1] > self.max_wait_s - self.margin_s:
+            if waits[place] > self.max_wait_s - self.margin_s:
                 self.counters.rejected_expected_wait += 1
-                raise self._too_long(waits[-1], self.max_wait_s)
+                raise self._too_long(waits[place], self.max_wait_s)
             return
-        expected = self.expected_wait_s()
+        expected = self.expected_wait_s(priority)
         if expected is not None and expected > self.max_wait_s:
             self.counters.rejected_expected_wait += 1
             raise AdmissionRejected(f"all workers are full and the {len(self._waiting)} requests waiting would "
@@ -151,19 +172,20 @@ class AdmissionQueue:
                                  f"(when their running requests end), more than the {left:.1f} s it may wait; "
                                  "retry later", "expected_wait", max(1, math.ceil(wait)))
 
-    async def admit(self, attempt: Callable[[], Awaitable[T]], admitted: Callable[[T], bool], need: Any = None) -> T:
-        """Run ``attempt`` until ``admitted`` says its result is a yes, keeping FIFO order;
-        the first yes is returned. ``need``: what the forecast is given for this request.
-        Raises AdmissionRejected."""
+    async def admit(self, attempt: Callable[[], Awaitable[T]], admitted: Callable[[T], bool], need: Any = None,
+                    priority: int = 0) -> T:
+        """Run ``attempt`` until ``admitted`` says its result is a yes, keeping the queue's order
+        (first come, first served among equal priorities); the first yes is returned. ``need``:
+        what the forecast is given for this request. Raises AdmissionRejected."""
         if not self._waiting:  # nobody ahead: ask at once
             result = await attempt()
             if admitted(result):
                 self.counters.admitted_at_once += 1
                 return result
-        self.check_room(need)
+        self.check_room(need, priority)
         started = self.clock()
-        me = _Waiter(need, started + self.max_wait_s)
-        self._waiting.append(me)
+        me = _Waiter(need, started + self.max_wait_s, priority)
+        self._waiting.insert(self._place(priority), me)
         self.on_length(len(self._waiting))
         self.counters.longest_queue = max(self.counters.longest_queue, len(self._waiting))
         if self._waiting[0] is me:

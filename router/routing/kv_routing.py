@@ -123,15 +123,15 @@ class KVRoutingClient:
         self._ended: deque[str] = deque()  # requests that ended, noticed where no count may change
 
     async def route(self, request_id: str, block_hashes: bytes, prompt_len: int, max_tokens: int,
-                    n: int) -> RouteDecision | None:
-        """Where the request goes (None: no worker known yet, route without a ranking).
-        Raises OpenAIError 429."""
+                    n: int, priority: int = 0) -> RouteDecision | None:
+        """Where the request goes (None: no worker known yet, route without a ranking); one that
+        waits for room waits by ``priority`` (``AdmissionQueue``). Raises OpenAIError 429."""
         need = request_blocks(prompt_len, max_tokens, n, self.block_size, self.max_blocks_per_seq)
         req = RouteRequest(request_id, block_hashes, need, n, max_tokens)
         if self.admission is None:
             decision = self._decide(req, force=True)
         else:
-            decision = await self._admit(req)
+            decision = await self._admit(req, priority)
         reason = "fallback_no_view" if decision is None else decision.reason
         self.metrics.inc("routing_decisions", policy="kv", reason=reason)
         if decision is None or reason == "fallback_stale":
@@ -214,13 +214,13 @@ class KVRoutingClient:
         return forecast_waits([outlook(v, now, VIEW_LAG_S, routed.get(v.slot, ()), cut_short.get(v.worker_id, ()))
                                for v in views], needs)
 
-    async def _admit(self, req: RouteRequest) -> RouteDecision | None:
+    async def _admit(self, req: RouteRequest, priority: int) -> RouteDecision | None:
         async def attempt() -> RouteDecision | None:
             return self._decide(req, force=False)
 
         try:
             return await self.admission.admit(attempt, lambda d: d is None or d.admitted,
-                                              Need(req.num_blocks, req.num_seqs))
+                                              Need(req.num_blocks, req.num_seqs), priority)
         except AdmissionRejected as exc:
             raise self._refused(exc) from exc
 

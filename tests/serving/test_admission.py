@@ -13,7 +13,7 @@ from pagefleet.router.global_scheduler.kv_mirror import SchedulerMirror
 from pagefleet.router.global_scheduler.view_feed import ViewFeed
 from pagefleet.router.metrics import RouterMetrics
 from pagefleet.router.openai.errors import OpenAIError
-from pagefleet.router.routing.admission import WAITED_OUT, AdmissionQueue, AdmissionRejected
+from pagefleet.router.routing.admission import WAITED_OUT, AdmissionQueue, AdmissionRejected, _Waiter
 from pagefleet.router.routing.kv_routing import (
     VIEW_LAG_S,
     KVRoutingClient,
@@ -72,6 +72,42 @@ def test_waiters_are_admitted_first_come_first_served_and_only_the_head_asks():
 
     asyncio.run(run())
 
+
+def test_a_better_priority_waits_ahead_of_worse_ones_but_behind_the_head():
+    async def run():
+        q, room = AdmissionQueue(max_size=5, max_wait_s=5.0, retry_s=0.001), Room()
+        order: list[str] = []
+
+        async def client(name: str, priority: int) -> None:
+            await q.admit(room.attempt(name), bool, priority=priority)
+            order.append(name)
+
+        tasks = []
+        for name, priority in (("a", 5), ("b", 5), ("c", 0), ("d", 5), ("e", -1)):
+            tasks.append(asyncio.create_task(client(name, priority)))
+            while len(q) < len(tasks):
+                await asyncio.sleep(0.001)
+        await asyncio.sleep(0.01)
+        assert set(room.asked) == {"a"}  # the head alone asks, whatever arrives behind it
+        room.free = True
+        await asyncio.gather(*tasks)
+        assert order == ["a", "e", "c", "b", "d"]
+
+    asyncio.run(run())
+
+
+def test_a_newcomers_forecast_wait_is_read_at_its_place_by_priority():
+    """Two waiters ahead with the forecast saying 1 s, 3 s and 5 s for the first three places
+    (max_wait 4 s): a newcomer of priority 0 behind two of priority 5 would be third (5 s:
+    refused); of priority -1 it is second, behind the head (3 s: it waits)."""
+    forecast = lambda needs: [1.0 + 2.0 * i for i in range(len(needs))]  # noqa: E731
+    q = AdmissionQueue(max_size=8, max_wait_s=4.0, retry_s=0.01, forecast=forecast, review_s=0.1)
+    q._waiting.extend([_Waiter("h", 10.0, 5), _Waiter("w", 10.0, 5)])
+    with pytest.raises(AdmissionRejected) as refused:
+        q.check_room("new", priority=5)
+    assert refused.value.reason == "expected_wait" and "about 5.0 s" in str(refused.value)
+    q.check_room("new", priority=-1)
+    assert q._place(-1) == 1 and q._place(5) == 2
 
 def test_a_full_queue_refuses_at_once():
     async def run():
@@ -217,6 +253,31 @@ def test_routing_client_decides_locally_counts_and_refuses_past_the_wait():
 
     asyncio.run(run())
 
+
+def test_the_routing_client_admits_waiters_by_priority_as_room_frees():
+    async def run():
+        client, _ = kv_client(KVRoutingOptions(admission_queue_size=8, admission_max_wait_s=30.0), free=8)
+        for rid in ("r1", "r2", "r3", "r4"):  # 4 blocks each: both workers' room predicted away
+            assert (await client.route(rid, b"", 40, 24, 1)).admitted
+        order: list[str] = []
+
+        async def waiter(rid: str, priority: int) -> None:
+            await client.route(rid, b"", 40, 24, 1, priority)
+            order.append(rid)
+
+        tasks = []
+        for rid, priority in (("low1", 5), ("low2", 5), ("high", -1)):
+            tasks.append(asyncio.create_task(waiter(rid, priority)))
+            while len(client.admission) < len(tasks):
+                await asyncio.sleep(0.001)
+        for done, ended in enumerate(("r1", "r2", "r3"), start=1):
+            client.finished(ended)  # 4 blocks back: room for the next waiter
+            while len(order) < done:
+                await asyncio.sleep(0.001)
+        await asyncio.gather(*tasks)
+        assert order == ["low1", "high", "low2"]
+
+    asyncio.run(run())
 
 def test_a_request_that_ends_before_its_worker_reports_it_frees_its_room_for_the_next():
     """A stream its client closed before the worker took the request in: without the withdrawal

@@ -88,3 +88,25 @@ def test_the_fronts_client_address_keys_the_per_client_bounds(client, fake):
                 headers={"X-Pagefleet-Client": "203.0.113.7"})
     client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1})
     assert [job.client for job in fake.routed] == ["203.0.113.7", "testclient"]
+
+
+def test_priority_and_vllms_priority_header_reach_every_job_on_a_priority_server():
+    tokenizer = make_tokenizer()
+    fake = FakeWorkerClient(tokenizer, vocab_size=len(tokenizer))
+    from pagefleet.router.openai.preprocess import ModelInfo
+    from pagefleet.worker.request_check import RequestLimits
+
+    info = ModelInfo(served_model_name=MODEL, limits=RequestLimits(vocab_size=len(tokenizer), max_model_len=64,
+                                                                   max_num_seqs=8, scheduling_policy="priority"))
+    with TestClient(build_openai_app(OpenAIService(tokenizer=tokenizer, info=info, client=fake))) as client:
+        chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+        for route, body, headers in (("/v1/completions", {"prompt": "hi", "max_tokens": 1, "priority": -3}, {}),
+                                     ("/v1/chat/completions", {**chat, "priority": 7}, {"X-Vllm-Priority": "2"}),
+                                     ("/v1/completions", {"prompt": ["a", "b"], "max_tokens": 1, "priority": 4}, {}),
+                                     ("/v1/chat/completions", chat, {})):
+            r = client.post(route, json=body, headers=headers)
+            assert r.status_code == 200, r.text
+        assert [job.priority for job in fake.routed] == [-3, 2, 4, 4, 0]  # the header wins, as in vLLM
+        for bad in ("1", 2**63, 1.5):
+            r = client.post("/v1/completions", json={"prompt": "hi", "priority": bad})
+            assert (r.status_code, r.json()["error"]["param"]) == (400, "priority")

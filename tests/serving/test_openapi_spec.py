@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from fastapi.testclient import TestClient
 
@@ -35,6 +37,14 @@ def test_request_bodies_are_the_protocol_models_narrowed_to_this_servers_limits(
     for path in ("/v1/chat/completions", "/tokenize", "/detokenize"):
         assert "requestBody" in schema["paths"][path]["post"]
 
+
+
+def test_priority_is_described_as_the_servers_scheduling_policy_takes_it(service, info):
+    fcfs = _schema(service)["components"]["schemas"]["CompletionRequest"]["properties"]["priority"]
+    assert (fcfs["const"], fcfs["default"]) == (0, 0)  # anything else is a 400 on an fcfs server
+    service.info = dataclasses.replace(info, limits=dataclasses.replace(info.limits, scheduling_policy="priority"))
+    ranked = _schema(service)["components"]["schemas"]["ChatCompletionRequest"]["properties"]["priority"]
+    assert (ranked["minimum"], ranked["maximum"], "const" in ranked) == (-(2**63), 2**63 - 1, False)
 
 def test_responses_list_every_status_in_the_openai_error_shape_and_401_only_with_a_key(service):
     plain = _schema(service)["paths"]["/v1/chat/completions"]["post"]["responses"]

@@ -76,6 +76,30 @@ def test_same_bad_request_same_message(ingress, llm, prompt, fields, param):
     assert not llm.engine.has_unfinished()
 
 
+
+@pytest.mark.parametrize("priority, message", [
+    (3, "priority 3 needs a server started with --scheduling-policy priority; this one schedules fcfs "
+        "(only priority 0)"),
+    (2**63, "priority must be an integer that fits in a signed 64-bit integer, got 9223372036854775808"),
+])
+def test_a_priority_the_fcfs_engine_cannot_honour_is_refused_alike(ingress, llm, priority, message):
+    """vLLM documents a priority other than 0 as an error without priority scheduling."""
+    for route, body in (("/v1/completions", {"prompt": [5, 6]}),
+                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
+        r = ingress.post(route, json={**body, "max_tokens": 2, "priority": priority})
+        assert (r.status_code, r.json()["error"]["param"], r.json()["error"]["message"]) == (400, "priority", message)
+    r = ingress.post("/v1/completions", json={"prompt": [5, 6], "max_tokens": 2}, headers={"X-Vllm-Priority": "3"})
+    assert (r.status_code, r.json()["error"]["param"]) == (400, "priority")  # vLLM's header counts as the field
+    with pytest.raises(ValueError) as offline:
+        llm.generate({"prompt_token_ids": [5, 6]}, SamplingParams(max_tokens=2), priority=priority)
+    assert str(offline.value) == message
+    with pytest.raises(ValueError, match="^1 priorities for 2 prompts$"):  # one for all, or one a prompt
+        llm.generate([{"prompt_token_ids": [5, 6]}] * 2, SamplingParams(max_tokens=2), priority=[0])
+    assert not llm.engine.has_unfinished()
+    r = ingress.post("/v1/completions", json={"prompt": [5, 6], "max_tokens": 2, "priority": 0},
+                     headers={"X-Vllm-Priority": "not a number"})  # ignored, as vLLM ignores it
+    assert r.status_code == 200, r.text
+
 def test_importing_and_starting_the_ingress_loads_no_engine_module(args):
     code = f"""
 import json, sys

@@ -15,7 +15,7 @@ from pagefleet.worker.metrics.stats import EngineStats, ReplicaStats
 from pagefleet.worker.options import parse_bytes
 from pagefleet.worker.outputs import CompletionOutput, RequestOutputDelta
 from pagefleet.worker.replica.deployment import WorkerReplica, worker_deployment_options
-from pagefleet.worker.replica.wire import WorkerRequest
+from pagefleet.worker.replica.wire import FRAME_HEADER, WorkerRequest, decode_commands, encode_commands
 from pagefleet.worker.sampling_params import SamplingParams
 
 SERVE_YAML = Path(__file__).resolve().parents[2] / "deploy" / "serve.yaml"
@@ -33,10 +33,12 @@ class FakeEngine:
         self.dead = False
         self.closed = []
         self.received = []
+        self.priorities = []
 
     async def generate(self, request_id, prompt_token_ids, params, extra_keys=(), block_hashes=None, span=None,
-                       resume=None, forward=None, client=""):
+                       resume=None, forward=None, client="", priority=0):
         self.received.append((request_id, extra_keys, block_hashes, resume))
+        self.priorities.append(priority)
         try:
             for step in range(params.max_tokens):
                 last = step == params.max_tokens - 1
@@ -88,6 +90,19 @@ def test_worker_replica_hands_a_resumed_request_to_the_engine_with_its_state():
 
     assert len(asyncio.run(run())) == 2
     assert replica.engine.received == [("r3", (), b"", ResumeState([5, 6, 7], 4, 1))]
+
+
+def test_a_requests_priority_crosses_the_wire_and_reaches_the_engine():
+    replica = WorkerReplica(EngineArgs(), engine_factory=FakeEngine)
+    sent = WorkerRequest("r4", [1, 2], SamplingParams(max_tokens=1), priority=-7)
+    (request,) = decode_commands(encode_commands([sent])[FRAME_HEADER.size:])
+    assert request.priority == -7
+
+    async def run():
+        return [d async for d in replica.generate(request)]
+
+    assert len(asyncio.run(run())) == 1
+    assert replica.engine.priorities == [-7]
 
 
 def test_worker_replica_health_is_the_engines():

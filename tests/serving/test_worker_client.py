@@ -91,3 +91,19 @@ def test_a_channel_connection_that_breaks_mid_request_loses_no_output():
         await _close(replica, client)
 
     asyncio.run(run())
+
+
+def test_a_jobs_priority_reaches_the_routing_clients_admission():
+    seen = []
+
+    class RoutingClient:
+        async def route(self, *args):
+            seen.append(args)
+            return None  # no worker known yet: sent without a ranking
+
+    async def run():
+        client = HandleWorkerClient(ReplicaHandle(None), kv=RoutingClient())
+        return await client.route(Job("r", [1, 2], SamplingParams(max_tokens=4), priority=-4))
+
+    assert asyncio.run(run()) is None
+    assert seen == [("r", b"", 2, 4, 1, -4)]  # id, block hashes, prompt length, max_tokens, n, priority

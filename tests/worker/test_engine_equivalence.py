@@ -180,3 +180,43 @@ def test_eager_chunked_prefill_matches(llama_checkpoint, decode_calls):
     check_chunked_prefill(LLM(model=str(llama_checkpoint), dtype="float32", kv_cache_bytes=32 << 20,
                               max_num_batched_tokens=7, enforce_eager=True), llama_checkpoint)
     assert decode_calls == []
+
+
+def test_priority_preemption_matches(llama_checkpoint):
+    """--scheduling-policy priority with 8 blocks: the four worst-priority prompts arrive first
+    and run first, the four better ones six steps later, so blocks run short while the worst are
+    scheduled ahead of the better ones in the step. The victims (the worst, taken out of the step
+    they were scheduled in; low0's token there completed its first block, whose hash is withdrawn)
+    recompute identically."""
+    cfg = load_model_config(str(llama_checkpoint))
+    per_block = 2 * cfg.num_layers * 16 * cfg.num_kv_heads * cfg.head_dim * 4  # fp32 K and V
+    llm = LLM(model=str(llama_checkpoint), dtype="float32", block_size=16, kv_cache_bytes=8 * per_block,
+              max_model_len=128, scheduling_policy="priority")
+    engine = llm.engine
+    withdrawn: list[tuple[str, int]] = []  # (request, blocks its step allocation had published)
+    withdraw = engine.kv.withdraw_step
+
+    def spy(seq):
+        withdrawn.append((seq.request_id, sum(sid == seq.seq_id for sid, _ in engine.kv._step_published)))
+        withdraw(seq)
+
+    engine.kv.withdraw_step = spy
+    prompts = prompts_for(llm.tokenizer)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    names = [f"low{i}" for i in range(4)] + [f"high{i}" for i in range(4)]
+    tokens: dict[str, list[int]] = {name: [] for name in names}
+    for name, prompt in zip(names[:4], prompts[:4]):
+        engine.add_request(name, prompt, params, priority=9)
+    for step in range(10_000):
+        if step == 6:
+            for name, prompt in zip(names[4:], prompts[4:]):
+                engine.add_request(name, prompt, params, priority=0)
+        for delta in engine.step():
+            tokens[delta.request_id] += [t for s in delta.sequences for t in s.token_ids]
+        if step >= 6 and not engine.has_unfinished():
+            break
+    refs = reference(llama_checkpoint, prompts, 24)
+    assert [tokens[name] for name in names] == [ref_ids for ref_ids, _ in refs]
+    assert withdrawn == [("low1", 0), ("low0", 1)]  # only the worst were taken out of a step
+    stats = engine.stats()
+    assert (stats.num_preemptions, stats.num_free_blocks) == (5, 8)

@@ -26,6 +26,7 @@ OTHER_VALUES = {
     "device": ("cpu", "cpu"),
     "block_size": ("32", 32),
     "max_num_seqs": ("8", 8),
+    "scheduling_policy": ("priority", "priority"),
     "max_num_batched_tokens": ("512", 512),
     "max_model_len": ("1024", 1024),
     "kv_cache_bytes": ("2GiB", 2 * 2**30),

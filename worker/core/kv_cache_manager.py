@@ -168,6 +168,14 @@ class KVCacheManager:
             return self.block_tables
         return {seq_id: self.held_blocks(seq_id) for seq_id in self.block_tables}
 
+    def withdraw_step(self, seq: Sequence) -> None:
+        """Withdraw the hashes ``seq``'s allocations published this step: it leaves the step
+        before it runs (preempted after it was scheduled), so their KV is never written."""
+        mine = [block for seq_id, block in self._step_published if seq_id == seq.seq_id]
+        for block in mine:
+            self.pool.uncache(block)
+        self._step_published = [(seq_id, block) for seq_id, block in self._step_published if seq_id != seq.seq_id]
+
     def free(self, seq: Sequence) -> None:
         table = self.block_tables.pop(seq.seq_id, None)
         self._block_ids.pop(seq.seq_id, None)

@@ -1,13 +1,15 @@
 """Continuous batching: spend a token budget on running sequences first, then admit
-waiting ones, chunking long prompts; preempt the newest by recompute when blocks run out."""
+waiting ones, chunking long prompts; preempt by recompute when blocks run out. Which waiting
+sequence comes first and which running one is preempted is the scheduling policy's
+(``request_queue``: the newest under fcfs, the worst priority under priority)."""
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from pagefleet.worker.core.kv_cache_manager import KVCacheManager
+from pagefleet.worker.core.request_queue import waiting_queue
 from pagefleet.worker.core.sequence import Sequence, SequenceStatus
 
 if TYPE_CHECKING:
@@ -35,55 +37,71 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 policy: str = "fcfs") -> None:
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.waiting: deque[Sequence] = deque()
+        self.waiting = waiting_queue(policy)
         self.running: list[Sequence] = []
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        self.waiting.add(seq)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
-        i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
+        # Running sequences are scheduled in their order: the first len(out.scheduled) are done.
+        while len(out.scheduled) < len(self.running) and budget > 0:
+            seq = self.running[len(out.scheduled)]
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            while not self.kv.allocate(seq, num_new):
-                victim = self.running.pop()  # the newest running sequence
-                self._preempt(victim)
-                out.preempted.append(victim)
-                if victim is seq:
-                    break
-            else:
-                out.scheduled.append(_scheduled(seq, num_new))
-                budget -= num_new
-                i += 1
+            given_back = self._make_room(seq, num_new, out)
+            if given_back is None:
+                break  # seq itself was preempted: as in vLLM, the rest wait for the next step
+            out.scheduled.append(_scheduled(seq, num_new))
+            budget += given_back - num_new
         if out.preempted:
             # Blocks are short: admitting new work now would only preempt again.
             return out
         self.admit(out, budget)
         return out
 
+    def _make_room(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> int | None:
+        """Allocate ``seq``'s blocks for ``num_new`` tokens, preempting running sequences as the
+        policy picks them until they fit. Returns the tokens given back by victims scheduled
+        earlier in this step (the priority policy may pick one), or None when ``seq`` itself was
+        preempted."""
+        given_back = 0
+        while not self.kv.allocate(seq, num_new):
+            victim = self.waiting.victim(self.running)
+            self.running.remove(victim)
+            item = next((item for item in out.scheduled if item.seq is victim), None)
+            if item is not None:
+                out.scheduled.remove(item)
+                given_back += item.num_new_tokens
+                self.kv.withdraw_step(victim)  # hashes published for KV this step will not write
+            self._preempt(victim)
+            out.preempted.append(victim)
+            if victim is seq:
+                return None
+        return given_back
+
     def admit(self, out: SchedulerOutput, budget: int) -> None:
         """Admit waiting sequences into ``out`` while seats, ``budget`` tokens and blocks last,
-        in arrival order (the second half of ``schedule``; async scheduling's launches ahead
+        in the policy's order (the second half of ``schedule``; async scheduling's launches ahead
         call it alone)."""
         skipped: list[Sequence] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+            seq = self.waiting.peek()
             if seq.parent is not None and not self._parent_ready(seq.parent):
-                skipped.append(self.waiting.popleft())  # wait to share the parent's prompt blocks
+                skipped.append(self.waiting.pop())  # wait to share the parent's prompt blocks
                 continue
             prefix = self.kv.find_prefix(seq)
             num_new = min(seq.num_tokens - prefix.num_tokens, budget)
             if not self.kv.allocate(seq, num_new, prefix):
                 break
-            self.waiting.popleft()
+            self.waiting.pop()
             if seq.num_computed_tokens == 0 and seq.num_new_output_tokens == 0:
                 seq.num_cached_tokens = prefix.num_tokens
             seq.num_computed_tokens = prefix.num_tokens
@@ -91,7 +109,7 @@ class Scheduler:
             self.running.append(seq)
             out.scheduled.append(_scheduled(seq, num_new))
             budget -= num_new
-        self.waiting.extendleft(reversed(skipped))
+        self.waiting.prepend(skipped)
 
     def schedule_ahead(self, out: SchedulerOutput, max_model_len: int) -> SchedulerOutput | None:
         """The step to launch after ``out`` before its sampled tokens reach the host (async
@@ -162,7 +180,7 @@ class Scheduler:
         self.kv.free(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
-        self.waiting.appendleft(seq)
+        self.waiting.prepend([seq])
         self.num_preemptions += 1
 
     def finish(self, seq: Sequence, reason: str, stop_reason: str | int | None = None) -> None:

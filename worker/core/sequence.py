@@ -26,16 +26,19 @@ class Sequence:
     __slots__ = ("seq_id", "request_id", "index", "params", "token_ids", "num_prompt_tokens",
                  "num_resumed_tokens", "num_computed_tokens", "num_cached_tokens", "status", "finish_reason",
                  "stop_reason", "logprobs", "parent", "extra_digest", "block_hashes", "penalties", "grammar",
-                 "bad_words_ids", "prompt_logprobs")
+                 "bad_words_ids", "prompt_logprobs", "priority")
 
     def __init__(self, seq_id: int, request_id: str, index: int, prompt_token_ids: list[int],
                  params: SamplingParams, parent: "Sequence | None" = None,
                  extra_digest: bytes = b"", grammar: "SequenceGrammar | None" = None,
-                 resumed_token_ids: list[int] = ()) -> None:
+                 resumed_token_ids: list[int] = (), priority: int = 0) -> None:
         self.seq_id = seq_id
         self.request_id = request_id
         self.index = index
         self.params = params
+        # The request's priority (vLLM's): under --scheduling-policy priority lower values are
+        # admitted first and preempted last (core.request_queue).
+        self.priority = priority
         self.token_ids = [*prompt_token_ids, *resumed_token_ids]
         self.num_prompt_tokens = len(prompt_token_ids)
         # Output tokens another replica generated before this sequence was resumed here

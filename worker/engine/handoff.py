@@ -28,6 +28,7 @@ class AddRequest:
     block_hashes: bytes = b""
     grammar: "xgr.CompiledGrammar | None" = None  # params.structured_outputs', compiled
     resumed: ResumedStart | None = None  # a resumed sequence's start, built
+    priority: int = 0  # vLLM's request priority (``LLMEngine.add_request``)
 
 
 @dataclass(slots=True)

@@ -28,8 +28,11 @@ class LLM:
         self.shutdown()
 
     def generate(self, prompts: str | dict | Seq[str | dict],
-                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs come back in prompt order."""
+                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+                 priority: int | Seq[int] | None = None) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in prompt order. ``priority``: one for
+        all prompts or one a prompt, as vLLM's (lower first; needs ``scheduling_policy="priority"``
+        unless 0)."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         if sampling_params is None:
@@ -38,6 +41,9 @@ class LLM:
             sampling_params = [sampling_params] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"{len(sampling_params)} sampling params for {len(prompts)} prompts")
+        priorities = [priority or 0] * len(prompts) if priority is None or isinstance(priority, int) else list(priority)
+        if len(priorities) != len(prompts):
+            raise ValueError(f"{len(priorities)} priorities for {len(prompts)} prompts")
         engine = self.engine
         for params in sampling_params:  # distinct grammars compile side by side on the engine's pool
             if params.structured_outputs is not None:
@@ -48,10 +54,10 @@ class LLM:
         order: list[str] = []
         results: dict[str, RequestOutput] = {}
         try:
-            for prompt, params in zip(prompts, sampling_params):
+            for prompt, params, prio in zip(prompts, sampling_params, priorities):
                 text, ids = self._prompt_ids(prompt)
                 rid = f"offline-{next(self._ids)}"
-                engine.add_request(rid, ids, params)
+                engine.add_request(rid, ids, params, priority=prio)
                 order.append(rid)
                 outputs = [CompletionOutput(i, "", [], [] if params.logprobs is not None else None, None)
                            for i in range(params.n)]

@@ -29,7 +29,7 @@ from pagefleet.worker.model_executor.model_config import model_config_of
 from pagefleet.worker.model_executor.simulated_sampler import SimulatedSampler
 from pagefleet.worker.outputs import RequestOutputDelta
 from pagefleet.worker.parallel.executor import make_executor
-from pagefleet.worker.request_check import InvalidRequest, RequestLimits, check_request
+from pagefleet.worker.request_check import InvalidRequest, RequestLimits, check_priority, check_request
 from pagefleet.worker.sample.sampler import Sampler
 from pagefleet.worker.sampling_params import SamplingParams
 from pagefleet.worker.structured.grammar_cache import GrammarCache
@@ -65,7 +65,7 @@ class LLMEngine:
             raise
         self.pool = BlockPool(num_blocks, args.enable_prefix_caching)
         self.kv = KVCacheManager(self.pool, args.block_size, cfg.kv_sliding_window)
-        self.scheduler = Scheduler(self.kv, args.max_num_seqs, args.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.kv, args.max_num_seqs, args.max_num_batched_tokens, args.scheduling_policy)
         if args.simulate is None:
             self.sampler: Sampler | SimulatedSampler = Sampler(cfg.eos_token_ids, self.tokenizer)
         else:  # the simulated GPU returns no logits: tokens are drawn, over the tokenizer's ids
@@ -126,11 +126,12 @@ class LLMEngine:
     # ---- requests -------------------------------------------------------------------------
 
     def check(self, prompt_token_ids: list[int], params: SamplingParams, block_hashes: bytes = b"",
-              resume: ResumeState | None = None) -> None:
+              resume: ResumeState | None = None, priority: int = 0) -> None:
         """Raise InvalidRequest (or ValueError, for ``block_hashes``) for a request that can never be
         served: the shared request check, plus what only the engine knows (its pool must hold the
         longest sequence)."""
         check_request(prompt_token_ids, params, self.limits)
+        check_priority(priority, self.limits)
         if params.prompt_logprobs is not None and self.args.simulate is not None:
             raise InvalidRequest("prompt_logprobs needs the model's logits, which a simulated GPU does not compute",
                                  "prompt_logprobs")
@@ -147,20 +148,23 @@ class LLMEngine:
                                  f"({self.pool.num_blocks} blocks of {self.args.block_size})", "max_tokens")
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    extra_keys: tuple = (), block_hashes: bytes = b"", resume: ResumeState | None = None) -> None:
+                    extra_keys: tuple = (), block_hashes: bytes = b"", resume: ResumeState | None = None,
+                    priority: int = 0) -> None:
         """``block_hashes``: the prompt's full-block hashes under ``extra_keys``, packed
         (``block_hash.pack_hashes``), when the caller (the ingress) has computed them already; the
         engine then does not hash them again. ``resume``: continue the one sequence (n = 1) another
-        replica had generated this far (``core.resume``); its deltas carry only what comes after."""
-        self.check(prompt_token_ids, params, block_hashes, resume)
+        replica had generated this far (``core.resume``); its deltas carry only what comes after.
+        ``priority``: vLLM's (lower first), with ``scheduling_policy`` priority only."""
+        self.check(prompt_token_ids, params, block_hashes, resume, priority)
         grammar = None if params.structured_outputs is None else self.grammars.compile(params.structured_outputs)
         resumed = None if resume is None else resumed_start(self.tokenizer, prompt_token_ids, params, resume, grammar)
-        self.add_checked_request(request_id, prompt_token_ids, params, extra_keys, block_hashes, grammar, resumed)
+        self.add_checked_request(request_id, prompt_token_ids, params, extra_keys, block_hashes, grammar, resumed,
+                                 priority)
 
     def add_checked_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                             extra_keys: tuple = (), block_hashes: bytes = b"",
                             grammar: "xgr.CompiledGrammar | None" = None,
-                            resumed: ResumedStart | None = None) -> None:
+                            resumed: ResumedStart | None = None, priority: int = 0) -> None:
         """``add_request`` for a request that passed ``check`` already, with its structured_outputs'
         grammar compiled already and a resumed sequence's start built (``AsyncLLMEngine`` does all
         three on the caller's side, before it queues the request for the engine thread: the step
@@ -178,12 +182,12 @@ class LLMEngine:
             if resumed is None:
                 seq = Sequence(next(self._seq_ids), request_id, i, prompt_token_ids, params,
                                parent=seqs[0] if seqs else None, extra_digest=extra,
-                               grammar=None if grammar is None else SequenceGrammar(grammar))
+                               grammar=None if grammar is None else SequenceGrammar(grammar), priority=priority)
                 detoks.append(new_detokenizer(self.tokenizer, prompt_token_ids, params))
             else:  # n == 1 (check_resume)
                 seq = Sequence(next(self._seq_ids), request_id, resumed.seq_index, prompt_token_ids, params,
                                extra_digest=extra, grammar=resumed.grammar,
-                               resumed_token_ids=resumed.output_token_ids)
+                               resumed_token_ids=resumed.output_token_ids, priority=priority)
                 detoks.append(resumed.detokenizer)
             if hashes:
                 seq.block_hashes = list(hashes)  # each sequence extends its own list

@@ -141,7 +141,7 @@ class WorkerReplica:
         channel, ``Placed(on_channel=False)`` then the deltas). When the caller cancels (a client
         hung up), Serve cancels this generator and the engine aborts the request and frees its
         blocks."""
-        await self.seats.take()
+        await self.seats.take(request.priority)
         span = self._span(request)
         deltas = pump = error = None
         try:
@@ -233,7 +233,7 @@ class WorkerReplica:
         delta is as right, only dearer."""
         return self.engine.generate(request.request_id, request.prompt_token_ids, request.params, request.extra_keys,
                                     request.block_hashes, span=span, resume=request.resume, forward=forward,
-                                    client=request.client)
+                                    client=request.client, priority=request.priority)
 
     async def channel(self, request: ChannelOpen) -> AsyncIterator[bytes | SocketOffer]:
         """A caller's delta channel (``worker.replica.wire``): an encoded empty list once attached,

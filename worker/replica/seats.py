@@ -4,21 +4,24 @@ Serve counts only its own calls against a deployment's ``max_ongoing_requests``;
 on a delta channel's connection (``worker.replica.wire``) never pass through it. So the replica
 keeps the count itself: at most ``limit`` requests in the engine, whichever way they came. A
 request on a connection takes a seat only if one is free (``try_take``; otherwise the caller
-sends it through Serve), and a Serve call past the limit waits here for one, first come first
-served (``take``).
+sends it through Serve), and a Serve call past the limit waits here for one, in the order the
+engine would admit it: by priority (lower first; all 0 unless the engine schedules by
+priority), then first come, first served (``take``).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections import deque
+import heapq
+from itertools import count
 
 
 class Seats:
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self.taken = 0
-        self.waiters: deque[asyncio.Future] = deque()
+        self.waiters: list[tuple[int, int, asyncio.Future]] = []  # a heap: (priority, arrival, seat)
+        self._arrivals = count()
 
     def try_take(self) -> bool:
         """Takes a seat if one is free and nobody waits for one."""
@@ -27,25 +30,28 @@ class Seats:
         self.taken += 1
         return True
 
-    async def take(self) -> None:
-        """Takes a seat, waiting in line for one if need be."""
+    async def take(self, priority: int = 0) -> None:
+        """Takes a seat, waiting in line for one if need be (ahead of those of a higher priority
+        value)."""
         if self.try_take():
             return
         seat = asyncio.get_running_loop().create_future()
-        self.waiters.append(seat)
+        entry = (priority, next(self._arrivals), seat)
+        heapq.heappush(self.waiters, entry)
         try:
             await seat  # ``free`` hands its seat over (``taken`` stays)
         except asyncio.CancelledError:
             if seat.done() and not seat.cancelled():  # handed over as the caller went away
                 self.free()
-            elif seat in self.waiters:
-                self.waiters.remove(seat)
+            elif entry in self.waiters:
+                self.waiters.remove(entry)
+                heapq.heapify(self.waiters)
             raise
 
     def free(self) -> None:
         """Gives a seat back: to the first in line still waiting, else to no one."""
         while self.waiters:
-            seat = self.waiters.popleft()
+            seat = heapq.heappop(self.waiters)[2]
             if not seat.done():
                 seat.set_result(None)
                 return

@@ -53,6 +53,8 @@ class WorkerRequest:
     # Who sent it (the client's address at the ingress): the worker bounds each client's share
     # of its grammar compile queue by this key.
     client: str = ""
+    # vLLM's request priority: lower is served earlier by an engine scheduling by priority.
+    priority: int = 0
 
 
 @dataclass(slots=True)
