@@ -30,6 +30,7 @@ from pagefleet.worker.engine_args import EngineArgs
 from pagefleet.worker.errors import CompileQueueFull, EngineDeadError
 from pagefleet.worker.metrics.stats import ReplicaStats
 from pagefleet.worker.outputs import RequestOutputDelta
+from pagefleet.worker.replica.autoscaling import LOAD_METRIC
 from pagefleet.worker.replica.delta_channel import LOOPBACK, ChannelServer, DeltaChannel
 from pagefleet.worker.replica.kv_publisher import KVEventPublisher
 from pagefleet.worker.replica.seats import Seats
@@ -300,6 +301,12 @@ class WorkerReplica:
         self._start_publishing()
         return self.stats().to_routing_stats()
 
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Ray Serve's custom autoscaling metrics, read every record period when the deployment has
+        an ``autoscaling_config``: this replica's requests, through Serve or sent on a channel
+        connection (``worker.replica.autoscaling``; Serve's own count misses the latter)."""
+        return {LOAD_METRIC: float(self.seats.demand)}
+
     def stats(self) -> ReplicaStats:
         try:
             self.engine.check_health()
@@ -372,10 +379,12 @@ def _replica_id() -> str:
 def worker_deployment_options(engine_args: EngineArgs, *, num_replicas: int = 1, num_cpus: float = 1.0,
                               num_gpus_per_rank: float = 0.0, name: str = WORKER_DEPLOYMENT_NAME,
                               channels: int = 1, runtime_env: Mapping[str, Any] | None = None,
+                              autoscaling_config: Mapping[str, Any] | None = None,
                               **deployment_options: Any) -> dict[str, Any]:
-    """``serve.deployment`` options for ``num_replicas`` engines of ``engine_args``, whose
-    ``channels`` callers (the ingress replicas) each hold one delta channel on every replica;
-    ``runtime_env``: each replica's Ray runtime_env (None: the job's, as Serve gives it).
+    """``serve.deployment`` options for ``num_replicas`` engines of ``engine_args``, or for as many
+    as ``autoscaling_config`` (``worker.replica.autoscaling``) asks, whose ``channels`` callers
+    (the ingress replicas) each hold one delta channel on every replica; ``runtime_env``: each
+    replica's Ray runtime_env (None: the job's, as Serve gives it).
 
     A tensor-parallel engine gets a placement group of one bundle per rank,
     STRICT_PACK so its ranks share a node (all-reduce stays on NVLink or
@@ -393,7 +402,9 @@ def worker_deployment_options(engine_args: EngineArgs, *, num_replicas: int = 1,
     tp = 1 if engine_args.simulate is not None else engine_args.tensor_parallel_size
     options: dict[str, Any] = {
         "name": name,
-        "num_replicas": num_replicas,
+        # Serve takes one or the other.
+        **({"autoscaling_config": dict(autoscaling_config)} if autoscaling_config is not None
+           else {"num_replicas": num_replicas}),
         # Requests beyond this wait in Serve's router queue, where they can still go to another
         # replica, rather than in one engine's waiting queue. Each caller's delta channel is a
         # call that lasts: it gets a place of its own, not a request's.
