@@ -22,13 +22,13 @@ import time
 import torch
 
 from pagefleet.worker import LLM, SamplingParams
-from pagefleet.worker.engine import llm_engine
+from pagefleet.worker.engine import step_loop
 from pagefleet.worker.model_executor.cuda_graphs import decode_buckets
 from pagefleet.worker.model_executor.step_buffers import StepBuffers
 
 
 def run(gpu: str, model: str, batch: int, prompt_len: int, output_len: int) -> dict:
-    # Every step scheduled and built (async scheduling builds the steps it launches ahead its own way).
+    # Every step a whole scheduling round (async scheduling off: no step is launched ahead).
     llm = LLM(model=model, simulate=gpu, max_num_seqs=batch, max_num_batched_tokens=8192, async_scheduling=False)
     engine = llm.engine
     cfg = engine.model_config
@@ -36,7 +36,7 @@ def run(gpu: str, model: str, batch: int, prompt_len: int, output_len: int) -> d
     buckets = decode_buckets(batch)
     build_us: list[float] = []
     fill_us: list[float] = []
-    real_build, real_execute = llm_engine.build_step_input, engine.executor.execute
+    real_build, real_execute = step_loop.build_step_input, engine.executor.execute
 
     def build(*args):
         t = time.perf_counter()
@@ -55,7 +55,7 @@ def run(gpu: str, model: str, batch: int, prompt_len: int, output_len: int) -> d
             build_us.pop()  # count decode steps only
         return real_execute(step, prev_tokens)
 
-    llm_engine.build_step_input, engine.executor.execute = build, execute
+    step_loop.build_step_input, engine.executor.execute = build, execute
     try:
         n = 2 * batch
         prompts = [{"prompt_token_ids": [(7 * i + j) % 30000 + 100 for j in range(prompt_len)]} for i in range(n)]
@@ -63,7 +63,7 @@ def run(gpu: str, model: str, batch: int, prompt_len: int, output_len: int) -> d
                   for i in range(n)]
         llm.generate(prompts, params)
     finally:
-        llm_engine.build_step_input = real_build
+        step_loop.build_step_input = real_build
         llm.shutdown()
     return {"gpu": gpu, "model": model, "batch": batch, "prompt_len": prompt_len, "output_len": output_len,
             "decode_steps": len(fill_us), "build_us_median": round(statistics.median(build_us), 1),

@@ -89,6 +89,7 @@ def pagefleet_app(opts: ServeOptions, drain_board: Any = None) -> Application:
                         body_limits=BodyLimits(serve_args.max_request_body_bytes),
                         drain_timeout_s=serve_args.drain_timeout_s,
                         tools=ToolCallOptions(serve_args.tool_call_parser, serve_args.enable_auto_tool_choice),
+                        reasoning_parser=serve_args.reasoning_parser,
                         drain_board=drain_board)
 
 

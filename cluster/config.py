@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, NamedTuple
 
 from pagefleet.router.openai.http_guards import DEFAULT_MAX_BODY_BYTES
+from pagefleet.router.openai.output.reasoning import PARSERS as REASONING_PARSERS
 from pagefleet.router.openai.preprocess import (
     DEFAULT_MAX_CHAT_MESSAGES,
     DEFAULT_MAX_PROMPTS,
@@ -139,6 +140,10 @@ class ServeArgs:
                                           help="how the model writes tool calls, for tool_choice 'auto' (hermes: "
                                                "Qwen2.5, Qwen3 and the demo model; llama3_json: Llama 3.1/3.2; "
                                                "mistral)")
+    reasoning_parser: str | None = option(None, choices=tuple(REASONING_PARSERS),
+                                          help="put what a reasoning model writes inside <think>...</think> in "
+                                               "reasoning_content, apart from content (qwen3; deepseek_r1, whose "
+                                               "template opens the block in the prompt)")
     enable_auto_tool_choice: bool = option(False, help="let requests with tools use tool_choice 'auto' (the "
                                                        "model decides; its output is parsed with "
                                                        "--tool-call-parser)")

@@ -29,6 +29,8 @@ import os
 import shutil
 import sys
 
+from pagefleet.router.openai.http_guards import CLIENT_ADDRESS_HEADER
+
 HEADER_TIMEOUT_ENV = "PAGEFLEET_HTTP_HEADER_TIMEOUT_S"
 MAX_CONNECTIONS_ENV = "PAGEFLEET_HTTP_MAX_CONNECTIONS_PER_CLIENT"
 REAL_BINARY_ENV = "PAGEFLEET_HAPROXY_BINARY"
@@ -117,6 +119,9 @@ def harden(config: str, header_timeout_s: int, max_connections_per_client: int) 
         "    stick-table type ipv6 size 1m expire 60s store conn_cur",
         "    tcp-request connection track-sc0 src",
         f"    tcp-request connection reject if {{ sc0_conn_cur gt {max_connections_per_client} }}",
+        # The client's address for the ingress's per-client bounds (every request reaches it
+        # from HAProxy's); set here whatever the client sent.
+        f"    http-request set-header {CLIENT_ADDRESS_HEADER} %[src]",
     ]
     return "\n".join(lines)
 

@@ -38,6 +38,7 @@ from pagefleet.router.metrics import RouterMetrics
 from pagefleet.router.openai.app import build_openai_app, freeze_loaded_objects
 from pagefleet.router.openai.http_guards import BodyLimits
 from pagefleet.router.openai.node_metrics import NodeMetricsReader
+from pagefleet.router.openai.output.reasoning import PARSERS as REASONING_PARSERS
 from pagefleet.router.openai.preprocess import ModelInfo, ServingLimits, longest_token_chars
 from pagefleet.router.openai.service import Job, OpenAIService
 from pagefleet.router.openai.tool_choice import ToolCallOptions
@@ -307,7 +308,7 @@ class OpenAIIngress:
                  kv_scheduler: Any = None, kv_routing: KVRoutingOptions | None = None,
                  serving: ServingLimits = ServingLimits(), body_limits: BodyLimits = BodyLimits(),
                  drain_timeout_s: float = 30.0, tools: ToolCallOptions = ToolCallOptions(),
-                 drain_board: Any = None) -> None:
+                 reasoning_parser: str | None = None, drain_board: Any = None) -> None:
         """``kv_scheduler``: the global scheduler actor, for ``kv`` routing (None: other policies).
         ``drain_board``: the actor through which ``pagefleet serve`` drains every ingress replica
         (``follow_drain``; None: an app deployed otherwise, drained one replica at a time with
@@ -325,7 +326,8 @@ class OpenAIIngress:
                 asyncio.get_running_loop()
                 follower.start()
         self._client = HandleWorkerClient(worker, kv, metrics=self._metrics, follower=follower)
-        self._service = OpenAIService(tokenizer=tokenizer, info=info, client=self._client, tools=tools)
+        self._service = OpenAIService(tokenizer=tokenizer, info=info, client=self._client, tools=tools,
+                                      reasoning=REASONING_PARSERS[reasoning_parser] if reasoning_parser else None)
         self._api_key = api_key
         self._body_limits = body_limits
         self._drain_timeout_s = drain_timeout_s

@@ -13,8 +13,9 @@ class TokenLogprob(msgspec.Struct, array_like=True, gc=False):
     """The chosen token's logprob and, when asked for, the top alternatives."""
 
     token_id: int
-    logprob: float
+    logprob: float | None  # None: a prompt's first token, which nothing precedes (echo)
     top: list[tuple[int, float]] = []
+    rank: int | None = None  # the token's rank in the vocabulary (1: the most likely); prompt logprobs'
 
 
 class CompletionOutput(msgspec.Struct, array_like=True, gc=False):
@@ -37,6 +38,9 @@ class RequestOutputDelta(msgspec.Struct, array_like=True, gc=False):
     num_prompt_tokens: int
     num_cached_tokens: int
     finished: bool
+    # With SamplingParams.prompt_logprobs, in the request's first delta with output: one entry a
+    # prompt token, None for the first (nothing precedes it).
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 class RequestOutput(msgspec.Struct, gc=False):
@@ -46,6 +50,7 @@ class RequestOutput(msgspec.Struct, gc=False):
     outputs: list[CompletionOutput]
     num_cached_tokens: int
     finished: bool
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 def append_output(into: CompletionOutput, *new: CompletionOutput) -> None:
@@ -79,5 +84,6 @@ def merge_deltas(deltas: list[RequestOutputDelta]) -> RequestOutputDelta:
         append_output(into, *by_index[index])
         merged.append(into)
     first = deltas[0]
+    prompt_logprobs = next((d.prompt_logprobs for d in deltas if d.prompt_logprobs is not None), None)
     return RequestOutputDelta(first.request_id, merged, first.num_prompt_tokens, first.num_cached_tokens,
-                              deltas[-1].finished)
+                              deltas[-1].finished, prompt_logprobs)

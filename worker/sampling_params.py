@@ -122,6 +122,9 @@ class SamplingParams:
     min_tokens: int = 0
     ignore_eos: bool = False
     logprobs: int | None = None
+    # vLLM's: each prompt token's logprob and the top ones at its position (computed, never read
+    # from the prefix cache). With it, max_tokens may be 0: the prompt alone is scored.
+    prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputsParams | None = None
     # False keeps special tokens in the text (a tool-call parser may read them: Mistral's [TOOL_CALLS]).
@@ -171,8 +174,12 @@ class SamplingParams:
             raise bad("frequency_penalty", "must be in [-2, 2]")
         if not 0.0 < self.repetition_penalty <= 2.0:
             raise bad("repetition_penalty", "must be in (0, 2]")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
-            raise bad("max_tokens", "must be an integer >= 1")
+        least = 0 if self.prompt_logprobs is not None else 1
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < least):
+            raise bad("max_tokens", "must be an integer >= 1 (>= 0 with prompt_logprobs)")
+        if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int)
+                                                 or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            raise bad("prompt_logprobs", f"must be an integer in [0, {MAX_LOGPROBS}]")
         if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
             raise bad("min_tokens", "must be an integer >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:

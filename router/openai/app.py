@@ -19,27 +19,28 @@ from pydantic import BaseModel, ValidationError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pagefleet.router.metrics import RouterMetrics
-from pagefleet.router.openai import response_schema as out
 from pagefleet.router.openai.auth import APIKeyMiddleware
 from pagefleet.router.openai.errors import OpenAIError, from_validation_error, install_error_handlers
 from pagefleet.router.openai.http_guards import (
     INLINE_PARSE_BYTES,
     BodyLimits,
     check_content_type,
+    client_address,
     parse_json_object,
     read_body,
 )
 from pagefleet.router.openai.node_metrics import NodeMetricsReader
 from pagefleet.router.openai.openapi_spec import install_schemas, route_docs
+from pagefleet.router.openai.output import response_schema as out
+from pagefleet.router.openai.output.responses import json_body
+from pagefleet.router.openai.output.sse import sse_stream
 from pagefleet.router.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
 )
-from pagefleet.router.openai.responses import json_body
 from pagefleet.router.openai.service import OpenAIService, PreparedRequest
-from pagefleet.router.openai.sse import sse_stream
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +103,7 @@ def build_openai_app(service: OpenAIService, *, api_key: str | None = None, body
     keyed = bool(api_key)
     install_schemas(app, service.info, api_key=keyed)
     # What each route can answer besides 200 (and 401 when a key is set).
-    generating = (400, 404, 413, 415, 422, 429, 500, 503)
+    generating = (400, 404, 413, 415, 429, 500, 503)
     reading = (400, 404, 413, 415, 500)
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key, routes_of=app)
@@ -127,8 +128,9 @@ def build_openai_app(service: OpenAIService, *, api_key: str | None = None, body
 
     async def respond(prepared: PreparedRequest, request: Request, started: float) -> Response:
         service.trace(prepared, request.headers, started)
+        client = client_address(request.client.host if request.client is not None else "", request.headers)
         for job in prepared.jobs:  # whose share of a worker's grammar compile queue it takes
-            job.client = request.client.host if request.client is not None else ""
+            job.client = client
         await service.admit(prepared)
         if prepared.stream:
             return _event_stream(service.stream_chunks(prepared))

@@ -24,15 +24,17 @@ class NoToolSupportError(ValueError):
 
 
 def render_chat(tokenizer: Any, conversation: list[dict], *, tools: list[dict] | None = None,
-                add_generation_prompt: bool = True, continue_final_message: bool = False) -> str:
+                add_generation_prompt: bool = True, continue_final_message: bool = False,
+                **template_kwargs: Any) -> str:
     """The prompt text for a conversation (messages as ``preprocess.chat_conversation`` makes
-    them). Template errors (jinja's ``raise_exception``, bad roles) propagate as they are."""
+    them); ``template_kwargs``: extra template variables (vLLM's chat_template_kwargs). Template
+    errors (jinja's ``raise_exception``, bad roles) propagate as they are."""
     tools = tools or None  # an empty list is no tools, for templates that test "tools is not none"
     if tools is not None and not template_reads_tools(tokenizer):
         raise NoToolSupportError(NO_TOOL_SUPPORT)
     return tokenizer.apply_chat_template(conversation, tools=tools, tokenize=False,
                                          add_generation_prompt=add_generation_prompt,
-                                         continue_final_message=continue_final_message)
+                                         continue_final_message=continue_final_message, **template_kwargs)
 
 
 def template_reads_tools(tokenizer: Any) -> bool:

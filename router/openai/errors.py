@@ -1,10 +1,10 @@
 """OpenAI-shaped errors: one exception type and the JSON body every 4xx/5xx carries.
 
 Status codes: 400 for bad values, bad types and prompts that do not fit
-``max_model_len``; 401 without the API key; 404 for an unknown model or route;
-413 for a body over the size limit; 415 for a body that is not JSON; 422 for
-well-formed requests that use a feature pagefleet does not implement (``echo``,
-``suffix``, ``logit_bias``, images); 429 when admission control turns a request away
+``max_model_len``, and for well-formed requests that use a feature pagefleet does not implement
+(``echo``, ``suffix``, images, vLLM's fields in ``vllm_fields.NOT_IMPLEMENTED``; code
+``unsupported``); 401 without the API key; 404 for an unknown model or route;
+413 for a body over the size limit; 415 for a body that is not JSON; 429 when admission control turns a request away
 (no worker has room and the admission queue is full, or the wait ran out) and
 503 when no worker can take the request (draining, a worker that died), both
 with ``Retry-After``; 500 for a bug, whose message never carries the
@@ -76,7 +76,9 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 
 
 def unsupported(message: str, param: str) -> OpenAIError:
-    return OpenAIError(message, status_code=422, param=param, code="unsupported")
+    """A well-formed request asking for something pagefleet does not implement (a 400 naming it,
+    as vLLM answers what it cannot do)."""
+    return OpenAIError(message, status_code=400, param=param, code="unsupported")
 
 
 def too_many_requests(message: str, retry_after_s: int) -> OpenAIError:

@@ -27,6 +27,16 @@ MAX_JSON_DEPTH = 32  # the deepest request pagefleet reads is 4 levels (messages
 DEFAULT_MAX_BODY_BYTES = 8 * 2**20
 # Bodies up to this size are parsed on the event loop (too short to stall it); larger ones on a thread.
 INLINE_PARSE_BYTES = 64 * 2**10
+# The client's address as the HTTP front saw it: HAProxy sets it on every request (whatever the
+# client sent), since every request reaches the ingress from HAProxy's own address. A client
+# that reaches the ingress directly can claim any address here; the bounds it keys (a worker's
+# grammar compile queue per client) still sit under bounds over every client.
+CLIENT_ADDRESS_HEADER = "X-Pagefleet-Client"
+
+
+def client_address(peer: str, headers) -> str:
+    """Whose share of per-client bounds a request takes: the front's word, else its peer."""
+    return headers.get(CLIENT_ADDRESS_HEADER) or peer
 
 _JSON_MEDIA_TYPE = re.compile(r"application/(?:[\w.+-]+\+)?json")
 # A JSON escape of a UTF-16 surrogate (\uD800-\uDFFF): a pair decodes to one character, a lone one

@@ -5,7 +5,7 @@ surrogates, then the pydantic models of ``protocol``), so FastAPI sees no body p
 and would document none. This module declares them instead: each request body is its
 protocol model's JSON schema, narrowed by the checks the server runs after pydantic
 (``SamplingParams``' ranges, the request check's limits with this server's values, the
-features refused with 422), and each route lists the status codes it can answer, every
+features refused with 400 ``unsupported``), and each route lists the status codes it can answer, every
 error in the one OpenAI error shape (``errors.ErrorResponse``).
 
 What JSON Schema cannot say is left to the server: whether a prompt plus ``max_tokens``
@@ -22,28 +22,41 @@ from fastapi.responses import Response
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
-from pagefleet.router.openai import response_schema as out
 from pagefleet.router.openai.errors import ErrorResponse
-from pagefleet.router.openai.tool_choice import FUNCTION_NAME, MAX_TOOLS
-from pagefleet.router.openai.preprocess import MAX_CACHE_SALT_CHARS, REQUEST_ID_CHARS, ModelInfo
+from pagefleet.router.openai.output import response_schema as out
+from pagefleet.router.openai.preprocess import (
+    MAX_CACHE_SALT_CHARS,
+    MAX_TEMPLATE_KWARGS_CHARS,
+    REQUEST_ID_CHARS,
+    RESERVED_TEMPLATE_NAMES,
+    ModelInfo,
+)
 from pagefleet.router.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
 )
-from pagefleet.worker.sampling_params import INT64_MAX, INT64_MIN, MAX_LOGPROBS, MAX_TOP_K
+from pagefleet.router.openai.tool_choice import FUNCTION_NAME, MAX_TOOLS
+from pagefleet.worker.sampling_params import (
+    INT64_MAX,
+    INT64_MIN,
+    MAX_BAD_WORD_CHARS,
+    MAX_BAD_WORDS,
+    MAX_LOGPROBS,
+    MAX_TOP_K,
+)
 
 _REF = "#/components/schemas/{model}"
 _KEY_SCHEME = "APIKey"
 
 _ERRORS = {
-    400: "Invalid request: a bad value, type or JSON body, or a prompt that does not fit the context",
+    400: "Invalid request: a bad value, type or JSON body, a prompt that does not fit the context, or a feature "
+         "pagefleet does not implement (code unsupported)",
     401: "Missing or wrong API key",
     404: "Unknown model",
     413: "Request body over the size limit",
     415: "Body not declared as UTF-8 JSON",
-    422: "A feature pagefleet does not implement",
     429: "Admission control refused the request (Retry-After says when to try again)",
     500: "Internal error (the message carries only an error id)",
     503: "No worker can take the request, or the server is draining (Retry-After)",
@@ -72,9 +85,10 @@ def body_schemas(info: ModelInfo) -> dict[str, dict]:
          "maxItems": max_prompts},
     ], "description": "A prompt, or a list of prompts (text or token ids)"}
     completion["logprobs"] = _nullable({"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS})
-    completion["echo"] = {"const": False, "default": False, "description": "echo is not supported (422)"}
-    completion["suffix"] = _nullable({"type": "string", "maxLength": 0}, "suffix is not supported (422)")
-    completion["best_of"] = _nullable({"type": "integer"}, "Must equal n (422 otherwise)")
+    completion["echo"] = {"type": "boolean", "default": False,
+                          "description": "Put the prompt before the output (with logprobs: the prompt's too)"}
+    completion["suffix"] = _nullable({"type": "string", "maxLength": 0}, "suffix is not supported (400)")
+    completion["best_of"] = _nullable({"type": "integer"}, "Must equal n (400 otherwise)")
 
     chat = schemas["ChatCompletionRequest"]
     chat["properties"]["messages"].update(minItems=1, maxItems=info.serving.max_chat_messages)
@@ -93,8 +107,11 @@ def body_schemas(info: ModelInfo) -> dict[str, dict]:
         schemas[name]["properties"]["max_tokens"] = {
             **_nullable(completion_tokens), "default": model.model_fields["max_tokens"].default}
     chat["properties"]["max_completion_tokens"] = _nullable(completion_tokens, "Takes the place of max_tokens")
+    chat["properties"]["chat_template_kwargs"] = _nullable(
+        {"type": "object", "propertyNames": {"not": {"enum": sorted(RESERVED_TEMPLATE_NAMES)}}},
+        f"Extra chat template variables (e.g. enable_thinking); at most {MAX_TEMPLATE_KWARGS_CHARS} characters")
 
-    # Only text parts (422 for others), and their text is required (400).
+    # Only text parts (400 for others), and their text is required (400).
     schemas["ContentPart"] = {"type": "object", "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
                               "required": ["type", "text"]}
 
@@ -112,6 +129,8 @@ def _sampling_fields(info: ModelInfo) -> dict[str, dict]:
     """The fields both generation routes share, with the ranges SamplingParams and the request check allow."""
     limits = info.limits
     stop_string = {"type": "string", "minLength": 1, "maxLength": limits.max_stop_string_chars}
+    token_id = {"type": "integer", "minimum": 0, "maximum": limits.vocab_size - 1}
+    token_key = {"pattern": "^(0|[1-9][0-9]*)$"}  # below vocab_size (400 otherwise)
     return {
         "model": _nullable({"type": "string"}, "A name /v1/models lists (404 otherwise)"),
         "n": {"type": "integer", "minimum": 1, "maximum": limits.max_num_seqs, "default": 1},
@@ -129,7 +148,22 @@ def _sampling_fields(info: ModelInfo) -> dict[str, dict]:
         "seed": _nullable({"type": "integer", "minimum": INT64_MIN, "maximum": INT64_MAX}),
         "min_tokens": {"type": "integer", "minimum": 0, "maximum": limits.max_model_len - 1, "default": 0,
                        "description": "At most max_tokens"},
-        "logit_bias": _nullable({"type": "object", "maxProperties": 0}, "logit_bias is not supported (422)"),
+        "logit_bias": _nullable({"type": "object", "propertyNames": token_key, "additionalProperties": {"type": "number"},
+                                 "maxProperties": limits.vocab_size},
+                                "Token id -> bias added to its logit, clamped to [-100, 100]"),
+        "allowed_token_ids": _nullable({"type": "array", "items": token_id, "minItems": 1,
+                                        "maxItems": limits.vocab_size}, "Only these tokens may be sampled"),
+        "bad_words": _nullable({"type": "array", "items": {"type": "string", "minLength": 1,
+                                                           "maxLength": MAX_BAD_WORD_CHARS, "pattern": "\\S"},
+                                "maxItems": MAX_BAD_WORDS}, "Words that may not be generated"),
+        "truncate_prompt_tokens": _nullable({"type": "integer", "minimum": -1, "maximum": limits.max_model_len,
+                                             "not": {"const": 0}},
+                                            "Keep the prompt's last k tokens (first k with truncation_side right); "
+                                            "-1: max_model_len"),
+        "truncation_side": _nullable({"enum": ["left", "right"]}),
+        "return_tokens_as_token_ids": _nullable({"type": "boolean"}, "Logprobs name tokens 'token_id:<id>'"),
+        "prompt_logprobs": _nullable({"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS},
+                                     "Each prompt token's logprob and the top ones at its position"),
         "request_id": _nullable({"type": "string", "pattern": f"^{REQUEST_ID_CHARS}+$", "minLength": 1,
                                  "maxLength": info.serving.max_request_id_chars},
                                 "Echoed as the response id; the server's own id runs the request"),

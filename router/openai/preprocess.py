@@ -18,9 +18,15 @@ from typing import Any
 from pagefleet.router.openai.chat_template import NoToolSupportError, render_chat
 from pagefleet.router.openai.errors import OpenAIError, bad_request, unsupported
 from pagefleet.router.openai.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, ToolDefinition
-from pagefleet.router.openai.request_size import DEFAULT_MAX_UNSTREAMED_RESPONSE_TOKENS, message_chars, tool_chars
+from pagefleet.router.openai.request_size import (
+    DEFAULT_MAX_UNSTREAMED_RESPONSE_TOKENS,
+    json_chars,
+    message_chars,
+    tool_chars,
+)
 from pagefleet.router.openai.structured import structured_outputs
 from pagefleet.router.openai.tool_choice import ToolPlan
+from pagefleet.router.openai.vllm_fields import NOT_IMPLEMENTED
 from pagefleet.worker.request_check import CONTEXT_LENGTH_EXCEEDED, InvalidRequest, RequestLimits, check_request
 from pagefleet.worker.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -101,8 +107,6 @@ def check_model_name(requested: str | None, info: ModelInfo) -> None:
 
 def completion_prompt_items(req: CompletionRequest, info: ModelInfo) -> list[str | list[int]]:
     """The prompts of a completions request, checked for count and size but not yet tokenized."""
-    if req.echo:
-        raise unsupported("echo is not supported", "echo")
     if req.suffix:
         raise unsupported("suffix is not supported", "suffix")
     if req.best_of is not None and req.best_of != req.n:
@@ -159,16 +163,32 @@ def check_message_count(messages: list[ChatMessage] | None, info: ModelInfo) -> 
                           "are allowed (max_chat_messages)", "messages")
 
 
+def template_kwargs_chars(req: ChatCompletionRequest) -> int:
+    """The characters of a request's chat_template_kwargs (flags such as enable_thinking), bounded."""
+    if not req.chat_template_kwargs:
+        return 0
+    chars = json_chars(req.chat_template_kwargs, MAX_TEMPLATE_KWARGS_CHARS)
+    if chars > MAX_TEMPLATE_KWARGS_CHARS:
+        raise bad_request(f"chat_template_kwargs hold more than {MAX_TEMPLATE_KWARGS_CHARS} characters",
+                          "chat_template_kwargs")
+    reserved = RESERVED_TEMPLATE_NAMES & set(req.chat_template_kwargs)
+    if reserved:
+        raise bad_request(f"chat_template_kwargs may not set {', '.join(sorted(reserved))}: the request's own "
+                          "fields do", "chat_template_kwargs")
+    return chars
+
+
 def chat_prompt(conversation: list[dict], tokenizer: Any, *, add_generation_prompt: bool,
                 continue_final_message: bool = False, add_special_tokens: bool = False,
-                tools: list[dict] | None = None) -> PreparedPrompt:
-    """Applies the tokenizer's chat template (with the request's tools, OpenAI-shaped); template
-    text is tokenized without adding special tokens again (the template writes its own BOS)."""
+                tools: list[dict] | None = None, template_kwargs: dict[str, Any] | None = None) -> PreparedPrompt:
+    """Applies the tokenizer's chat template (with the request's tools, OpenAI-shaped, and its
+    chat_template_kwargs as extra template variables); template text is tokenized without adding
+    special tokens again (the template writes its own BOS)."""
     if getattr(tokenizer, "chat_template", None) is None:
         raise bad_request("this model's tokenizer has no chat template; use /v1/completions", "messages")
     try:
         text = render_chat(tokenizer, conversation, tools=tools, add_generation_prompt=add_generation_prompt,
-                           continue_final_message=continue_final_message)
+                           continue_final_message=continue_final_message, **(template_kwargs or {}))
     except NoToolSupportError as exc:
         raise bad_request(str(exc), "tools") from exc
     except Exception as exc:  # jinja raises TemplateError (e.g. "roles must alternate") and ValueError
@@ -216,7 +236,12 @@ def _arguments(arguments: str | dict) -> str | dict:
 
 
 def completion_sampling_params(req: CompletionRequest) -> SamplingParams:
-    return _sampling_params(req, req.max_tokens, req.logprobs, structured_outputs(req))
+    # echo with logprobs returns the prompt's logprobs ahead of the output's (lm-eval's
+    # loglikelihood); echo with max_tokens 0 returns the prompt alone.
+    prompt_logprobs = req.prompt_logprobs
+    if req.echo and (req.logprobs is not None or req.max_tokens == 0):
+        prompt_logprobs = max(prompt_logprobs or 0, req.logprobs or 0)
+    return _sampling_params(req, req.max_tokens, req.logprobs, structured_outputs(req), prompt_logprobs)
 
 
 def chat_sampling_params(req: ChatCompletionRequest, plan: ToolPlan | None = None) -> SamplingParams:
@@ -230,7 +255,10 @@ def chat_sampling_params(req: ChatCompletionRequest, plan: ToolPlan | None = Non
             raise bad_request("tool_choice forces a tool call, so response_format or structured_outputs cannot "
                               "also constrain the output", "tool_choice")
         constraint = plan.structured_outputs
-    params = _sampling_params(req, max_tokens, logprobs, constraint)
+    if req.prompt_logprobs is not None and req.stream:
+        raise unsupported("prompt_logprobs with a streamed chat completion is not supported; ask without "
+                          "stream", "prompt_logprobs")
+    params = _sampling_params(req, max_tokens, logprobs, constraint, req.prompt_logprobs)
     # A parser that reads special tokens (Mistral's [TOOL_CALLS]) must see them in the text.
     if plan is not None and plan.parser is not None and plan.parser.reads_special_tokens:
         params.skip_special_tokens = False
@@ -266,10 +294,44 @@ def with_max_tokens(params: SamplingParams, prompt_len: int, info: ModelInfo) ->
     return filled
 
 
+# chat_template_kwargs are flags and short values; the arguments the renderer passes itself are
+# the request's own fields.
+MAX_TEMPLATE_KWARGS_CHARS = 4096
+RESERVED_TEMPLATE_NAMES = frozenset({"messages", "conversation", "tools", "documents", "add_generation_prompt",
+                                     "continue_final_message", "tokenize", "chat_template", "return_dict",
+                                     "return_assistant_tokens_mask", "tokenizer_kwargs"})
+
+
+def check_not_implemented(req: CompletionRequest | ChatCompletionRequest) -> None:
+    """A 400 naming the first of vLLM's fields pagefleet does not implement that the request sets
+    to anything but vLLM's default (``vllm_fields``)."""
+    api = "chat_completions" if isinstance(req, ChatCompletionRequest) else "completions"
+    defaults = NOT_IMPLEMENTED[api]
+    for name, value in (req.model_extra or {}).items():
+        if name in defaults and value is not None and value != defaults[name]:
+            raise unsupported(f"{name} is not supported by this server (only its default, "
+                              f"{json.dumps(defaults[name])}, is)", name)
+
+
+def truncated_prompt(token_ids: list[int], req: CompletionRequest | ChatCompletionRequest,
+                     info: ModelInfo) -> list[int]:
+    """vLLM's truncate_prompt_tokens: the prompt's last k tokens (truncation_side "right": its
+    first k); -1 keeps max_model_len of them."""
+    k = req.truncate_prompt_tokens
+    if k is None:
+        return token_ids
+    max_len = info.limits.max_model_len
+    if k == -1:
+        k = max_len
+    if not 1 <= k <= max_len:
+        raise bad_request(f"truncate_prompt_tokens must be -1 or between 1 and max_model_len ({max_len}), "
+                          f"got {req.truncate_prompt_tokens}", "truncate_prompt_tokens")
+    return token_ids[:k] if req.truncation_side == "right" else token_ids[-k:]
+
+
 def _sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: int | None,
-                     logprobs: int | None, constraint: StructuredOutputsParams | None) -> SamplingParams:
-    if req.logit_bias:
-        raise unsupported("logit_bias is not supported", "logit_bias")
+                     logprobs: int | None, constraint: StructuredOutputsParams | None,
+                     prompt_logprobs: int | None = None) -> SamplingParams:
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options is only allowed when stream is true", "stream_options")
     stop = req.stop if req.stop is not None else []
@@ -290,8 +352,13 @@ def _sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens:
             min_tokens=req.min_tokens,
             ignore_eos=req.ignore_eos,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             include_stop_str_in_output=req.include_stop_str_in_output,
             structured_outputs=constraint,
+            skip_special_tokens=req.skip_special_tokens,
+            logit_bias=req.logit_bias,
+            allowed_token_ids=req.allowed_token_ids,
+            bad_words=list(req.bad_words or []),
         )
     except InvalidRequest as exc:
         raise as_bad_request(exc, req) from exc

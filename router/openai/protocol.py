@@ -1,9 +1,10 @@
 """The OpenAI request bodies pagefleet accepts, as strict pydantic models.
 
 Strict: ``"5"`` is not an integer and ``1`` is not a boolean, as with OpenAI.
-Unknown fields are ignored (clients send many); fields pagefleet knows but
-does not implement are refused by ``preprocess`` with a 422, never silently
-dropped.
+Every field of vLLM's request models is either one of these models' fields, implemented with
+vLLM's semantics, or in ``vllm_fields.NOT_IMPLEMENTED``: refused with a 400 naming it when a
+client sets it to anything but vLLM's default (``preprocess.check_not_implemented``), never
+silently dropped. Other unknown fields are ignored (clients send many).
 """
 
 from __future__ import annotations
@@ -50,6 +51,9 @@ class StructuredOutputs(_Body):
 class _SamplingFields(_Body):
     """Fields shared by /v1/completions and /v1/chat/completions (vLLM's extras included)."""
 
+    # Unknown fields are kept (``model_extra``) so that vLLM's unimplemented ones can be refused.
+    model_config = ConfigDict(strict=True, extra="allow")
+
     model: str | None = None
     n: int = 1
     stream: bool = False
@@ -69,6 +73,17 @@ class _SamplingFields(_Body):
     min_tokens: int = 0
     user: str | None = None
     logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    skip_special_tokens: bool = True
+    # vLLM's: keep the prompt's last (truncation_side "left", the default) or first k tokens; -1
+    # keeps max_model_len of them.
+    truncate_prompt_tokens: int | None = None
+    truncation_side: Literal["left", "right"] | None = None
+    # vLLM's: logprobs name their tokens "token_id:<id>" instead of the token's text.
+    return_tokens_as_token_ids: bool | None = None
+    # vLLM's: each prompt token's logprob and the top ones at its position.
+    prompt_logprobs: int | None = None
     request_id: str | None = None
     # vLLM's: goes into the prefix-cache hashes, so requests with different salts never share
     # (nor can time) each other's cached blocks. One salt per tenant.
@@ -160,6 +175,8 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # vLLM's: extra variables for the chat template (Qwen3's enable_thinking, ...).
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class TokenizeRequest(_Body):

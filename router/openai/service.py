@@ -20,6 +20,8 @@ from typing import Any, AsyncIterator, Callable, Mapping, Protocol, TypeVar
 
 from pagefleet.router.openai import preprocess as pre
 from pagefleet.router.openai.errors import OpenAIError, bad_request, internal_error, unavailable
+from pagefleet.router.openai.output.reasoning import ReasoningParser
+from pagefleet.router.openai.output.responses import ChatResponseBuilder, CompletionResponseBuilder, ResponseBuilder
 from pagefleet.router.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -27,7 +29,6 @@ from pagefleet.router.openai.protocol import (
     TokenizeRequest,
 )
 from pagefleet.router.openai.request_size import chat_work, check_unstreamed_size
-from pagefleet.router.openai.responses import ChatResponseBuilder, CompletionResponseBuilder, ResponseBuilder
 from pagefleet.router.openai.tool_choice import ToolCallOptions, ToolPlan, check_tool_count, tool_plan
 from pagefleet.router.openai.tool_parsers import get_tool_parser
 from pagefleet.worker import tracing
@@ -69,9 +70,10 @@ class WorkerClient(Protocol):
 
 class OpenAIService:
     def __init__(self, *, tokenizer: Any, info: pre.ModelInfo, client: WorkerClient,
-                 tools: ToolCallOptions = ToolCallOptions()) -> None:
+                 tools: ToolCallOptions = ToolCallOptions(), reasoning: ReasoningParser | None = None) -> None:
         self.tokenizer = tokenizer
         self.tools = tools
+        self.reasoning = reasoning
         self._tool_parser = get_tool_parser(tools.parser) if tools.parser is not None else None
         self.info = info
         self.client = client
@@ -86,31 +88,40 @@ class OpenAIService:
         self._check_open()
         pre.check_model_name(req.model, self.info)
         pre.check_request_id(req.request_id, self.info)
+        pre.check_not_implemented(req)
         items = pre.completion_prompt_items(req, self.info)
         params = pre.completion_sampling_params(req)
         text_chars = sum(len(p) for p in items if isinstance(p, str))
         prompts = await self._off_loop(text_chars, pre.tokenize_prompts, items, self.tokenizer,
                                        req.add_special_tokens)
         engine_id = f"cmpl-{uuid.uuid4().hex}"
+        echo = [(p.text if p.text is not None else self.tokenizer.decode(p.token_ids), p.token_ids)
+                for p in prompts] if req.echo else None
         builder = CompletionResponseBuilder(request_id=req.request_id or engine_id,
                                             model=self.info.served_model_name, tokenizer=self.tokenizer,
                                             want_logprobs=req.logprobs is not None,
-                                            include_usage=_include_usage(req))
+                                            include_usage=_include_usage(req),
+                                            tokens_as_ids=bool(req.return_tokens_as_token_ids), n=req.n,
+                                            want_prompt_logprobs=req.prompt_logprobs is not None,
+                                            echo_prompts=echo)
         return self._prepared(req, builder, engine_id, [p.token_ids for p in prompts], params)
 
     async def chat(self, req: ChatCompletionRequest) -> PreparedRequest:
         self._check_open()
         pre.check_model_name(req.model, self.info)
         pre.check_request_id(req.request_id, self.info)
+        pre.check_not_implemented(req)
         pre.check_message_count(req.messages, self.info)
         check_tool_count(req.tools)
-        plan, params, prompt = await self._off_loop(chat_work(req.messages, req.tools, INLINE_TEXT_CHARS),
-                                                    self._chat_prompt, req)
+        work = chat_work(req.messages, req.tools, INLINE_TEXT_CHARS) + pre.template_kwargs_chars(req)
+        plan, params, prompt = await self._off_loop(work, self._chat_prompt, req)
         engine_id = f"chatcmpl-{uuid.uuid4().hex}"
         builder = ChatResponseBuilder(request_id=req.request_id or engine_id,
                                       model=self.info.served_model_name, tokenizer=self.tokenizer,
                                       want_logprobs=req.logprobs, include_usage=_include_usage(req),
-                                      tool_plan=plan)
+                                      tool_plan=plan, tokens_as_ids=bool(req.return_tokens_as_token_ids),
+                                      reasoning=self.reasoning, n=req.n,
+                                      want_prompt_logprobs=req.prompt_logprobs is not None)
         return self._prepared(req, builder, engine_id, [prompt.token_ids], params)
 
     def _chat_prompt(self, req: ChatCompletionRequest) -> tuple[ToolPlan | None, SamplingParams, pre.PreparedPrompt]:
@@ -118,12 +129,20 @@ class OpenAIService:
         the text's size checked before rendering."""
         plan = tool_plan(req, self._tool_parser, self.tools.enable_auto_tool_choice)
         params = pre.chat_sampling_params(req, plan)
+        if self.reasoning is not None and params.structured_outputs is not None:
+            # vLLM applies the grammar after the reasoning ends; pagefleet's would constrain the
+            # reasoning too, so it refuses instead.
+            field = "tool_choice" if plan is not None and plan.structured_outputs is not None else (
+                "response_format" if req.response_format is not None else "structured_outputs")
+            raise bad_request(f"{field} cannot constrain the answer of a reasoning model "
+                              f"(--reasoning-parser {self.reasoning.name}) yet", field)
         conversation = pre.chat_conversation(req.messages, self.info, add_generation_prompt=req.add_generation_prompt,
                                              continue_final_message=req.continue_final_message, tools=req.tools)
         prompt = pre.chat_prompt(conversation, self.tokenizer, add_generation_prompt=req.add_generation_prompt,
                                  continue_final_message=req.continue_final_message,
                                  add_special_tokens=req.add_special_tokens,
-                                 tools=plan.tools if plan is not None else None)
+                                 tools=plan.tools if plan is not None else None,
+                                 template_kwargs=req.chat_template_kwargs)
         return plan, params, prompt
 
     def _prepared(self, req: CompletionRequest | ChatCompletionRequest, builder: ResponseBuilder, engine_id: str,
@@ -137,7 +156,7 @@ class OpenAIService:
         extra_keys = (req.cache_salt,) if req.cache_salt else ()
         extra = extra_keys_digest(extra_keys)
         jobs = []
-        for i, token_ids in enumerate(prompts):
+        for i, token_ids in enumerate(pre.truncated_prompt(p, req, self.info) for p in prompts):
             pre.check_job(token_ids, params, self.info, req)
             hashes = pack_hashes(block_hashes(token_ids, self.info.block_size, extra))
             # Engine request ids are the server's own, whatever id the client sent.
@@ -239,6 +258,7 @@ class OpenAIService:
         builder, jobs = prepared.builder, prepared.jobs
         try:
             async for job_index, delta in self._merged(prepared):
+                builder.record_prompt_logprobs(job_index, delta.prompt_logprobs)
                 for seq in delta.sequences:
                     builder.accumulate(job_index * jobs[job_index].params.n + seq.index, seq)
         finally:
@@ -251,6 +271,7 @@ class OpenAIService:
             for chunk in builder.role_chunks(list(range(len(jobs) * n))):
                 yield chunk
             async for job_index, delta in self._merged(prepared):
+                builder.record_prompt_logprobs(job_index, delta.prompt_logprobs)
                 for seq in delta.sequences:
                     chunk = builder.delta_chunk(job_index * n + seq.index, seq)
                     if chunk is not None:

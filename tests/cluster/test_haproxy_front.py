@@ -48,9 +48,10 @@ def test_serves_config_gets_a_header_timeout_a_per_client_limit_and_a_private_ad
     assert "timeout http-request" not in original  # what Serve leaves unbounded
     assert _section(hardened, "defaults")[-1] == "timeout http-request 7s"
     front = _section(hardened, "frontend http_frontend")
-    assert front[:4] == [MARK.strip(), "stick-table type ipv6 size 1m expire 60s store conn_cur",
+    assert front[:5] == [MARK.strip(), "stick-table type ipv6 size 1m expire 60s store conn_cur",
                          "tcp-request connection track-sc0 src",
-                         "tcp-request connection reject if { sc0_conn_cur gt 33 }"]
+                         "tcp-request connection reject if { sc0_conn_cur gt 33 }",
+                         "http-request set-header X-Pagefleet-Client %[src]"]
     assert "bind 127.0.0.1:8000" in front
     (socket_line,) = [line for line in hardened.split("\n") if "stats socket" in line]
     assert socket_line.strip() == f"stats socket {tmp_path}/admin.sock mode 600 level admin expose-fd listeners"
@@ -62,7 +63,7 @@ def test_serves_config_gets_a_header_timeout_a_per_client_limit_and_a_private_ad
     removed = set(original.split("\n")) - set(hardened.split("\n"))
     assert {line.strip() for line in removed} == {
         f"stats socket {tmp_path}/admin.sock mode 666 level admin expose-fd listeners", "bind :9101", "bind *:8404"}
-    assert len(hardened.split("\n")) == len(original.split("\n")) + 5
+    assert len(hardened.split("\n")) == len(original.split("\n")) + 6
     assert harden(hardened, 7, 33) == hardened  # Serve may start HAProxy again on the same file
 
 

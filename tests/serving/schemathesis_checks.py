@@ -26,7 +26,13 @@ CROSS_FIELD_REFUSALS = (
     # The prompts of one request times n: no more sequences than max_prompts_per_request.
     (400, "n", None, "this request asks for"),
     # best_of, an old OpenAI field, is accepted only equal to n.
-    (422, "best_of", "unsupported", "best_of different from n"),
+    (400, "best_of", "unsupported", "best_of different from n"),
+    # logit_bias keys are token ids below the vocabulary's size; chat_template_kwargs are bounded in
+    # characters (JSON Schema bounds neither a number written as a key nor a value's total text).
+    (400, "logit_bias", None, "logit_bias token id"),
+    (400, "chat_template_kwargs", None, "chat_template_kwargs hold more than"),
+    # prompt_logprobs is refused with a streamed chat completion.
+    (400, "prompt_logprobs", "unsupported", "prompt_logprobs with a streamed chat completion"),
     # Tools need a chat template that reads them (a property of the model) and distinct names.
     (400, "tools", None, "this model's chat template has no tool support"),
     (400, "tools", None, "two tools have the same function name"),

@@ -19,6 +19,7 @@ from pagefleet.worker.sampling_params import SamplingParams
 from channel_fakes import Call, SteppedEngine, settle, until
 
 STRANGER = "127.0.0.2"  # the ingress connects from 127.0.0.1
+CHANNELS = 5  # ingress channels opened, one after another, while the strangers renew theirs
 
 
 class Strangers:
@@ -69,9 +70,11 @@ def test_connections_that_never_send_their_token_keep_no_ingress_out():
         unusable: list[str] = []
         carried = 0
         with Strangers(offer.port, 200) as strangers:
-            await asyncio.sleep(0.5)  # the strangers hold their slots
-            deadline = time.monotonic() + 3.0
-            while time.monotonic() < deadline:
+            # The strangers hold their slots before the ingress opens its channels (on a loaded
+            # machine their thread may take a while to get going).
+            await until(lambda: strangers.connects >= 200, timeout_s=60.0)
+            connected_first = strangers.connects
+            while carried < CHANNELS:
                 channel_id = f"ingress-{carried}"  # a new channel each time: a new connection and hello
                 mux = ChannelMux(lambda request: Call(replica.channel(request)), channel_id=channel_id,
                                  on_socket_unusable=unusable.append)
@@ -91,13 +94,14 @@ def test_connections_that_never_send_their_token_keep_no_ingress_out():
                 carried += 1
                 await asyncio.sleep(0.2)
             pending_while_attacked = replica._channel_server.pending_hellos
+            renewed = strangers.connects - connected_first
         replica._channel_server.close()
         await settle()
-        return carried, strangers.connects, pending_while_attacked
+        return carried, connected_first, renewed, pending_while_attacked
 
-    carried, connects, pending = asyncio.run(run())
-    assert carried >= 5  # each on its own connection, its request's deltas carried on it
-    assert connects >= 200  # the strangers kept at it
+    carried, connects, renewed, pending = asyncio.run(run())
+    assert carried == CHANNELS  # each on its own connection, its request's deltas carried on it
+    assert connects >= 200 and renewed > 0  # the strangers held their slots and kept at it
     assert pending <= delta_channel.MAX_PENDING_HELLOS_PER_ADDRESS  # one address held no more than its share
 
 

@@ -175,7 +175,7 @@ def test_bad_requests_never_reach_a_worker(server, openai_client):
     cases = [
         ({"model": ckpt.name, "prompt": long_prompt, "max_tokens": 1}, 400),
         ({"model": "no-such-model", "prompt": "hi"}, 404),
-        ({"model": ckpt.name, "prompt": "hi", "echo": True}, 422),
+        ({"model": ckpt.name, "prompt": "hi", "suffix": "x"}, 400),
         ({"model": ckpt.name, "prompt": "hi", "max_tokens": "many"}, 400),
         ({"model": ckpt.name, "prompt": ""}, 400),
         ({"model": ckpt.name, "prompt": "hi", "temperature": -0.5}, 400),

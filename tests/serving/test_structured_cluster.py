@@ -237,3 +237,99 @@ def test_an_empty_language_or_an_unenforced_keyword_is_a_400_naming_it(server, c
     r = client.chat.completions.create(model=model, messages=_chat(), max_tokens=8,
                                        extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
     assert r.choices[0].message.content in ("yes", "no")
+
+
+def test_vllm_logits_processors_and_prompt_fields_take_effect_through_the_server(server):
+    """allowed_token_ids, logit_bias, bad_words, truncate_prompt_tokens and return_tokens_as_token_ids
+    on the real engine: the token ids (read through return_tokens_as_token_ids) show each effect."""
+    base, model = server
+
+    def ids_of(**fields):
+        body = {"model": model, "prompt": "the quick brown fox jumps over", "max_tokens": 6, "temperature": 0,
+                "ignore_eos": True, "logprobs": 0, "return_tokens_as_token_ids": True, **fields}
+        r = httpx.post(f"{base}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        out = r.json()
+        tokens = out["choices"][0]["logprobs"]["tokens"]
+        assert all(t.startswith("token_id:") for t in tokens)
+        return [int(t.split(":")[1]) for t in tokens], out["usage"]["prompt_tokens"]
+
+    plain, prompt_tokens = ids_of()
+    allowed = [11, 12, 13]
+    assert set(ids_of(allowed_token_ids=allowed)[0]) <= set(allowed)
+    assert ids_of(logit_bias={"77": 100})[0] == [77] * 6
+    banned = ids_of(logit_bias={str(plain[0]): -100})[0]
+    assert banned[0] != plain[0]
+    assert ids_of(truncate_prompt_tokens=2)[1] == 2 < prompt_tokens
+    r = httpx.post(f"{base}/v1/completions", json={"model": model, "prompt": "hi", "use_beam_search": True},
+                   timeout=60)
+    assert (r.status_code, r.json()["error"]["param"], r.json()["error"]["code"]) == (400, "use_beam_search",
+                                                                                       "unsupported")
+
+
+def test_echo_logprobs_of_a_prompt_equal_transformers_through_the_server(server, tiny_checkpoint):
+    """lm-eval's loglikelihood request (echo, logprobs 1, max_tokens 0) and vLLM's prompt_logprobs:
+    the prompt tokens' logprobs equal transformers' log_softmax over the same prompt."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from hf_reference import hf_model
+
+    base, model = server
+    path = str(tiny_checkpoint("llama"))
+    prompt = "the quick brown fox jumps over the lazy dog"
+    ids = AutoTokenizer.from_pretrained(path).encode(prompt)
+    with torch.no_grad():
+        ref = hf_model(path)(input_ids=torch.tensor([ids])).logits[0].log_softmax(-1)
+    want = [float(ref[j, ids[j + 1]]) for j in range(len(ids) - 1)]
+    r = httpx.post(f"{base}/v1/completions", json={"model": model, "prompt": prompt, "echo": True, "logprobs": 1,
+                                                   "max_tokens": 0, "temperature": 0}, timeout=60)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert (choice["text"], choice["finish_reason"], r.json()["usage"]["completion_tokens"]) == (prompt, "length", 0)
+    lp = choice["logprobs"]
+    assert len(lp["tokens"]) == len(ids) and lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert lp["token_logprobs"][1:] == pytest.approx(want, abs=1e-3)
+    r = httpx.post(f"{base}/v1/completions", json={"model": model, "prompt": prompt, "prompt_logprobs": 2,
+                                                   "max_tokens": 2, "temperature": 0}, timeout=60)
+    scored = r.json()["choices"][0]["prompt_logprobs"]
+    assert scored[0] is None and len(scored) == len(ids)
+    assert [entry[str(t)]["logprob"] for entry, t in zip(scored[1:], ids[1:])] == pytest.approx(want, abs=1e-3)
+    assert all(len(entry) in (2, 3) for entry in scored[1:])  # the top 2, and the token when outside them
+
+
+def test_a_compile_flood_from_one_client_leaves_others_their_answers(server):
+    """Security round 3, A2, through the real server: one client (127.0.0.1) sends 6 schemas that
+    take seconds each to compile; another (127.0.0.2) asks for a small grammar meanwhile and gets
+    its answer in the quick lane, and GET /version stays fast. The flood's own requests each end
+    as a 200, a 400 (its compile stopped at the time limit) or a 429 (its client's queue full)."""
+    import concurrent.futures
+    import time
+
+    base, model = server
+
+    def expensive(tag: str) -> dict:
+        return {"model": model, "prompt": "x", "max_tokens": 2,
+                "structured_outputs": {"json": {"type": "string", "pattern": f"^(a|bc|[0-9]{tag}){{1600,3200}}$"}}}
+
+    small = {"model": model, "prompt": "Answer:", "max_tokens": 4, "temperature": 0,
+             "structured_outputs": {"choice": ["yes", "no"]}}
+    other = httpx.Client(transport=httpx.HTTPTransport(local_address="127.0.0.2"), timeout=60)
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        flood = [pool.submit(httpx.post, f"{base}/v1/completions", json=expensive(tag), timeout=120)
+                 for tag in "pqrstu"]
+        time.sleep(1.0)  # the flood's compiles are running
+        started = time.monotonic()
+        answer = other.post(f"{base}/v1/completions", json=small)
+        took = time.monotonic() - started
+        version_s = []
+        while not all(f.done() for f in flood):
+            t0 = time.monotonic()
+            assert httpx.get(f"{base}/version", timeout=10).status_code == 200
+            version_s.append(time.monotonic() - t0)
+            time.sleep(0.05)
+        statuses = sorted(f.result().status_code for f in flood)
+    assert (answer.status_code, answer.json()["choices"][0]["text"] in ("yes", "no")) == (200, True), answer.text
+    assert took < 5.0  # not behind an expensive compile (each takes seconds)
+    assert set(statuses) <= {200, 400, 429} and 429 in statuses, statuses  # 4 a client: the rest refused at once
+    assert max(version_s) < 0.25, max(version_s)

@@ -60,7 +60,7 @@ def test_a_padded_decode_step_fills_every_row_and_padding_writes_no_kv():
 
 
 def _decode_step(llm, seqs) -> StepInput:
-    from pagefleet.worker.model_executor.model_runner import build_step_input
+    from pagefleet.worker.model_executor.step_input import build_step_input
 
     out = llm.engine.scheduler.schedule()
     assert len(out.scheduled) == seqs and all(item.num_new_tokens == 1 for item in out.scheduled)
@@ -129,7 +129,7 @@ def test_static_prefill_forward_gives_the_ordinary_paths_logits(tiny_checkpoint)
     engine.add_request("a", list(range(5, 30)), SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
     engine.step()
     engine.add_request("b", list(range(40, 51)), SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
-    from pagefleet.worker.model_executor.model_runner import build_step_input
+    from pagefleet.worker.model_executor.step_input import build_step_input
 
     out = engine.scheduler.schedule()  # a's decode row beside b's 11-token prompt: 12 tokens
     step = build_step_input(out, engine.args.block_size, engine.kv.block_ids)

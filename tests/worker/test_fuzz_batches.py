@@ -52,11 +52,16 @@ def _healthy_params(rng: random.Random) -> SamplingParams:
         logprobs=rng.choice([None, None, 0, 3]), structured_outputs=grammar)
 
 
-def _poison_params(kind: str, rng: random.Random) -> SamplingParams:
+def _poison_params(kind: str, rng: random.Random) -> SamplingParams | None:
+    """None: refused as it is made (a schema keyword the grammar compiler does not enforce)."""
     spec = {"empty_language": {"regex": "[^\\s\\S]"}, "dead_end": {"regex": "a[^\\s\\S]"},
             "contradictory_schema": {"json": json.dumps({"allOf": [{"type": "string"}, {"type": "integer"}]})}}
-    return SamplingParams(temperature=1.0, seed=rng.randrange(1 << 30), logprobs=1, max_tokens=12, ignore_eos=True,
-                          structured_outputs=StructuredOutputsParams(**spec[kind]) if kind in spec else None)
+    seed = rng.randrange(1 << 30)
+    try:
+        return SamplingParams(temperature=1.0, seed=seed, logprobs=1, max_tokens=12, ignore_eos=True,
+                              structured_outputs=StructuredOutputsParams(**spec[kind]) if kind in spec else None)
+    except InvalidRequest:
+        return None
 
 
 def _case(rng: random.Random, case: int) -> list[tuple[str, list[int], SamplingParams]]:
@@ -91,6 +96,8 @@ def _run(llm: LLM, batch, abort_after: int = 3) -> dict[str, list[tuple]]:
     outputs: dict[str, list | None] = {}
     for i, (_, prompt, params) in enumerate(batch):
         try:
+            if params is None:
+                raise InvalidRequest("refused as it was made", "structured_outputs")
             engine.add_request(f"q{i}", prompt, params)
             outputs[f"q{i}"] = [[[], "", None, None, None] for _ in range(params.n)]
         except InvalidRequest:

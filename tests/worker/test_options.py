@@ -75,6 +75,7 @@ OTHER_VALUES = {
     "max_chat_messages": ("100", 100),
     "max_unstreamed_response_tokens": ("65536", 65536),
     "tool_call_parser": ("mistral", "mistral"),
+    "reasoning_parser": ("qwen3", "qwen3"),
     "enable_auto_tool_choice": (None, True),  # --enable-auto-tool-choice, with a parser (NEEDS below)
     "drain_timeout_s": ("5", 5.0),
 }

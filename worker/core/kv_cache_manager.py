@@ -47,8 +47,8 @@ class KVCacheManager:
                          seq.num_prompt_tokens // self.block_size)
             blocks = self.block_tables[parent.seq_id][:shared]
             return PrefixHit(blocks, len(blocks) * self.block_size)
-        if not self.pool.enable_caching:
-            return PrefixHit([], 0)
+        if not self.pool.enable_caching or seq.params.prompt_logprobs is not None:
+            return PrefixHit([], 0)  # prompt logprobs need every prompt position computed (as vLLM)
         hit: list[KVBlock] = []
         for h in self._hashes(seq)[:max_blocks]:
             block = self.pool.lookup(h)

@@ -25,6 +25,9 @@ class ScheduledSeq:
 class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    # A step scheduled ahead (``Scheduler.schedule_ahead``): its first len(prev_token_rows)
+    # sequences compute the token the step before samples for them, in these of its rows.
+    prev_token_rows: list[int] = field(default_factory=list)
 
     def sampled_seqs(self) -> list[Sequence]:
         """The sequences whose next token this step samples, in logits-row order."""
@@ -90,6 +93,30 @@ class Scheduler:
             budget -= num_new
         self.waiting.extendleft(reversed(skipped))
 
+    def schedule_ahead(self, out: SchedulerOutput, max_model_len: int) -> SchedulerOutput | None:
+        """The step to launch after ``out`` before its sampled tokens reach the host (async
+        scheduling; ``out`` is launched and counted as computed, so a sequence's prompt done in it
+        lets its parallel samples in): one more token of each sequence ``out`` samples, read on
+        the device from ``out``'s sampled rows, then waiting sequences as ``admit`` takes them.
+        None where nothing is to be launched: ``out`` computes prompt that samples nothing, a
+        sequence lacks a block for its next token, or nothing is left to run. A sequence ended
+        already, or ended by length by the token being sampled, is left out."""
+        if not all(item.sample for item in out.scheduled):
+            return None
+        ahead = SchedulerOutput()
+        for row, item in enumerate(out.scheduled):  # every item samples: rows are the sampled tokens' rows
+            seq = item.seq
+            if seq.is_finished or seq.num_tokens + 1 >= max_model_len or (
+                    seq.params.max_tokens is not None and seq.num_output_tokens + 1 >= seq.params.max_tokens):
+                continue
+            # Room for the next token (the launched step's tokens count as computed already).
+            if not self.kv.allocate(seq, 1):
+                return None
+            ahead.prev_token_rows.append(row)
+            ahead.scheduled.append(ScheduledSeq(seq, 1, True))
+        self.admit(ahead, self.max_num_batched_tokens - len(ahead.prev_token_rows))
+        return ahead if ahead.scheduled else None
+
     def update_from_output(self, out: SchedulerOutput, sampled: "SamplerOutput | None") -> list[Sequence]:
         """After the step ran: advance each scheduled sequence's progress and append the sampled
         tokens (``sampled`` rows are ``out.sampled_seqs()``), except to sequences that ended while the
@@ -116,6 +143,9 @@ class Scheduler:
                 continue  # ended while this step ran (a stop string found late): its token is dropped
             if token is None:
                 self.finish(seq, "stop" if seq.grammar is not None else "abort")
+                continue
+            if seq.params.max_tokens == 0:  # the prompt alone was asked for (prompt_logprobs)
+                self.finish(seq, "length")
                 continue
             seq.append_token(token)
             if logprob is not None:

@@ -26,7 +26,7 @@ class Sequence:
     __slots__ = ("seq_id", "request_id", "index", "params", "token_ids", "num_prompt_tokens",
                  "num_resumed_tokens", "num_computed_tokens", "num_cached_tokens", "status", "finish_reason",
                  "stop_reason", "logprobs", "parent", "extra_digest", "block_hashes", "penalties", "grammar",
-                 "bad_words_ids")
+                 "bad_words_ids", "prompt_logprobs")
 
     def __init__(self, seq_id: int, request_id: str, index: int, prompt_token_ids: list[int],
                  params: SamplingParams, parent: "Sequence | None" = None,
@@ -56,6 +56,10 @@ class Sequence:
         # sequence's has accepted the resumed outputs already)
         self.grammar = grammar
         self.bad_words_ids: list[list[int]] | None = None  # params.bad_words tokenized, on first use
+        # With params.prompt_logprobs: one entry a prompt token, filled as its position is computed
+        # (a recompute after preemption writes the same values again).
+        self.prompt_logprobs: list[TokenLogprob | None] | None = (
+            [None] * len(prompt_token_ids) if params.prompt_logprobs is not None else None)
 
     @property
     def num_tokens(self) -> int:

@@ -61,6 +61,8 @@ class LLM:
                     out = results[delta.request_id]
                     out.num_cached_tokens = delta.num_cached_tokens
                     out.finished = delta.finished
+                    if delta.prompt_logprobs is not None:
+                        out.prompt_logprobs = delta.prompt_logprobs
                     for s in delta.sequences:
                         append_output(out.outputs[s.index], s)
         except BaseException:

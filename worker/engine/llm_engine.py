@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import time
 from itertools import count
 from typing import TYPE_CHECKING, Callable
 
@@ -16,19 +15,19 @@ from pagefleet.worker.core.kv_cache_manager import KVCacheManager
 from pagefleet.worker.core.kv_cache_sizing import size_kv_pool
 from pagefleet.worker.core.kv_events import KVEventBatch, KVEventLog, KVEventSource, KVLoad, KVSnapshot
 from pagefleet.worker.core.resume import ResumeState, check_resume
-from pagefleet.worker.core.scheduler import Scheduler, SchedulerOutput
+from pagefleet.worker.core.scheduler import Scheduler
 from pagefleet.worker.core.sequence import Sequence, finish_reason
 from pagefleet.worker.core.worker_load import worker_load
-from pagefleet.worker.engine.async_scheduling import launch_next
-from pagefleet.worker.engine.detokenizer import IncrementalDetokenizer
-from pagefleet.worker.engine.greedy_window import run_greedy_window
+from pagefleet.worker.engine.greedy_window import WindowedStep
+from pagefleet.worker.engine.output_processor import OutputProcessor
+from pagefleet.worker.engine.overlapped_step import OverlappedStep
 from pagefleet.worker.engine.resumed import ResumedStart, new_detokenizer, resumed_start
+from pagefleet.worker.engine.step_loop import InFlight, PlainStep, StepFn, StepParts
 from pagefleet.worker.engine_args import EngineArgs
 from pagefleet.worker.metrics.stats import EngineStats
 from pagefleet.worker.model_executor.model_config import model_config_of
-from pagefleet.worker.model_executor.model_runner import build_step_input
 from pagefleet.worker.model_executor.simulated_sampler import SimulatedSampler
-from pagefleet.worker.outputs import CompletionOutput, RequestOutputDelta
+from pagefleet.worker.outputs import RequestOutputDelta
 from pagefleet.worker.parallel.executor import make_executor
 from pagefleet.worker.request_check import InvalidRequest, RequestLimits, check_request
 from pagefleet.worker.sample.sampler import Sampler
@@ -79,33 +78,24 @@ class LLMEngine:
                     "max_model_len %d: %.2fx", cfg.architecture,
                     self.device if args.simulate is None else f"a simulated {args.simulate}", num_blocks, tokens,
                     num_blocks * per_block / 2**20, cfg.max_model_len, tokens / cfg.max_model_len)
-        self.requests: dict[str, list[Sequence]] = {}
-        self.detok: dict[int, IncrementalDetokenizer] = {}
-        # Output tokens each sequence generated here and handed out; None once its finish was reported.
-        self._sent: dict[int, int | None] = {}
-        # Resumed requests that were finished when they arrived: the next step reports them.
-        self._finished_on_arrival: set[str] = set()
         self._seq_ids = count()
         self.kv_events: KVEventSource | None = None  # set by enable_kv_events
-        self.num_steps = 0
-        # async_output_proc: the previous step's sequences whose outputs wait (detokenize, stop
-        # strings) and the request ids its deltas cover.
+        self.outputs = OutputProcessor(self.scheduler, cfg.eos_token_ids, cfg.max_model_len)
         self.async_output = args.async_output_proc if args.async_output_proc is not None else (
             self.device.type == "cuda" or args.simulate is not None)
-        self._deferred: tuple[list[Sequence], set[str]] | None = None
-        # async_scheduling: the step launched before the last one's tokens reached the host
-        # (async_scheduling.py), as its scheduler output and the executor's return.
         self.async_scheduling = self._async_scheduling()
-        self._ahead: tuple[SchedulerOutput, object] | None = None
-        # Takes the previous step's deltas as soon as they are built, while this step's device work
-        # runs, rather than from step()'s return once it has finished: without it a token would
-        # reach its client a whole step after it was made. None: step() returns them.
-        self.on_early_outputs: Callable[[list[RequestOutputDelta]], None] | None = None
-        # Recent seconds per step that ran something (moving average; 0 until one ran): the KV
-        # events publish it, so admission control can tell when running sequences will end.
-        self.step_time_s = 0.0
+        self._parts = StepParts(self.scheduler, self.kv, self.executor, self.sampler, self.outputs,
+                                args.block_size, cfg.max_model_len)
+        self._step_fn = self._pick_step_fn()
+        self._in_flight: InFlight | None = None  # what the last step handed the next
         self.prompt_tokens_total = 0
-        self.generation_tokens_total = 0
+
+    def _pick_step_fn(self) -> StepFn:
+        """The step function for the engine's options, decided once (``step_loop``)."""
+        parts = self._parts
+        base = OverlappedStep(parts, self.async_scheduling) if self.async_output else PlainStep(parts)
+        steps = self.args.num_scheduler_steps
+        return WindowedStep(parts, steps, base) if steps > 1 else base
 
     def _async_scheduling(self) -> bool:
         """``args.async_scheduling``, resolved: on by default where it applies."""
@@ -133,6 +123,9 @@ class LLMEngine:
         served: the shared request check, plus what only the engine knows (its pool must hold the
         longest sequence)."""
         check_request(prompt_token_ids, params, self.limits)
+        if params.prompt_logprobs is not None and self.args.simulate is not None:
+            raise InvalidRequest("prompt_logprobs needs the model's logits, which a simulated GPU does not compute",
+                                 "prompt_logprobs")
         if resume is not None:
             check_resume(prompt_token_ids, params, resume, self.limits)
         full_blocks = len(prompt_token_ids) // self.args.block_size
@@ -172,23 +165,23 @@ class LLMEngine:
         hashes = unpack_hashes(block_hashes)
         extra = extra_keys_digest(extra_keys)
         seqs: list[Sequence] = []
+        detoks = []
         for i in range(params.n):
             if resumed is None:
                 seq = Sequence(next(self._seq_ids), request_id, i, prompt_token_ids, params,
                                parent=seqs[0] if seqs else None, extra_digest=extra,
                                grammar=None if grammar is None else SequenceGrammar(grammar))
-                detok = new_detokenizer(self.tokenizer, prompt_token_ids, params)
+                detoks.append(new_detokenizer(self.tokenizer, prompt_token_ids, params))
             else:  # n == 1 (check_resume)
                 seq = Sequence(next(self._seq_ids), request_id, resumed.seq_index, prompt_token_ids, params,
                                extra_digest=extra, grammar=resumed.grammar,
                                resumed_token_ids=resumed.output_token_ids)
-                detok = resumed.detokenizer
+                detoks.append(resumed.detokenizer)
             if hashes:
                 seq.block_hashes = list(hashes)  # each sequence extends its own list
-            self.detok[seq.seq_id] = detok
             self.scheduler.add(seq)
             seqs.append(seq)
-        self.requests[request_id] = seqs
+        self.outputs.add_request(request_id, seqs, detoks)
         # The replay of resumed outputs is prefill work: counted as prompt tokens.
         self.prompt_tokens_total += seqs[0].num_tokens
         if self.kv_events is not None:
@@ -199,151 +192,55 @@ class LLMEngine:
                                    self.model_config.max_model_len)
             if reason is not None:  # done by its own rules before this engine computed anything
                 self.scheduler.finish(seq, *reason)
-                self._finished_on_arrival.add(request_id)
+                self.outputs.finished_on_arrival.add(request_id)
 
     def abort_request(self, request_id: str) -> RequestOutputDelta | None:
         """Finish every sequence of the request with reason "abort" and free its blocks."""
         seqs = self.requests.get(request_id)
         if seqs is None:
             return None
-        if self._deferred is not None:  # its last token's text first, as a step would have made it
-            for seq in self._deferred[0]:
-                if seq.request_id == request_id and not seq.is_finished:
-                    self.postprocess(seq)
-            self._deferred = ([q for q in self._deferred[0] if q.request_id != request_id], self._deferred[1])
+        if self._in_flight is not None and self._in_flight.deferred is not None:
+            deferred = self.outputs.drop_deferred(self._in_flight.deferred, request_id)
+            self._in_flight = self._in_flight._replace(deferred=deferred)
         for seq in seqs:
             self.scheduler.finish(seq, "abort")
-        self._finished_on_arrival.discard(request_id)
-        return self._collect({request_id})[0]
+        self.outputs.finished_on_arrival.discard(request_id)
+        return self.outputs.collect({request_id})[0]
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
+    @property
+    def requests(self) -> dict[str, list[Sequence]]:
+        """Each request's sequences, until its finish is reported."""
+        return self.outputs.requests
+
     # ---- the step -------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutputDelta]:
-        """Schedule, execute, update, collect: one forward pass over the scheduled sequences
-        (under async scheduling, possibly the one the previous call launched)."""
-        arrived_done, self._finished_on_arrival = self._finished_on_arrival, set()
-        started = time.monotonic()
-        earlier: list[RequestOutputDelta] = []
-        if self._ahead is not None:
-            (out, logits), self._ahead = self._ahead, None
-        else:
-            out = self.scheduler.schedule()
-            if not out.scheduled:
-                return self._finish_deferred() + self._collect(arrived_done)
-            if self.args.num_scheduler_steps > 1:
-                earlier = self._hand_early(self._finish_deferred())
-                done = run_greedy_window(self, out, started)
-                if done is not None:
-                    return earlier + self._collect(done | arrived_done)
-            step = build_step_input(out, self.args.block_size, self.kv.block_ids)
-            try:
-                logits = self.executor.execute(step)
-            except BaseException:
-                self.kv.unpublish_step()  # blocks hashed for this step hold no valid KV
-                raise
-        # Asynchronous devices (CUDA, a simulated GPU) are computing now: the host finishes the
-        # previous step's outputs meanwhile.
-        earlier = self._hand_early(earlier + self._finish_deferred())
-        self.kv.commit_step()
-        sampled_seqs = out.sampled_seqs()
-        sampled = None
-        self.scheduler.advance(out)
-        if sampled_seqs:
-            drawn = self.sampler.draw(logits, sampled_seqs)
-            if self.async_scheduling:
-                self._ahead = launch_next(self, out, drawn)
-            sampled = self.sampler.collect(drawn, sampled_seqs)
-        got = self.scheduler.append_sampled(out, sampled)
-        self.num_steps += 1
-        took = time.monotonic() - started
-        self.step_time_s = took if not self.step_time_s else 0.8 * self.step_time_s + 0.2 * took
-        stepped = {item.seq.request_id for item in out.scheduled} | arrived_done
-        if not self.async_output:
-            for seq in got:
-                self.postprocess(seq)
-            return earlier + self._collect(stepped)
-        # EOS, stop ids and lengths end sequences now, before the next schedule; the rest
-        # (detokenizing, stop strings, the deltas) waits for the next step's device time, if a
-        # next step there is.
-        waiting = [seq for seq in got if not self._ends_now(seq)]
-        if not (self.scheduler.running or self.scheduler.waiting):
-            # Every sequence has ended: a step launched ahead computes only dropped tokens.
-            self._ahead = None
-            for seq in waiting:
-                self.postprocess(seq)
-            return earlier + self._collect(stepped)
-        self._deferred = (waiting, stepped)
-        return earlier
-
-    def _ends_now(self, seq: Sequence) -> bool:
-        """Finish ``seq`` now (detokenized, stop strings first, as ever) when its newest token ends
-        it whatever the text says; True if it did."""
-        if finish_reason(seq, None, self.model_config.eos_token_ids, self.model_config.max_model_len) is None:
-            return False
-        self.postprocess(seq)
-        return True
-
-    def _finish_deferred(self) -> list[RequestOutputDelta]:
-        """The previous step's deferred outputs (``async_output_proc``): detokenize its sequences,
-        end those a stop string ends (their token of the step now running is then dropped), and
-        build its deltas."""
-        if self._deferred is None:
-            return []
-        seqs, request_ids = self._deferred
-        self._deferred = None
-        for seq in seqs:
-            if not seq.is_finished:  # an abort may have ended it since
-                self.postprocess(seq)
-        return self._collect(request_ids)
-
-    def _hand_early(self, deltas: list[RequestOutputDelta]) -> list[RequestOutputDelta]:
-        """``deltas`` to ``on_early_outputs`` now, if set (then none are left for step() to return)."""
-        if deltas and self.on_early_outputs is not None:
-            self.on_early_outputs(deltas)
-            return []
+        """One turn of the step loop (``step_loop``): the step function picked at start, handed
+        what the last turn left in flight; the deltas it made."""
+        in_flight, self._in_flight = self._in_flight, None  # a step that raises leaves nothing to replay
+        deltas, self._in_flight = self._step_fn(in_flight)
         return deltas
 
-    def postprocess(self, seq: Sequence) -> None:
-        """Detokenize a sequence's new token and end it if that token stops it."""
-        self.generation_tokens_total += 1
-        allowed = seq.num_output_tokens >= seq.params.min_tokens
-        stop_str = self.detok[seq.seq_id].update(seq.token_ids, check_stop=allowed)
-        reason = finish_reason(seq, stop_str, self.model_config.eos_token_ids, self.model_config.max_model_len)
-        if reason is not None:
-            self.scheduler.finish(seq, *reason)
+    @property
+    def on_early_outputs(self) -> Callable[[list[RequestOutputDelta]], None] | None:
+        """Takes a step's deltas as soon as they are made (``OutputProcessor.on_early_outputs``)."""
+        return self.outputs.on_early_outputs
 
-    def _collect(self, request_ids: set[str]) -> list[RequestOutputDelta]:
-        """One delta per request, holding each sequence with new output or a new finish."""
-        deltas = []
-        for rid in request_ids:
-            seqs = self.requests.get(rid)
-            if seqs is None:
-                continue  # ended and reported while its last step ran (async_output_proc)
-            parts = [d for d in (self._sequence_delta(seq) for seq in seqs) if d is not None]
-            finished = all(s.is_finished for s in seqs)
-            deltas.append(RequestOutputDelta(rid, parts, seqs[0].num_prompt_tokens, seqs[0].num_cached_tokens,
-                                             finished))
-            if finished:
-                del self.requests[rid]
-                for s in seqs:
-                    del self.detok[s.seq_id]
-                    self._sent.pop(s.seq_id, None)
-        return deltas
+    @on_early_outputs.setter
+    def on_early_outputs(self, hook: Callable[[list[RequestOutputDelta]], None] | None) -> None:
+        self.outputs.on_early_outputs = hook
 
-    def _sequence_delta(self, seq: Sequence) -> CompletionOutput | None:
-        sent = self._sent.get(seq.seq_id, 0)
-        if sent is None:
-            return None  # finished and already reported
-        text = self.detok[seq.seq_id].take_new_text(seq.is_finished)
-        new_ids = seq.token_ids[seq.num_prompt_tokens + seq.num_resumed_tokens + sent:]
-        if not new_ids and not text and not seq.is_finished:
-            return None
-        self._sent[seq.seq_id] = None if seq.is_finished else sent + len(new_ids)
-        lps = seq.logprobs[sent:] if seq.logprobs is not None else None
-        return CompletionOutput(seq.index, text, new_ids, lps, seq.finish_reason, seq.stop_reason)
+    @property
+    def num_steps(self) -> int:
+        return self._parts.stats.num_steps
+
+    @property
+    def step_time_s(self) -> float:
+        """Recent seconds per step that ran something (``StepStats``)."""
+        return self._parts.stats.step_time_s
 
     # ---- KV events (for a global scheduler) -------------------------------------------------
 
@@ -383,7 +280,7 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             num_steps=self.num_steps,
             prompt_tokens_total=self.prompt_tokens_total,
-            generation_tokens_total=self.generation_tokens_total,
+            generation_tokens_total=self.outputs.generation_tokens_total,
         )
 
     def check_health(self) -> None:

@@ -4,8 +4,8 @@ An eager step of a 32-layer model launches hundreds of kernels one by one from P
 GPU waits on the host between them. A graph launches them all at once. Every graph runs the
 model over the fixed-address views of ``StepBuffers`` (input ids, positions, slots, block
 table, query starts, sequence lengths), so a step refills those buffers and replays the graph
-of the smallest bucket that holds it. Padding writes no KV and is never sampled
-(``StepBuffers.fill``). Two families:
+of the smallest bucket that holds it (``StepGraphs.pick``, the one place a step's graph is
+chosen). Padding writes no KV and is never sampled (``StepBuffers.fill``). Two families:
 
 * ``DecodeGraphs``: steps of one token a sequence, by batch size (1, 2, 4, 8, then steps of 8
   up to max_num_seqs, as vLLM's); the graph includes the logits.
@@ -25,11 +25,13 @@ import bisect
 import logging
 import time
 from collections.abc import Iterator
+from typing import NamedTuple
 
 import torch
 
 from pagefleet.worker.model_executor.model import AttentionMetadata
 from pagefleet.worker.model_executor.step_buffers import StepBuffers
+from pagefleet.worker.model_executor.step_input import StepInput, padding_step
 
 logger = logging.getLogger(__name__)
 
@@ -121,16 +123,14 @@ class DecodeGraphs:
                     self.unit, self.buckets[-1], self.capture_s, self.pool_bytes / 2**20)
 
     def _fill_padding(self, rows: int) -> None:
-        from pagefleet.worker.model_executor.model_runner import StepInput
-
-        self.buffers.fill(StepInput([], [], [], [], [0], [], []), pad_to=rows)
+        self.buffers.fill(padding_step(), pad_to=rows)
 
     @torch.inference_mode()
     def run(self, step, rows: int, prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """``step``: a decode StepInput of at most ``rows`` sequences -> its sampling rows' logits.
         ``prev_tokens``: as ``ModelRunner.execute``'s."""
         self.buffers.fill(step, pad_to=rows)
-        self.buffers.take_input_ids(len(step.input_ids), prev_tokens)
+        self.buffers.take_prev_tokens(step, prev_tokens)
         if self.capture:
             self.graphs[rows].replay()
         else:
@@ -196,19 +196,47 @@ class PrefillGraphs(DecodeGraphs):
         self.hidden[:tokens].copy_(self.model(b.input_ids(tokens), b.positions(tokens), meta, self.kv_caches))
 
     def _fill_padding(self, tokens: int) -> None:
-        from pagefleet.worker.model_executor.model_runner import StepInput
-
-        self.buffers.fill(StepInput([], [], [], [], [0], [], []), pad_tokens=(tokens, self.max_num_seqs))
+        self.buffers.fill(padding_step(), pad_tokens=(tokens, self.max_num_seqs))
 
     @torch.inference_mode()
     def run(self, step, tokens: int, prev_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
         """``step``: any StepInput of at most ``tokens`` tokens and max_num_seqs sequences -> its
         sampling rows' logits. ``prev_tokens``: as ``ModelRunner.execute``'s."""
         self.buffers.fill(step, pad_tokens=(tokens, self.max_num_seqs))
-        self.buffers.take_input_ids(len(step.input_ids), prev_tokens)
+        self.buffers.take_prev_tokens(step, prev_tokens)
         if self.capture:
             self.graphs[tokens].replay()
         else:
             self._forward(tokens)
         rows = self.buffers.logits_indices(len(step.logits_indices))
         return self.model.compute_logits(self.hidden.index_select(0, rows))
+
+
+class GraphRun(NamedTuple):
+    """Which graph runs a step: a family and its bucket."""
+
+    graphs: DecodeGraphs  # a DecodeGraphs or a PrefillGraphs
+    size: int  # the bucket: sequences (decode) or tokens (prefill)
+
+
+class StepGraphs:
+    """Both families over one set of step buffers, and the one place that picks a step's graph."""
+
+    def __init__(self, decode: DecodeGraphs, prefill: PrefillGraphs) -> None:
+        self.decode = decode
+        self.prefill = prefill
+
+    def pick(self, step: StepInput) -> GraphRun | None:
+        """The smallest decode graph for a step of one token a sequence, else the smallest prefill
+        graph that holds the step; None: no graph holds it (it runs eagerly)."""
+        num_seqs, num_tokens = len(step.seq_lens), len(step.input_ids)
+        if len(step.logits_indices) > num_seqs:
+            return None  # prompt positions scored too (prompt logprobs): more rows than a graph holds
+        if num_tokens == num_seqs:
+            rows = self.decode.bucket(num_seqs)
+            if rows is not None:
+                return GraphRun(self.decode, rows)
+        tokens = self.prefill.bucket(num_tokens)
+        if tokens is not None and num_seqs <= self.prefill.max_num_seqs and self.prefill.buffers.fits(step):
+            return GraphRun(self.prefill, tokens)
+        return None

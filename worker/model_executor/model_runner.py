@@ -4,40 +4,23 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from pagefleet.kernels.ops import AttentionPlanner, AttentionSpec, no_plan
 from pagefleet.worker.core.kv_cache_sizing import DEFAULT_CPU_KV_CACHE_BYTES, gpu_kv_budget, kv_bytes_per_block
 from pagefleet.worker.engine_args import DEFAULT_GPU_MEMORY_UTILIZATION
-from pagefleet.worker.model_executor.cuda_graphs import DecodeGraphs, PrefillGraphs, capture_graphs
+from pagefleet.worker.model_executor.cuda_graphs import DecodeGraphs, PrefillGraphs, StepGraphs, capture_graphs
 from pagefleet.worker.model_executor.loader import load_model
 from pagefleet.worker.model_executor.model import AttentionMetadata
 from pagefleet.worker.model_executor.model_config import ModelConfig, kv_cache_torch_dtype
 from pagefleet.worker.model_executor.platform import platform_for
 from pagefleet.worker.model_executor.quantization import resolve_quantization
-from pagefleet.worker.model_executor.step_buffers import StepBuffers, resolve_input_ids
+from pagefleet.worker.model_executor.step_buffers import StepBuffers, take_prev_tokens
+from pagefleet.worker.model_executor.step_input import StepInput, profile_step
 from pagefleet.worker.parallel.tp_group import TPGroup
 
-if TYPE_CHECKING:
-    from pagefleet.worker.core.scheduler import SchedulerOutput
-
 logger = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class StepInput:
-    """One forward pass as plain data (what rank 0 sends every tensor-parallel rank)."""
-
-    input_ids: list[int]           # [T]
-    positions: list[int]           # [T]
-    slot_mapping: list[int]        # [T]
-    block_tables: list[list[int]]  # B rows, ragged
-    query_start_loc: list[int]     # [B + 1]
-    seq_lens: list[int]            # [B]
-    logits_indices: list[int]      # rows of T whose next token is sampled
 
 
 class ModelRunner:
@@ -73,8 +56,15 @@ class ModelRunner:
         self.plan_attention: AttentionPlanner = no_plan
         # CUDA: every step's indices go over in one copy (step_buffers.py); CPU builds them in place.
         self.buffers: StepBuffers | None = None
-        self.decode_graphs: DecodeGraphs | None = None
-        self.prefill_graphs: PrefillGraphs | None = None
+        self.graphs: StepGraphs | None = None  # set by use_graphs
+
+    @property
+    def decode_graphs(self) -> DecodeGraphs | None:
+        return None if self.graphs is None else self.graphs.decode
+
+    @property
+    def prefill_graphs(self) -> PrefillGraphs | None:
+        return None if self.graphs is None else self.graphs.prefill
 
     @property
     def compiled_kernels(self) -> bool:
@@ -130,13 +120,7 @@ class ModelRunner:
         nblocks = -(-num_tokens // bs)
         caches = [(torch.zeros(nblocks, bs, self.num_kv_heads, self.cfg.head_dim, dtype=self.kv_cache_dtype,
                                device=self.device),) * 2 for _ in range(self.cfg.num_layers)]
-        tokens = list(range(num_tokens))
-        if decode:
-            step = StepInput(tokens, [0] * num_tokens, tokens, [[i // bs] for i in tokens], list(range(num_tokens + 1)),
-                             [1] * num_tokens, tokens)
-        else:
-            step = StepInput(tokens, tokens, tokens, [list(range(nblocks))], [0, num_tokens], [num_tokens],
-                             [num_tokens - 1])
+        step = profile_step(num_tokens, bs, decode)
         saved, self.kv_caches = self.kv_caches, caches
         try:
             self.execute(step)
@@ -170,12 +154,12 @@ class ModelRunner:
             raise ValueError(f"graphs need kernels that plan nothing on the host, not {self.kernels}")
         if self.buffers is None:
             self.buffers = self._step_buffers(self.kv_caches[0][0].shape[1])
-        self.decode_graphs = DecodeGraphs(self.model, self.kv_caches, self.buffers, self.max_num_seqs,
-                                          self.cfg.vocab_size, capture)
-        self.prefill_graphs = PrefillGraphs(self.model, self.kv_caches, self.buffers, self.max_num_seqs,
-                                            self.cfg.hidden_size, capture)
+        decode = DecodeGraphs(self.model, self.kv_caches, self.buffers, self.max_num_seqs, self.cfg.vocab_size, capture)
+        prefill = PrefillGraphs(self.model, self.kv_caches, self.buffers, self.max_num_seqs, self.cfg.hidden_size,
+                                capture)
+        self.graphs = StepGraphs(decode, prefill)
         if capture:
-            capture_graphs([self.prefill_graphs, self.decode_graphs], torch.cuda.graph_pool_handle())
+            capture_graphs([prefill, decode], torch.cuda.graph_pool_handle())
 
     def _tensors(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         dev = self.device
@@ -194,60 +178,37 @@ class ModelRunner:
                 torch.tensor(step.positions, dtype=torch.int64, device=dev), meta,
                 torch.tensor(step.logits_indices, dtype=torch.int64, device=dev))
 
+    def _eager_tensors(self, step: StepInput, prev_tokens: torch.Tensor | None):
+        """The tensors an eager forward reads: the step buffers' views where the step fits them."""
+        buffers = self.buffers
+        if buffers is not None and buffers.fits(step):
+            tensors = buffers.tensors(step, self.plan_attention)
+            buffers.take_prev_tokens(step, prev_tokens)
+            return tensors
+        tensors = self._tensors(step)
+        if step.prev_token_rows:
+            rows = torch.tensor(step.prev_token_rows, dtype=torch.int64, device=self.device)
+            take_prev_tokens(tensors[0], rows, prev_tokens)
+        return tensors
+
     def decode_greedy(self, steps: list[StepInput]) -> Iterator[list[int]] | None:
         """Run ``steps`` (one window of decode steps over the same sequences, ``DecodeGraphs.run_greedy``)
-        and yield each one's greedy tokens; None where this runner cannot (no static buffers)."""
-        graphs = self.decode_graphs
-        rows = graphs.bucket(len(steps[0].seq_lens)) if graphs is not None else None
-        return None if rows is None else graphs.run_greedy(steps, rows)
+        and yield each one's greedy tokens; None where this runner cannot (no decode graph for it)."""
+        run = None if self.graphs is None else self.graphs.pick(steps[0])
+        if run is None or run.graphs is not self.graphs.decode:
+            return None
+        return run.graphs.run_greedy(steps, run.size)
 
     @torch.inference_mode()
     def execute(self, step: StepInput, prev_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
         """Forward one step; [S, vocab] fp32 logits of the sampling rows on rank 0, else None.
 
         ``prev_tokens``: the previous step's sampled tokens, still on the device ([S], the sampler's
-        ``Drawn.tokens``); an input id -(r + 1) then stands for its row r (``resolve_input_ids``).
-        So a step can be launched before the host has the tokens it reads (async scheduling)."""
-        num_seqs, num_tokens = len(step.seq_lens), len(step.input_ids)
-        if self.decode_graphs is not None:
-            if num_tokens == num_seqs:  # one token a sequence: decode
-                rows = self.decode_graphs.bucket(num_seqs)
-                if rows is not None:
-                    return self.decode_graphs.run(step, rows, prev_tokens)
-            tokens = self.prefill_graphs.bucket(num_tokens)
-            if tokens is not None and num_seqs <= self.max_num_seqs and self.buffers.fits(step):
-                return self.prefill_graphs.run(step, tokens, prev_tokens)
-        buffers = self.buffers
-        if buffers is not None and buffers.fits(step):
-            input_ids, positions, meta, logits_indices = buffers.tensors(step, self.plan_attention)
-        else:
-            input_ids, positions, meta, logits_indices = self._tensors(step)
-        if prev_tokens is not None:
-            input_ids = resolve_input_ids(input_ids, prev_tokens)
+        ``Drawn.tokens``), which the step's first tokens take (``StepInput.prev_token_rows``). So a
+        step can be launched before the host has the tokens it reads (async scheduling)."""
+        run = None if self.graphs is None else self.graphs.pick(step)
+        if run is not None:
+            return run.graphs.run(step, run.size, prev_tokens)
+        input_ids, positions, meta, logits_indices = self._eager_tensors(step, prev_tokens)
         hidden = self.model(input_ids, positions, meta, self.kv_caches)
         return self.model.compute_logits(hidden.index_select(0, logits_indices))
-
-
-def build_step_input(out: "SchedulerOutput", block_size: int, block_ids_of) -> StepInput:
-    """Flatten a scheduler output into a StepInput; its sampled rows are ``out.sampled_seqs()``."""
-    input_ids: list[int] = []
-    positions: list[int] = []
-    slots: list[int] = []
-    tables: list[list[int]] = []
-    starts = [0]
-    seq_lens: list[int] = []
-    logits_indices: list[int] = []
-    for item in out.scheduled:
-        seq, n = item.seq, item.num_new_tokens
-        start = seq.num_computed_tokens
-        end = start + n
-        blocks = block_ids_of(seq)
-        input_ids.extend(seq.token_ids[start:end])
-        positions.extend(range(start, end))
-        slots.extend(blocks[p // block_size] * block_size + p % block_size for p in range(start, end))
-        tables.append(blocks)
-        starts.append(starts[-1] + n)
-        seq_lens.append(end)
-        if item.sample:
-            logits_indices.append(starts[-1] - 1)
-    return StepInput(input_ids, positions, slots, tables, starts, seq_lens, logits_indices)

@@ -30,11 +30,12 @@ import torch
 from pagefleet.worker.model_executor.model import AttentionMetadata
 
 
-def resolve_input_ids(ids: torch.Tensor, prev_tokens: torch.Tensor) -> torch.Tensor:
-    """A step's input ids with each -(r + 1) replaced by ``prev_tokens[r]``: the token sampled in
-    row r of the step before, which the host does not have yet (async scheduling)."""
-    rows = (-1 - ids).clamp_(min=0)
-    return torch.where(ids < 0, prev_tokens.index_select(0, rows), ids)
+def take_prev_tokens(input_ids: torch.Tensor, rows: torch.Tensor, prev_tokens: torch.Tensor) -> None:
+    """Write into a step's first ``len(rows)`` input ids the tokens the previous step sampled in
+    those rows, on the device (async scheduling: the host does not have them yet).
+
+    input_ids: [T]; rows: [K] int64, K <= T; prev_tokens: [S], the previous step's sampled tokens."""
+    input_ids[:rows.numel()].copy_(prev_tokens.index_select(0, rows))
 
 
 class StepTensors(NamedTuple):
@@ -46,7 +47,8 @@ class StepTensors(NamedTuple):
 
 class StepBuffers:
     """Regions, in order: input ids, positions, slots, logits indices (max_tokens each), query
-    starts (max_seqs + 1), sequence lengths (max_seqs), then the block table,
+    starts (max_seqs + 1), sequence lengths and the previous step's token rows (max_seqs each;
+    ``StepInput.prev_token_rows``), then the block table,
     max_seqs rows of max_blocks. The block table comes last so that a step of B sequences
     sends only its B rows."""
 
@@ -57,7 +59,8 @@ class StepBuffers:
         self.off_ids, self.off_pos, self.off_slots, self.off_logits = 0, t, 2 * t, 3 * t
         self.off_qsl = 4 * t
         self.off_lens = self.off_qsl + s + 1
-        self.off_table = self.off_lens + s
+        self.off_prev = self.off_lens + s
+        self.off_table = self.off_prev + s
         size = self.off_table + s * max_blocks
         pin = device.type == "cuda"
         self.host = torch.zeros(size, dtype=torch.int64, pin_memory=pin)
@@ -91,18 +94,21 @@ class StepBuffers:
     def logits_indices(self, n: int) -> torch.Tensor:
         return self.dev[self.off_logits:self.off_logits + n]
 
+    def prev_token_rows(self, k: int) -> torch.Tensor:
+        return self.dev[self.off_prev:self.off_prev + k]
+
     def block_table(self, b: int) -> torch.Tensor:
         # [b, max_blocks]: full-width rows, so a kernel's row stride never changes; columns past a
         # row's blocks hold stale ids, which no kernel reads (seq_lens bound every read).
         return self.dev[self.off_table:self.off_table + b * self.max_blocks].view(b, self.max_blocks)
 
     def fits(self, step) -> bool:
-        """Whether ``step`` (a model_runner.StepInput) fits the regions (an engine's steps always do)."""
+        """Whether ``step`` (a StepInput) fits the regions (an engine's steps always do)."""
         return (len(step.input_ids) <= self.max_tokens and len(step.seq_lens) <= self.max_seqs
                 and max(map(len, step.block_tables)) <= self.max_blocks)
 
     def fill(self, step, pad_to: int | None = None, pad_tokens: tuple[int, int] | None = None) -> int:
-        """Write ``step`` (a model_runner.StepInput) into the host buffer and send it; returns the
+        """Write ``step`` (a StepInput) into the host buffer and send it; returns the
         sequence count the device views cover.
 
         ``pad_to``: a decode step (one token a sequence) padded to that many rows, each padding
@@ -128,6 +134,8 @@ class StepBuffers:
         h[self.off_qsl:self.off_qsl + b + 1] = step.query_start_loc
         h[self.off_lens:self.off_lens + b] = step.seq_lens
         h[self.off_logits:self.off_logits + len(step.logits_indices)] = step.logits_indices
+        if step.prev_token_rows:
+            h[self.off_prev:self.off_prev + len(step.prev_token_rows)] = step.prev_token_rows
         if n > t:
             h[self.off_ids + t:self.off_ids + n] = 0
             h[self.off_pos + t:self.off_pos + n] = 0
@@ -185,12 +193,12 @@ class StepBuffers:
         if moved:
             self._row_of = {id(x): i for i, x in enumerate(lists) if x is not None}
 
-    def take_input_ids(self, n: int, prev_tokens: torch.Tensor | None) -> None:
-        """Replace each of the step's first ``n`` input ids that stands for a row of ``prev_tokens``
-        with that row's token (``resolve_input_ids``), on the device, after the fill's copy."""
-        if prev_tokens is not None:
-            ids = self.input_ids(n)
-            ids.copy_(resolve_input_ids(ids, prev_tokens))
+    def take_prev_tokens(self, step, prev_tokens: torch.Tensor | None) -> None:
+        """After ``fill(step)``: the step's first input ids become the previous step's tokens
+        (``take_prev_tokens``), its rows read from the buffers, so nothing waits on the host."""
+        k = len(step.prev_token_rows)
+        if k:
+            take_prev_tokens(self.input_ids(k), self.prev_token_rows(k), prev_tokens)
 
     def tensors(self, step, plan_attention) -> StepTensors:
         """Fill and send an eager step; the views its forward reads."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from pagefleet.worker.model_executor.model_runner import StepInput
+from pagefleet.worker.model_executor.step_input import StepInput
 
 STOP = 0
 STEP = 1
@@ -31,6 +31,8 @@ def pack_step(step: StepInput) -> torch.Tensor:
                          f"{num_tokens} input ids, {len(step.positions)} positions, {len(step.slot_mapping)} slots, "
                          f"{num_seqs} seq_lens, {len(step.block_tables)} block tables, "
                          f"{len(step.query_start_loc)} query starts")
+    if step.prev_token_rows:  # the other ranks cannot read rank 0's sampled tokens on its device
+        raise ValueError("a step that reads the previous step's tokens on the device runs on one rank only")
     values = [num_tokens, num_seqs, len(step.logits_indices)]
     values += step.input_ids + step.positions + step.slot_mapping
     values += step.query_start_loc + step.seq_lens + step.logits_indices

@@ -20,6 +20,8 @@ def bad_words_token_ids(tokenizer, words: list[str]) -> list[list[int]]:
     out: list[list[int]] = []
     for word in words:
         plain = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        if not plain:
+            continue  # a word the tokenizer writes with no token cannot be generated either
         spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
         out.append(plain)
         if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):

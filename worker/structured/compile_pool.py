@@ -144,7 +144,9 @@ class CompilePool:
                     continue
                 if self._ready_at is not None:
                     wake = self._step(time.monotonic())
-                elif self._server is not None and time.monotonic() - self._started_at > SERVER_START_TIMEOUT_S:
+                elif self._server is None:
+                    wake = None  # idle, no server: until a compile is submitted (it notifies)
+                elif time.monotonic() - self._started_at > SERVER_START_TIMEOUT_S:
                     self._stop_server()
                     self._fail_queue(CompileRefused("the compile server did not start in time"))
                     continue

@@ -10,6 +10,11 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from pagefleet.router.openai.errors import OpenAIError
+from pagefleet.router.openai.output.responses import (
+    LOGPROBS_CHUNK,
+    ChatResponseBuilder,
+    CompletionResponseBuilder,
+)
 from pagefleet.router.openai.protocol import ChatCompletionRequest
 from pagefleet.router.openai.request_size import (
     ITEM_CHARS,
@@ -18,11 +23,6 @@ from pagefleet.router.openai.request_size import (
     json_chars,
     message_chars,
     tool_chars,
-)
-from pagefleet.router.openai.responses import (
-    LOGPROBS_CHUNK,
-    ChatResponseBuilder,
-    CompletionResponseBuilder,
 )
 from pagefleet.worker.outputs import CompletionOutput, TokenLogprob
 from pagefleet.worker.sampling_params import SamplingParams

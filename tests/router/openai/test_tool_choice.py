@@ -9,8 +9,8 @@ import re
 
 import pytest
 
+from pagefleet.router.openai.output.responses import ChatResponseBuilder
 from pagefleet.router.openai.protocol import ChatCompletionRequest
-from pagefleet.router.openai.responses import ChatResponseBuilder
 from pagefleet.router.openai.tool_choice import tool_plan
 from pagefleet.router.openai.tool_parsers import get_tool_parser
 from pagefleet.worker.outputs import CompletionOutput

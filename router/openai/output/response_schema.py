@@ -29,9 +29,21 @@ class Usage(_Shape):
 
 class CompletionLogprobs(_Shape):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]  # None: an echoed prompt's first token
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
+
+
+class PromptLogprob(_Shape):
+    """vLLM's prompt_logprobs entry for one token id at one prompt position."""
+
+    logprob: float
+    rank: int | None
+    decoded_token: str
+
+
+# Per prompt token (None for the first): its id's and the top ids' entries, by token id.
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
 
 
 class CompletionChoice(_Shape):
@@ -40,6 +52,7 @@ class CompletionChoice(_Shape):
     logprobs: CompletionLogprobs | None
     finish_reason: Literal["stop", "length", "abort"] | None
     stop_reason: str | int | None
+    prompt_logprobs: PromptLogprobs | None = None  # with vLLM's prompt_logprobs
 
 
 class CompletionResponse(_Shape):
@@ -69,7 +82,8 @@ class ChatLogprobs(_Shape):
 
 class AssistantMessage(_Shape):
     role: Literal["assistant"]
-    content: str
+    content: str | None  # None: a reasoning model's answer that was all reasoning
+    reasoning_content: str | None = None  # with --reasoning-parser
 
 
 class ChatChoice(_Shape):
@@ -87,6 +101,7 @@ class ChatCompletionResponse(_Shape):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobs | None = None  # with vLLM's prompt_logprobs
 
 
 class TokenizeResponse(_Shape):
@@ -122,6 +137,7 @@ class VersionResponse(_Shape):
 class ChatDelta(_Shape):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None  # with --reasoning-parser
 
 
 class ChatChunkChoice(_Shape):
