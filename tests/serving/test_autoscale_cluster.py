@@ -43,7 +43,7 @@ def server(ray_cluster, serve_http_port, tmp_path_factory):
                     kv_cache_bytes=None, workers="1:4",
                     max_model_len=1024,  # a prompt and 256 tokens (cluster_app's 256 would refuse them all)
                     target_ongoing_requests=TARGET, upscale_delay_s=1.0,
-                    downscale_delay_s=4.0, drain_timeout_s=5.0,
+                    downscale_delay_s=4.0, drain_timeout_s=15.0,
                     autoscaling_config={"look_back_period_s": 2.0, "metrics_interval_s": 0.5})
     serve.delete(APP)
     stop_scheduler()

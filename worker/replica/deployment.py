@@ -75,12 +75,17 @@ class _SchedulerLink:
 
     def __init__(self, scheduler: Any) -> None:
         self._scheduler = scheduler
+        # Set as the replica leaves the view: a call sent after its drop would put it back.
+        self.closed = False
 
     async def publish(self, batch: KVEventBatch) -> bool:
+        if self.closed:
+            return False
         return await self._scheduler.publish.remote(batch)
 
     async def publish_snapshot(self, snapshot: KVSnapshot) -> None:
-        await self._scheduler.publish_snapshot.remote(snapshot)
+        if not self.closed:
+            await self._scheduler.publish_snapshot.remote(snapshot)
 
 
 class WorkerReplica:
@@ -109,8 +114,9 @@ class WorkerReplica:
         self._node_id = ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
         self._channel_server = ChannelServer(self._channel, self._drop_if_unused, self._on_commands)
         self._publisher: KVEventPublisher | None = None
+        self._link = _SchedulerLink(kv_scheduler)
         if kv_scheduler is not None:
-            self._publisher = KVEventPublisher(_SchedulerLink(kv_scheduler), self.engine.kv_snapshot)
+            self._publisher = KVEventPublisher(self._link, self.engine.kv_snapshot)
             self.engine.enable_kv_events(self.replica_id, self._publisher.put, self._publisher.ready)
         cfg = self.engine.model_config
         logger.info("worker replica %s serves %s (max_model_len %d)", self.replica_id, cfg.served_model_name,
@@ -122,13 +128,21 @@ class WorkerReplica:
         request while Serve's health check has yet to notice."""
         logger.error("worker replica %s: its engine died (%r); it leaves the KV view and exits", self.replica_id,
                      error)
-        if self._kv_scheduler is not None:
-            try:
-                ray.get(self._kv_scheduler.drop_worker.remote(self.replica_id), timeout=5)
-            except Exception as exc:  # noqa: BLE001 — the exit below still takes it out of routing
-                logger.warning("worker replica %s: the global scheduler did not drop it: %r", self.replica_id, exc)
+        self._leave_view()
         time.sleep(ENGINE_DEAD_EXIT_DELAY_S)
         self._exit_process()
+
+    def _leave_view(self) -> None:
+        """Drops this replica from the global scheduler's view (so from every ingress's copy) now,
+        not after the scheduler's liveness timeout: no ingress ranks it first any more, and its
+        blocks stop counting as the fleet's room. Blocks its thread for that call (it is leaving)."""
+        if self._kv_scheduler is None or self._link.closed:
+            return
+        self._link.closed = True  # before the drop: no publish of its own puts it back
+        try:
+            ray.get(self._kv_scheduler.drop_worker.remote(self.replica_id), timeout=5)
+        except Exception as exc:  # noqa: BLE001 — it still leaves, by the liveness timeout
+            logger.warning("worker replica %s: the global scheduler did not drop it: %r", self.replica_id, exc)
 
     def _start_publishing(self) -> None:
         # The publisher's task belongs on the replica's event loop, which only async methods see;
@@ -317,9 +331,13 @@ class WorkerReplica:
                             num_requests_total=self.num_requests_total, engine=self.engine.stats())
 
     def __del__(self) -> None:
+        """Serve calls it once its graceful shutdown drained this replica (Serve scaled it down, or
+        replaces it), unless ``graceful_shutdown_timeout_s`` ran out first."""
         server = getattr(self, "_channel_server", None)
         if server is not None:
             server.close()
+        if getattr(self, "_link", None) is not None:
+            self._leave_view()
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()
