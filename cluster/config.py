@@ -30,7 +30,11 @@ from pagefleet.router.routing.policies import POLICIES
 from pagefleet.worker.cpu.threads import cpu_compute_threads
 from pagefleet.worker.engine_args import EngineArgs
 from pagefleet.worker.options import check_choices, from_namespace, option, parse_bytes, split_mapping
-from pagefleet.worker.replica.autoscaling import default_target_ongoing_requests, worker_autoscaling_config
+from pagefleet.worker.replica.autoscaling import (
+    AUTOSCALING_POLICIES,
+    default_target_ongoing_requests,
+    worker_autoscaling_config,
+)
 
 API_KEY_ENV = "PAGEFLEET_API_KEY"
 
@@ -88,6 +92,11 @@ class ServeArgs:
                                                "before they start (Ray Serve's default)")
     downscale_delay_s: float = option(600.0, help="workers MIN:MAX: how long the load must allow fewer replicas "
                                                   "before one stops (Ray Serve's default)")
+    autoscaling_policy: str = option(
+        "requests", choices=tuple(AUTOSCALING_POLICIES),
+        help="workers MIN:MAX: what Ray Serve scales on: 'requests' (the requests in each replica over "
+             "target_ongoing_requests) or 'kv' (that, or the KV blocks the running sequences hold where "
+             "that calls for more: docs/scaling.md)")
     autoscaling_config: dict | None = option(None, parse=json.loads, metavar="JSON",
                                              help="workers MIN:MAX: more of Ray Serve's autoscaling_config keys "
                                                   "(look_back_period_s, metrics_interval_s, upscaling_factor, "
@@ -233,7 +242,7 @@ class ServeOptions:
         low, high = serve.worker_range
         target = serve.target_ongoing_requests or default_target_ongoing_requests(self.engine.max_num_seqs)
         return worker_autoscaling_config(low, high, target, serve.upscale_delay_s, serve.downscale_delay_s,
-                                         serve.autoscaling_config)
+                                         serve.autoscaling_config, serve.autoscaling_policy)
 
     def engine_args_for_this_machine(self, cores: int) -> EngineArgs:
         """The engine options each worker replica gets: ``cpu_omp_threads`` left unset becomes

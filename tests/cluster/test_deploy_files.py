@@ -39,7 +39,8 @@ def test_serve_yaml_autoscales_the_workers_with_its_commented_keys():
     from ray.serve.config import AutoscalingConfig
 
     text = (DEPLOY / "serve.yaml").read_text()
-    for key in ("target_ongoing_requests", "upscale_delay_s", "downscale_delay_s", "autoscaling_config"):
+    for key in ("target_ongoing_requests", "upscale_delay_s", "downscale_delay_s", "autoscaling_policy",
+                "autoscaling_config"):
         text = text.replace(f"# {key}:", f"{key}:")
     config = yaml.safe_load(text.replace("workers: 1 ", 'workers: "1:4" '))
     _check_serve_config(config)

@@ -57,6 +57,7 @@ OTHER_VALUES = {
     "upscale_delay_s": ("5", 5.0),
     "downscale_delay_s": ("60", 60.0),
     "autoscaling_config": ('{"look_back_period_s": 20}', {"look_back_period_s": 20}),
+    "autoscaling_policy": ("kv", "kv"),
     "api_key": ("k", "k"),
     "api_key_file": ("/etc/pagefleet/api-key", "/etc/pagefleet/api-key"),
     "worker_num_cpus": ("0.5", 0.5),

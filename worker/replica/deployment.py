@@ -30,7 +30,7 @@ from pagefleet.worker.engine_args import EngineArgs
 from pagefleet.worker.errors import CompileQueueFull, EngineDeadError
 from pagefleet.worker.metrics.stats import ReplicaStats
 from pagefleet.worker.outputs import RequestOutputDelta
-from pagefleet.worker.replica.autoscaling import LOAD_METRIC
+from pagefleet.worker.replica.autoscaling import KV_TOTAL_METRIC, KV_USED_METRIC, LOAD_METRIC
 from pagefleet.worker.replica.delta_channel import LOOPBACK, ChannelServer, DeltaChannel
 from pagefleet.worker.replica.kv_publisher import KVEventPublisher
 from pagefleet.worker.replica.seats import Seats
@@ -318,8 +318,12 @@ class WorkerReplica:
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """Ray Serve's custom autoscaling metrics, read every record period when the deployment has
         an ``autoscaling_config``: this replica's requests, through Serve or sent on a channel
-        connection (``worker.replica.autoscaling``; Serve's own count misses the latter)."""
-        return {LOAD_METRIC: float(self.seats.demand)}
+        connection (``worker.replica.autoscaling``; Serve's own count misses the latter), and the KV
+        blocks its running sequences hold, of all (what ``kv_room_policy`` scales on)."""
+        engine = self.engine.stats()
+        return {LOAD_METRIC: float(self.seats.demand),
+                KV_USED_METRIC: float(engine.num_total_blocks - engine.num_free_blocks),
+                KV_TOTAL_METRIC: float(engine.num_total_blocks)}
 
     def stats(self) -> ReplicaStats:
         try:
