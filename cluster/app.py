@@ -1,4 +1,5 @@
-"""The Serve application: the OpenAI ingress in front of N worker replicas.
+"""The Serve application: the OpenAI ingress in front of N worker replicas (or MIN to MAX, which
+Ray Serve scales between: ``worker.replica.autoscaling``).
 
 ``build_app`` is the app builder that ``serve run``, ``serve deploy`` and
 KubeRay's RayService use (``import_path: pagefleet.cluster.app:build_app``,
@@ -53,11 +54,12 @@ def pagefleet_app(opts: ServeOptions, drain_board: Any = None) -> Application:
     worker = worker_deployment(
         engine_args,
         kv_scheduler=kv_scheduler,
-        num_replicas=serve_args.workers,
+        num_replicas=serve_args.worker_range.min_replicas,
+        autoscaling_config=opts.worker_autoscaling_config(),  # None: a fixed count
         num_cpus=serve_args.worker_num_cpus,
         num_gpus_per_rank=gpus,
         channels=serve_args.ingress_replicas,
-        runtime_env=worker_runtime_env(engine_args, serve_args.workers, gpus, available_cores(), _job_runtime_env()),
+        runtime_env=worker_runtime_env(engine_args, serve_args.worker_range.max_replicas, gpus, available_cores(), _job_runtime_env()),
         request_router_config=RequestRouterConfig(
             request_router_class=ROUTER_CLASSES[serve_args.routing],
             request_routing_stats_period_s=ROUTING_STATS_PERIOD_S,

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Mapping, NamedTuple
 
 from pagefleet.router.openai.http_guards import DEFAULT_MAX_BODY_BYTES
 from pagefleet.router.openai.output.reasoning import PARSERS as REASONING_PARSERS
@@ -29,6 +30,11 @@ from pagefleet.router.routing.policies import POLICIES
 from pagefleet.worker.cpu.threads import cpu_compute_threads
 from pagefleet.worker.engine_args import EngineArgs
 from pagefleet.worker.options import check_choices, from_namespace, option, parse_bytes, split_mapping
+from pagefleet.worker.replica.autoscaling import (
+    AUTOSCALING_POLICIES,
+    default_target_ongoing_requests,
+    worker_autoscaling_config,
+)
 
 API_KEY_ENV = "PAGEFLEET_API_KEY"
 
@@ -45,11 +51,56 @@ def read_api_key_file(path: str) -> str:
     return key
 
 
+class WorkerRange(NamedTuple):
+    min_replicas: int
+    max_replicas: int
+
+
+def parse_workers(value: int | str) -> int | str:
+    """``3`` or ``"3"`` -> 3; ``"1:4"`` -> ``"1:4"`` (checked: 1 <= MIN <= MAX; ``"2:2"`` -> 2)."""
+    if isinstance(value, bool):
+        raise ValueError(f"workers must be N or MIN:MAX, got {value!r}")
+    text = str(value).strip()
+    parts = text.split(":")
+    if len(parts) > 2 or not all(p.strip().isdigit() for p in parts):
+        raise ValueError(f"workers must be N or MIN:MAX with whole numbers, got {value!r}")
+    low, high = int(parts[0]), int(parts[-1])
+    if len(parts) == 1 and low < 1:
+        raise ValueError(f"workers must be an integer >= 1, got {low}")
+    if low < 1 or high < low:
+        raise ValueError(f"workers MIN:MAX needs 1 <= MIN <= MAX, got {text!r}")
+    return low if low == high else f"{low}:{high}"
+
+
+def _workers_flag(text: str) -> int | str:
+    """The flag's text as serve.yaml would give it (checked with the rest: ``parse_workers``)."""
+    return int(text) if text.strip().isdigit() else text
+
+
 @dataclass(slots=True)
 class ServeArgs:
     host: str = option("127.0.0.1", help="HTTP bind address (default: loopback only)")
     port: int = option(8000, help="HTTP port")
-    workers: int = option(1, help="engine replicas, each one TP group")
+    # An int, or "MIN:MAX" where the replicas autoscale (``worker_range``).
+    workers: int = option(1, parse=_workers_flag, metavar="N|MIN:MAX",
+                          help="engine replicas, each one TP group: N, or MIN:MAX for Ray Serve to scale "
+                               "between on the requests in each replica's engine (docs/scaling.md)")
+    target_ongoing_requests: float | None = option(None, help="workers MIN:MAX: the requests per replica the "
+                                                              "autoscaler keeps each replica near (default: 3/4 of "
+                                                              "max_num_seqs, rounded up)")
+    upscale_delay_s: float = option(30.0, help="workers MIN:MAX: how long the load must call for more replicas "
+                                               "before they start (Ray Serve's default)")
+    downscale_delay_s: float = option(600.0, help="workers MIN:MAX: how long the load must allow fewer replicas "
+                                                  "before one stops (Ray Serve's default)")
+    autoscaling_policy: str = option(
+        "requests", choices=tuple(AUTOSCALING_POLICIES),
+        help="workers MIN:MAX: what Ray Serve scales on: 'requests' (the requests in each replica over "
+             "target_ongoing_requests) or 'kv' (that, or the KV blocks the running sequences hold where "
+             "that calls for more: docs/scaling.md)")
+    autoscaling_config: dict | None = option(None, parse=json.loads, metavar="JSON",
+                                             help="workers MIN:MAX: more of Ray Serve's autoscaling_config keys "
+                                                  "(look_back_period_s, metrics_interval_s, upscaling_factor, "
+                                                  "downscaling_factor, ...), as a JSON object")
     api_key: str | None = option(default_factory=lambda: os.environ.get(API_KEY_ENV) or None, secret=True,
                                  help="require 'Authorization: Bearer KEY' on every route but /health, /metrics "
                                       f"and /version (default: ${API_KEY_ENV}; on the command line every local "
@@ -109,6 +160,19 @@ class ServeArgs:
                                                "stops (SIGTERM, Ctrl-C; new ones get 503) and when Serve stops a "
                                                "replica (an upgrade, a scale-down)")
 
+    @property
+    def worker_range(self) -> WorkerRange:
+        """The fewest and most worker replicas (the same for a fixed count)."""
+        if isinstance(self.workers, int):
+            return WorkerRange(self.workers, self.workers)
+        low, high = self.workers.split(":")
+        return WorkerRange(int(low), int(high))
+
+    @property
+    def autoscales(self) -> bool:
+        low, high = self.worker_range
+        return low != high
+
     def key(self) -> str | None:
         """The API key the server requires: the first line of ``api_key_file`` when given (read where
         the app is built: the file may exist only on the node that builds it), else ``api_key``."""
@@ -123,7 +187,14 @@ class ServeArgs:
         if self.admission_max_wait_s <= 0 or self.routing_max_staleness_s <= 0:
             raise ValueError("admission_max_wait_s and routing_max_staleness_s must be > 0")
         self.max_request_body_bytes = parse_bytes(self.max_request_body_bytes)
-        for name in ("workers", "ingress_replicas", "max_prompts_per_request", "max_request_id_chars",
+        self.workers = parse_workers(self.workers)
+        if self.target_ongoing_requests is not None and self.target_ongoing_requests <= 0:
+            raise ValueError(f"target_ongoing_requests must be > 0, got {self.target_ongoing_requests}")
+        if self.upscale_delay_s < 0 or self.downscale_delay_s < 0:
+            raise ValueError("upscale_delay_s and downscale_delay_s must be >= 0")
+        if self.autoscaling_config is not None and not isinstance(self.autoscaling_config, dict):
+            raise ValueError(f"autoscaling_config must be a mapping, got {self.autoscaling_config!r}")
+        for name in ("ingress_replicas", "max_prompts_per_request", "max_request_id_chars",
                      "max_chat_messages", "max_unstreamed_response_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -163,6 +234,16 @@ class ServeOptions:
                                 admission_max_wait_s=serve.admission_max_wait_s,
                                 max_staleness_s=serve.routing_max_staleness_s)
 
+    def worker_autoscaling_config(self) -> dict[str, Any] | None:
+        """Serve's ``autoscaling_config`` for the workers; None for a fixed count."""
+        serve = self.serve
+        if not serve.autoscales:
+            return None
+        low, high = serve.worker_range
+        target = serve.target_ongoing_requests or default_target_ongoing_requests(self.engine.max_num_seqs)
+        return worker_autoscaling_config(low, high, target, serve.upscale_delay_s, serve.downscale_delay_s,
+                                         serve.autoscaling_config, serve.autoscaling_policy)
+
     def engine_args_for_this_machine(self, cores: int) -> EngineArgs:
         """The engine options each worker replica gets: ``cpu_omp_threads`` left unset becomes
         this machine's share for one engine rank (``cpu_compute_threads`` over every rank of the
@@ -170,11 +251,11 @@ class ServeOptions:
         engine = self.engine
         if engine.cpu_omp_threads is not None:
             return engine
-        ranks = self.serve.workers * engine.tensor_parallel_size
+        ranks = self.serve.worker_range.max_replicas * engine.tensor_parallel_size
         return dataclasses.replace(engine, cpu_omp_threads=cpu_compute_threads(None, cores, ranks))
 
     def logical_cpus_needed(self) -> float:
         """CPUs the app reserves on a Ray cluster (Serve's controller and proxy take none)."""
         serve = self.serve
-        return serve.workers * self.engine.tensor_parallel_size * serve.worker_num_cpus + \
+        return serve.worker_range.max_replicas * self.engine.tensor_parallel_size * serve.worker_num_cpus + \
             serve.ingress_replicas * serve.ingress_num_cpus

@@ -92,6 +92,11 @@ class GlobalSchedulerActor:
     async def worker_view(self, worker_id: str) -> WorkerKVView | None:
         return worker_kv_view(self.core, worker_id)
 
+    async def worker_ids(self) -> set[str]:
+        """The workers in the view (a silent one leaves it here first: ``_expire``)."""
+        self._expire(time.monotonic())
+        return set(self.core.workers)
+
     async def counters(self) -> SchedulerCounters:
         """The view's counters (the decision and prediction ones count in each ingress's copy)."""
         return self.core.counters

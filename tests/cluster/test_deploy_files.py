@@ -34,6 +34,24 @@ def test_serve_yaml_validates_against_rays_schema():
     _check_serve_config(yaml.safe_load((DEPLOY / "serve.yaml").read_text()))
 
 
+def test_serve_yaml_autoscales_the_workers_with_its_commented_keys():
+    """The file's autoscaling lines, uncommented, give Serve a worker autoscaling_config it accepts."""
+    from ray.serve.config import AutoscalingConfig
+
+    text = (DEPLOY / "serve.yaml").read_text()
+    for key in ("target_ongoing_requests", "upscale_delay_s", "downscale_delay_s", "autoscaling_policy",
+                "autoscaling_config"):
+        text = text.replace(f"# {key}:", f"{key}:")
+    config = yaml.safe_load(text.replace("workers: 1 ", 'workers: "1:4" '))
+    _check_serve_config(config)
+    opts = ServeOptions.from_dict(config["applications"][0]["args"])
+    autoscaling = AutoscalingConfig(**opts.worker_autoscaling_config())
+    assert (autoscaling.min_replicas, autoscaling.max_replicas, autoscaling.target_ongoing_requests) == (1, 4, 48)
+    assert (autoscaling.upscale_delay_s, autoscaling.downscale_delay_s, autoscaling.look_back_period_s) == \
+        (30, 600, 30)
+    assert autoscaling.policy.policy_function == "pagefleet.worker.replica.autoscaling:requests_in_engines_policy"
+
+
 def _docs(path: Path) -> dict:
     return {d["kind"]: d for d in yaml.safe_load_all(path.read_text())}
 

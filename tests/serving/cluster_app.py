@@ -60,9 +60,9 @@ def ingress():
     return serve.get_deployment_handle("OpenAIIngress", APP)
 
 
-def worker_snapshots(timeout_s: float = 90.0) -> dict:
+def worker_snapshots(timeout_s: float = 90.0, workers: int = 2) -> dict:
     """Every worker's own KV snapshot, by worker id (the handle routes each call to some replica:
-    call until both answered). The handle ranks the replicas by the load they last published (every
+    call until all ``workers`` answered). The handle ranks the replicas by the load they last published (every
     second, through Serve's controller): one that looked busy is passed over until that refreshes,
     which a loaded machine can hold back for many seconds (100 calls 0.1 s apart once reached one
     replica only), so this is bounded by time, not by a count of calls."""
@@ -74,7 +74,7 @@ def worker_snapshots(timeout_s: float = 90.0) -> dict:
     while True:
         snap = handle.kv_snapshot.remote().result(timeout_s=30)
         snaps[snap.worker_id] = snap
-        if len(snaps) == 2:
+        if len(snaps) == workers:
             return snaps
         assert time.monotonic() < deadline, f"only reached workers {sorted(snaps)} in {timeout_s} s"
         time.sleep(0.25)
@@ -90,12 +90,13 @@ def wait_idle(timeout_s: float = 60.0) -> None:
         time.sleep(0.05)
 
 
-def assert_views_equal_pools(scheduler, ingress_replicas: int = 1) -> dict:
-    """The scheduler actor's view of each worker, and every ingress replica's copy of it (what
-    requests are routed with), each equal to the worker's own pool; returns the actor's views."""
+def assert_views_equal_pools(scheduler, ingress_replicas: int = 1, workers: int = 2) -> dict:
+    """The scheduler actor's view of each of the ``workers`` running, and every ingress replica's
+    copy of it (what requests are routed with), each equal to the worker's own pool; returns the
+    actor's views."""
     import ray
 
-    snaps = worker_snapshots()
+    snaps = worker_snapshots(workers=workers)
     views = {}
     for worker_id, snap in snaps.items():
         view = _caught_up("actor", worker_id, snap.seq, lambda: ray.get(scheduler.worker_view.remote(worker_id)))

@@ -183,6 +183,30 @@ def test_a_channel_with_no_request_ends_its_stream_and_one_with_requests_does_no
     asyncio.run(run())
 
 
+def test_a_channel_whose_last_request_ended_after_its_last_delta_was_taken_ends_its_stream_once_idle():
+    """The reader took the last delta while its request still counted (the request ends after its
+    final delta is put), so it was waiting with no idle limit: the request's end starts the idle
+    time. Otherwise the channel never ends, nor the ``channel`` call that Serve's graceful shutdown
+    of the replica waits for (a scale-down then runs to its timeout and kills the replica)."""
+    async def run():
+        channel = DeltaChannel()
+        channel.requests = 1
+        stream = channel.batches(idle_close_s=0.05)
+        assert decode_batch(await stream.__anext__()) == []
+        channel.put(delta("a", 0))
+        assert decode_batch(await stream.__anext__()) == [delta("a", 0)]
+        waiting = asyncio.ensure_future(stream.__anext__())
+        await asyncio.sleep(0.01)
+        channel.requests -= 1
+        started = time.monotonic()
+        with pytest.raises(StopAsyncIteration):
+            await asyncio.wait_for(waiting, 1.0)
+        assert time.monotonic() - started >= 0.05  # idle for idle_close_s from the request's end
+        assert not channel.attached
+
+    asyncio.run(run())
+
+
 class _Stream:
     """A channel stream stand-in: an empty batch once attached, then what the test puts."""
 

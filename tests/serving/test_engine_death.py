@@ -1,8 +1,9 @@
 """A worker replica whose engine loop died leaves routing at once: its open streams fail with
 ``EngineDeadError``, it drops itself from the global scheduler's view (every ingress's copy
 follows), then its process exits, so that no router sends it another request while Serve's health
-check has yet to notice and Serve starts another replica. The engine, the replica and the global
-scheduler actor are real; the process exit is the test's stand-in."""
+check has yet to notice and Serve starts another replica. One that Serve stopped (a scale-down)
+leaves the view the same way. The engine, the replica and the global scheduler actor are real;
+the process exit is the test's stand-in."""
 
 from __future__ import annotations
 
@@ -79,4 +80,39 @@ def test_a_replica_whose_engine_died_leaves_the_view_and_then_exits(ray_cluster,
     finally:
         replica._channel_server.close()
         replica.engine.shutdown()
+        stop_scheduler()
+
+
+def test_a_replica_serve_stopped_leaves_the_view_at_once_and_publishes_nothing_after(ray_cluster, tiny_checkpoint):
+    """Serve calls ``__del__`` once its graceful shutdown drained the replica (a scale-down): the
+    replica drops itself from the view then, not after the scheduler's liveness timeout, and its
+    publisher sends nothing that would put it back."""
+    import ray
+
+    from pagefleet.router.global_scheduler.actor import start_scheduler, stop_scheduler
+
+    stop_scheduler()
+    scheduler = start_scheduler()
+    args = EngineArgs(model=str(tiny_checkpoint(arch="llama")), dtype="float32", device="cpu",
+                      kv_cache_bytes=4 << 20, max_model_len=256)
+    replica = WorkerReplica(args, kv_scheduler=scheduler, channel_host="127.0.0.1")
+
+    async def run() -> None:
+        first = [d async for d in replica.generate(_request("first", 4))]
+        assert first[-1].finished
+        deadline = time.monotonic() + 30
+        while await scheduler.worker_view.remote("local") is None:  # published into the view
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.1)
+        snapshot = await replica.kv_snapshot()
+        replica.__del__()
+        assert await scheduler.worker_ids.remote() == set()
+        await replica._link.publish_snapshot(snapshot)  # what its publisher would send next: not sent
+        assert await scheduler.worker_ids.remote() == set()
+
+    try:
+        asyncio.run(run())
+        assert ray.get(scheduler.worker_view.remote("local")) is None
+        assert ray.get(scheduler.counters.remote()).workers_dropped == 1
+    finally:
         stop_scheduler()

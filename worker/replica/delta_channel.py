@@ -74,9 +74,22 @@ class DeltaChannel:
 
     def __init__(self) -> None:
         self.pending: list[RequestOutputDelta | Notice] = []
-        self.requests = 0  # requests on this channel still running
         self._ready = asyncio.Event()
         self._reader: object | None = None
+        self._requests = 0
+
+    @property
+    def requests(self) -> int:
+        """Requests on this channel still running."""
+        return self._requests
+
+    @requests.setter
+    def requests(self, n: int) -> None:
+        self._requests = n
+        if n == 0:
+            # The reader may be waiting with no idle limit (a request ran when it last woke):
+            # its idle time starts now.
+            self._ready.set()
 
     @property
     def attached(self) -> bool:

@@ -30,6 +30,7 @@ from pagefleet.worker.engine_args import EngineArgs
 from pagefleet.worker.errors import CompileQueueFull, EngineDeadError
 from pagefleet.worker.metrics.stats import ReplicaStats
 from pagefleet.worker.outputs import RequestOutputDelta
+from pagefleet.worker.replica.autoscaling import KV_TOTAL_METRIC, KV_USED_METRIC, LOAD_METRIC
 from pagefleet.worker.replica.delta_channel import LOOPBACK, ChannelServer, DeltaChannel
 from pagefleet.worker.replica.kv_publisher import KVEventPublisher
 from pagefleet.worker.replica.seats import Seats
@@ -74,12 +75,17 @@ class _SchedulerLink:
 
     def __init__(self, scheduler: Any) -> None:
         self._scheduler = scheduler
+        # Set as the replica leaves the view: a call sent after its drop would put it back.
+        self.closed = False
 
     async def publish(self, batch: KVEventBatch) -> bool:
+        if self.closed:
+            return False
         return await self._scheduler.publish.remote(batch)
 
     async def publish_snapshot(self, snapshot: KVSnapshot) -> None:
-        await self._scheduler.publish_snapshot.remote(snapshot)
+        if not self.closed:
+            await self._scheduler.publish_snapshot.remote(snapshot)
 
 
 class WorkerReplica:
@@ -108,8 +114,9 @@ class WorkerReplica:
         self._node_id = ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
         self._channel_server = ChannelServer(self._channel, self._drop_if_unused, self._on_commands)
         self._publisher: KVEventPublisher | None = None
+        self._link = _SchedulerLink(kv_scheduler)
         if kv_scheduler is not None:
-            self._publisher = KVEventPublisher(_SchedulerLink(kv_scheduler), self.engine.kv_snapshot)
+            self._publisher = KVEventPublisher(self._link, self.engine.kv_snapshot)
             self.engine.enable_kv_events(self.replica_id, self._publisher.put, self._publisher.ready)
         cfg = self.engine.model_config
         logger.info("worker replica %s serves %s (max_model_len %d)", self.replica_id, cfg.served_model_name,
@@ -121,13 +128,21 @@ class WorkerReplica:
         request while Serve's health check has yet to notice."""
         logger.error("worker replica %s: its engine died (%r); it leaves the KV view and exits", self.replica_id,
                      error)
-        if self._kv_scheduler is not None:
-            try:
-                ray.get(self._kv_scheduler.drop_worker.remote(self.replica_id), timeout=5)
-            except Exception as exc:  # noqa: BLE001 — the exit below still takes it out of routing
-                logger.warning("worker replica %s: the global scheduler did not drop it: %r", self.replica_id, exc)
+        self._leave_view()
         time.sleep(ENGINE_DEAD_EXIT_DELAY_S)
         self._exit_process()
+
+    def _leave_view(self) -> None:
+        """Drops this replica from the global scheduler's view (so from every ingress's copy) now,
+        not after the scheduler's liveness timeout: no ingress ranks it first any more, and its
+        blocks stop counting as the fleet's room. Blocks its thread for that call (it is leaving)."""
+        if self._kv_scheduler is None or self._link.closed:
+            return
+        self._link.closed = True  # before the drop: no publish of its own puts it back
+        try:
+            ray.get(self._kv_scheduler.drop_worker.remote(self.replica_id), timeout=5)
+        except Exception as exc:  # noqa: BLE001 — it still leaves, by the liveness timeout
+            logger.warning("worker replica %s: the global scheduler did not drop it: %r", self.replica_id, exc)
 
     def _start_publishing(self) -> None:
         # The publisher's task belongs on the replica's event loop, which only async methods see;
@@ -300,6 +315,16 @@ class WorkerReplica:
         self._start_publishing()
         return self.stats().to_routing_stats()
 
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Ray Serve's custom autoscaling metrics, read every record period when the deployment has
+        an ``autoscaling_config``: this replica's requests, through Serve or sent on a channel
+        connection (``worker.replica.autoscaling``; Serve's own count misses the latter), and the KV
+        blocks its running sequences hold, of all (what ``kv_room_policy`` scales on)."""
+        engine = self.engine.stats()
+        return {LOAD_METRIC: float(self.seats.demand),
+                KV_USED_METRIC: float(engine.num_total_blocks - engine.num_free_blocks),
+                KV_TOTAL_METRIC: float(engine.num_total_blocks)}
+
     def stats(self) -> ReplicaStats:
         try:
             self.engine.check_health()
@@ -310,9 +335,13 @@ class WorkerReplica:
                             num_requests_total=self.num_requests_total, engine=self.engine.stats())
 
     def __del__(self) -> None:
+        """Serve calls it once its graceful shutdown drained this replica (Serve scaled it down, or
+        replaces it), unless ``graceful_shutdown_timeout_s`` ran out first."""
         server = getattr(self, "_channel_server", None)
         if server is not None:
             server.close()
+        if getattr(self, "_link", None) is not None:
+            self._leave_view()
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()
@@ -372,10 +401,12 @@ def _replica_id() -> str:
 def worker_deployment_options(engine_args: EngineArgs, *, num_replicas: int = 1, num_cpus: float = 1.0,
                               num_gpus_per_rank: float = 0.0, name: str = WORKER_DEPLOYMENT_NAME,
                               channels: int = 1, runtime_env: Mapping[str, Any] | None = None,
+                              autoscaling_config: Mapping[str, Any] | None = None,
                               **deployment_options: Any) -> dict[str, Any]:
-    """``serve.deployment`` options for ``num_replicas`` engines of ``engine_args``, whose
-    ``channels`` callers (the ingress replicas) each hold one delta channel on every replica;
-    ``runtime_env``: each replica's Ray runtime_env (None: the job's, as Serve gives it).
+    """``serve.deployment`` options for ``num_replicas`` engines of ``engine_args``, or for as many
+    as ``autoscaling_config`` (``worker.replica.autoscaling``) asks, whose ``channels`` callers
+    (the ingress replicas) each hold one delta channel on every replica; ``runtime_env``: each
+    replica's Ray runtime_env (None: the job's, as Serve gives it).
 
     A tensor-parallel engine gets a placement group of one bundle per rank,
     STRICT_PACK so its ranks share a node (all-reduce stays on NVLink or
@@ -393,7 +424,9 @@ def worker_deployment_options(engine_args: EngineArgs, *, num_replicas: int = 1,
     tp = 1 if engine_args.simulate is not None else engine_args.tensor_parallel_size
     options: dict[str, Any] = {
         "name": name,
-        "num_replicas": num_replicas,
+        # Serve takes one or the other.
+        **({"autoscaling_config": dict(autoscaling_config)} if autoscaling_config is not None
+           else {"num_replicas": num_replicas}),
         # Requests beyond this wait in Serve's router queue, where they can still go to another
         # replica, rather than in one engine's waiting queue. Each caller's delta channel is a
         # call that lasts: it gets a place of its own, not a request's.
