@@ -27,7 +27,7 @@ class Seats:
     def demand(self) -> int:
         """Requests holding a seat plus Serve calls in line for one: what this replica was asked to
         run, whichever way each request came (its load, as Serve's autoscaler reads it)."""
-        return self.taken + sum(not seat.done() for seat in self.waiters)
+        return self.taken + sum(not seat.done() for _, _, seat in self.waiters)
 
     def try_take(self) -> bool:
         """Takes a seat if one is free and nobody waits for one."""
