@@ -12,6 +12,7 @@ import json
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import httpx
@@ -42,6 +43,19 @@ def guidellm(venv: Path, base: str, model: str, ckpt: str, args, out: Path) -> d
         "--output", f"kind=json,path={out}",
         "--disable-console-interactive"], check=True)
     return json.loads(out.read_text())
+
+
+def wait_healthy(base: str, timeout_s: float = 300) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if httpx.get(f"{base}/health", timeout=10).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{base}/health not 200 after {timeout_s:g} s")
+        time.sleep(1)
 
 
 def summaries(report: dict) -> list[dict]:
@@ -80,6 +94,7 @@ def main() -> None:
         server = start_pagefleet(ckpt, workdir)
         try:
             server.wait_ready()
+            wait_healthy(server.base)  # GuideLLM checks /health once, before its first request
             model = httpx.get(f"{server.base}/v1/models", timeout=30).json()["data"][0]["id"]
             report = guidellm(args.guidellm_venv, server.base, model, ckpt, args, workdir / "guidellm.json")
         finally:
