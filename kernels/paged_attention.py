@@ -191,7 +191,7 @@ def _paged_attention_kernel(
         acc = tl.dot(p_dot, v, acc * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
 
-    if SINKS:
+    if SINKS:  # noqa: SIM102 (a constexpr switch, then a run-time test: Triton keeps them apart)
         if split == 0:  # the sink counts once: in the first split's sum
             sink = tl.load(sinks_ptr + head, mask=row_valid, other=0.0).to(tl.float32) * 1.4426950408889634
             m_fin = tl.maximum(m_i, sink)

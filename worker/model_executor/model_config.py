@@ -244,9 +244,7 @@ def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: "torch.dtype") -> "to
 
 def moe_fields(arch: str, cfg: dict) -> dict:
     """The ModelConfig fields of a mixture-of-experts config.json ({} for a dense model)."""
-    if arch == "MixtralForCausalLM":
-        experts, size, norm, layers = cfg["num_local_experts"], cfg["intermediate_size"], True, None
-    elif arch == "GptOssForCausalLM":
+    if arch in ("MixtralForCausalLM", "GptOssForCausalLM"):
         experts, size, norm, layers = cfg["num_local_experts"], cfg["intermediate_size"], True, None
     elif arch == "Qwen3MoeForCausalLM":
         # Released checkpoints say num_experts; transformers 5 writes its alias num_local_experts.
