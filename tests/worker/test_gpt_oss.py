@@ -192,8 +192,8 @@ def test_mxfp4_experts_load_dequantized_exactly(mxfp4_pair, caplog):
         llm = LLM(model=str(mx), dtype="float32", kv_cache_bytes=8 << 20)
     assert load_model_config(str(mx)).mxfp4_experts
     lines = [r.getMessage() for r in caplog.records if "MXFP4" in r.getMessage()]
-    assert lines == [f"{mx.name} stores its experts in MXFP4; pagefleet has no MXFP4 kernel for cpu, so they are "
-                     "dequantized to float32 as they load"]
+    assert lines == [(f"{mx.name} stores its experts in MXFP4; pagefleet has no MXFP4 kernel for cpu, so they are "
+                      "dequantized to float32 as they load")]
     model = llm.engine.executor.runner.model
     for i, layer in enumerate(model.layers):
         gate_up = dequantized[f"model.layers.{i}.mlp.experts.gate_up_proj"].transpose(1, 2)  # [E, 2I, H] interleaved
@@ -207,3 +207,34 @@ def test_mxfp4_checkpoint_matches_transformers_on_its_dequantized_weights(mxfp4_
     llm = LLM(model=str(mx), dtype="float32", kv_cache_bytes=32 << 20)
     prompts = prompts_for(llm.tokenizer)
     assert_equal_to_transformers(mx, prompts, generate(llm, prompts), "mxfp4", reference=plain)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_mxfp4_experts_shard_over_two_ranks(rank):
+    from pagefleet.worker.model_executor.moe import GptOssExperts
+    from pagefleet.worker.parallel.tp_group import TPGroup
+
+    experts, hidden, inter = 3, 64, 64  # each rank: 32 of the 64 intermediate rows
+    gen = torch.Generator().manual_seed(rank)
+    gate_up = torch.randn(experts, 2 * inter, hidden, generator=gen)  # [E, 2I, H], gate/up interleaved
+    down = torch.randn(experts, hidden, inter, generator=gen)
+    gu_blocks, gu_scales, gu_values = quantize_mxfp4(gate_up)
+    d_blocks, d_scales, d_values = quantize_mxfp4(down)
+    layer = GptOssExperts(experts, hidden, inter, TPGroup(rank=rank, size=2), torch.float32)
+    # Scales before blocks for gate_up, blocks before scales for down: either order pairs up.
+    layer.load("w13", 2, gu_scales)
+    layer.load("w13", 1, gu_blocks)
+    layer.load("w2", 1, d_blocks)
+    layer.load("w2", 2, d_scales)
+    mine = slice(32 * rank, 32 * (rank + 1))
+    assert torch.equal(layer.w13, torch.cat((gu_values[:, 0::2][:, mine], gu_values[:, 1::2][:, mine]), dim=1))
+    assert torch.equal(layer.w2, d_values[:, :, mine])
+
+
+def test_mxfp4_is_read_for_gpt_oss_only(tmp_path):
+    from pagefleet.worker.model_executor.compressed_tensors import checkpoint_quantization
+
+    mxfp4 = {"quantization_config": {"quant_method": "mxfp4"}}
+    assert checkpoint_quantization({**mxfp4, "model_type": "gpt_oss"}, tmp_path) is None
+    with pytest.raises(ValueError, match="quant_method 'mxfp4' is not supported"):
+        checkpoint_quantization({**mxfp4, "model_type": "llama"}, tmp_path)
