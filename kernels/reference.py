@@ -294,16 +294,27 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     """q: [B, Hq, L, D]; k, v: [B, Hkv, S, D]; mask: bool, broadcast to [B, Hq, L, S] (True: seen);
     sinks: [Hq] or None. Without sinks, SDPA; with them, the softmax over the scores and each
     head's sink logit, whose share of the weight is dropped (as transformers' gpt-oss computes
-    it). Returns [B, Hq, L, D]."""
+    it), a chunk of query rows at a time so that the scores stay near _SINK_CHUNK_SCORES
+    elements. Returns [B, Hq, L, D]."""
     if sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
     if gqa:
         group = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    scores = (q.float() @ k.float().transpose(-1, -2) * scale).masked_fill(~mask, float("-inf"))
-    sink = sinks.float().view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
-    probs = torch.cat((scores, sink), dim=-1).softmax(dim=-1)[..., :-1]
-    return (probs @ v.float()).to(q.dtype)
+    k, v = k.float(), v.float()
+    sink = sinks.float().view(1, -1, 1, 1)
+    mask = mask.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    rows = max(1, _SINK_CHUNK_SCORES // (q.shape[0] * q.shape[1] * k.shape[2]))
+    out = torch.empty_like(q)
+    for r in range(0, q.shape[2], rows):
+        scores = (q[:, :, r:r + rows].float() @ k.transpose(-1, -2) * scale).masked_fill(~mask[:, :, r:r + rows],
+                                                                                        float("-inf"))
+        logits = torch.cat((scores, sink.expand(*scores.shape[:-1], 1)), dim=-1)
+        out[:, :, r:r + rows] = logits.softmax(dim=-1)[..., :-1] @ v
+    return out
+
+
+_SINK_CHUNK_SCORES = 1 << 24  # fp32 scores a chunk of ``attend``'s rows holds: 64 MiB
 
 
 def build_cos_sin_cache(head_dim: int, max_position: int, base: float,

@@ -56,6 +56,14 @@ def test_twin_matches_the_loop(window):
     assert bool(((got - plain)[:, 0].abs().amax(dim=1) > 1e-2).all())
 
 
+def test_twin_in_chunks_of_query_rows_matches_the_loop(monkeypatch):
+    # A 30-token prompt's scores split into chunks of 3 query rows (bounded memory on long prompts).
+    monkeypatch.setattr(reference, "_SINK_CHUNK_SCORES", 3 * 4 * 30)
+    batch = _batch(seqs=[(30, 30), (9, 40)])
+    got = reference.paged_attention(*batch.args(), 32 ** -0.5, sliding_window=13, sinks=SINKS)
+    torch.testing.assert_close(got, _naive(batch, 13, 32 ** -0.5, SINKS), atol=2e-6, rtol=2e-5)
+
+
 @pytest.fixture
 def _own_cache(monkeypatch, tmp_path_factory):
     monkeypatch.setenv(cpu_build.CACHE_ENV, str(tmp_path_factory.getbasetemp() / "pagefleet-cache"))
