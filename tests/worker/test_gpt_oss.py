@@ -238,3 +238,31 @@ def test_mxfp4_is_read_for_gpt_oss_only(tmp_path):
     assert checkpoint_quantization({**mxfp4, "model_type": "gpt_oss"}, tmp_path) is None
     with pytest.raises(ValueError, match="quant_method 'mxfp4' is not supported"):
         checkpoint_quantization({**mxfp4, "model_type": "llama"}, tmp_path)
+
+
+def test_a_released_style_config_reads_as_transformers_reads_it(tmp_path):
+    """gpt-oss-20b's shape as its config.json gives it (rope_scaling of type yarn with truncate false,
+    rope_theta at the top, MXFP4 quantization_config, no swiglu_alpha): our fields and YaRN table
+    against transformers' GptOssConfig and rotary embedding on the same dictionary."""
+    from transformers import GptOssConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRotaryEmbedding
+
+    fields = {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "attention_bias": True, "head_dim": 64,
+              "hidden_size": 2880, "intermediate_size": 2880, "num_hidden_layers": 24, "num_attention_heads": 64,
+              "num_key_value_heads": 8, "num_local_experts": 32, "num_experts_per_tok": 4, "vocab_size": 201088,
+              "layer_types": ["sliding_attention", "full_attention"] * 12, "sliding_window": 128,
+              "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "swiglu_limit": 7.0, "rope_theta": 150000,
+              "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0, "original_max_position_embeddings":
+                               4096, "rope_type": "yarn", "truncate": False},
+              "quantization_config": {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]},
+              "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
+    (tmp_path / "config.json").write_text(json.dumps(fields))
+    cfg = load_model_config(str(tmp_path))
+    assert cfg.sliding_windows == (128, None) * 12 and cfg.mxfp4_experts and cfg.quantization is None
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size) == (32, 4, 2880)
+    assert (cfg.swiglu_limit, cfg.swiglu_alpha, cfg.dtype) == (7.0, 1.702, torch.bfloat16)
+    rotary = GptOssRotaryEmbedding(GptOssConfig(**{k: v for k, v in fields.items() if k != "quantization_config"}))
+    positions = torch.tensor([0, 1, 127, 4095, 4096, 65537, 131071])
+    cos, sin = rotary(torch.zeros(1), positions[None])
+    ours = build_cos_sin_cache(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+    assert torch.equal(ours[positions], torch.cat((cos[0], sin[0]), dim=-1))
