@@ -81,10 +81,12 @@ class Kernels:
     write_kv_cache: Callable      # (k, v [T, Hkv, D], key_cache, value_cache [N, bs, Hkv, D], slots [T],
     #                                *, k_scale, v_scale) -> None
     paged_attention: Callable     # (q [T, Hq, D], caches, block_table [B, W], query_start_loc [B+1],
-    #                                seq_lens [B], scale, *, k_scale, v_scale, sliding_window, plan)
-    #                                -> [T, Hq, D]; sliding_window None or W: keys p - W + 1 .. p
+    #                                seq_lens [B], scale, *, k_scale, v_scale, sliding_window, sinks, plan)
+    #                                -> [T, Hq, D]; sliding_window None or W: keys p - W + 1 .. p;
+    #                                sinks None or [Hq] fp32 (gpt-oss's sink logits)
     fused_moe: Callable           # (x [T, H], w13 [E, 2*I, H], w2 [E, H, I], topk_weights [T, K],
-    #                                topk_ids [T, K]) -> [T, H]
+    #                                topk_ids [T, K], *, w13_bias, w2_bias, swiglu_limit, swiglu_alpha)
+    #                                -> [T, H]; biases and the clamped SwiGLU for gpt-oss
     # Caches hold the query's dtype or float8_e4m3fn (K / k_scale, V / v_scale); see reference.py.
     attention_planner: Callable[[AttentionSpec], AttentionPlanner] = no_attention_planner
     # Kernels compiled for this machine in place of the backend's own, as the start-up log names

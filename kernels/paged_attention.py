@@ -21,6 +21,9 @@ Twin: `reference.paged_attention`. Design:
   NUM_SPLITS ranges handled by separate programs, which write unnormalised
   partials that `attention_merge` combines. It exists for decode batches too
   small to fill the GPU (B * Hkv programs << SM count).
+* Attention sinks (SINKS, gpt-oss): one learned logit per query head joins the softmax's
+  denominator with no value. It folds into the running (max, sum) once after the tiles, in
+  split 0 only when the context is split (the merge adds the splits' sums).
 * Offsets into the caches are int64 (block_id * stride passes 2^31 on real pools).
 * An fp8 (e4m3) cache holds K / k_scale and V / v_scale: its tiles convert to the
   query's dtype (exactly: e4m3 values are a subset of fp16's and bf16's) for the
@@ -57,6 +60,7 @@ def _paged_attention_kernel(
     block_table_ptr,      # [B, max_blocks] int32/int64
     query_start_loc_ptr,  # [B + 1] int32/int64
     seq_lens_ptr,         # [B] int32/int64, context length including this step's tokens
+    sinks_ptr,            # [Hq] fp32 sink logits; read only when SINKS
     out_ptr,              # [T, Hq, D], written when NUM_SPLITS == 1
     partial_out_ptr,      # [T, Hq, NUM_SPLITS, D] fp32 unnormalised, written when NUM_SPLITS > 1
     partial_max_ptr,      # [T, Hq, NUM_SPLITS] fp32 row max (log2 domain), NUM_SPLITS > 1
@@ -91,6 +95,7 @@ def _paged_attention_kernel(
     NUM_SPLITS: tl.constexpr,
     FP8: tl.constexpr,            # the caches are float8_e4m3fn
     SLIDING: tl.constexpr,        # the layer attends over a sliding window of sliding_window keys
+    SINKS: tl.constexpr,          # the layer has attention sinks (sinks_ptr)
     UPCAST: tl.constexpr,         # interpreter: compute on fp32 copies (bf16 is uint16 in numpy)
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 caches (no tf32 rounding), else the default
 ):
@@ -186,6 +191,14 @@ def _paged_attention_kernel(
         acc = tl.dot(p_dot, v, acc * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
 
+    if SINKS:  # noqa: SIM102 (a constexpr switch, then a run-time test: Triton keeps them apart)
+        if split == 0:  # the sink counts once: in the first split's sum
+            sink = tl.load(sinks_ptr + head, mask=row_valid, other=0.0).to(tl.float32) * 1.4426950408889634
+            m_fin = tl.maximum(m_i, sink)
+            corr = tl.exp2(m_i - m_fin)
+            l_i = l_i * corr + tl.exp2(sink - m_fin)
+            acc = acc * corr[:, None]
+            m_i = m_fin
     if FP8:
         acc = acc * v_scale
     if NUM_SPLITS == 1:
@@ -255,8 +268,9 @@ def _choose_num_splits(device: torch.device, num_seqs: int, num_kv_heads: int, m
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     block_table: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                     scale: float, *, k_scale: float = 1.0, v_scale: float = 1.0,
-                    sliding_window: int | None = None, num_kv_splits: int | None = None,
-                    config: AttentionConfig | None = None, plan: None = None) -> torch.Tensor:
+                    sliding_window: int | None = None, sinks: torch.Tensor | None = None,
+                    num_kv_splits: int | None = None, config: AttentionConfig | None = None,
+                    plan: None = None) -> torch.Tensor:
     """Same contract as `reference.paged_attention`; returns [T, Hq, D].
 
     query: [T, Hq, D] (a strided view is fine); key_cache, value_cache: [N, bs, Hkv, D] of
@@ -265,6 +279,7 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     block_table: [B, max_blocks]; query_start_loc: [B + 1]; seq_lens: [B] (all int32 or int64).
     sliding_window: W for a sliding-window layer (each query sees its last W positions; blocks
     wholly before that are never read), None for full attention.
+    sinks: [Hq] sink logits (gpt-oss), or None.
     num_kv_splits: force the split-KV variant's split count (tests, benchmarks);
     None picks 1 unless the batch is decode-only and too small to fill a CUDA device.
     config: force the launch shape (tests, tuning); None uses `default_config`.
@@ -285,6 +300,9 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     check_kv_scales(k_scale, v_scale)
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be at least 1 token, got {sliding_window}")
+    if sinks is not None and (sinks.shape != (num_q_heads,) or sinks.device != query.device):
+        raise ValueError(f"sinks must be [{num_q_heads}] on {query.device}, got {tuple(sinks.shape)} "
+                         f"on {sinks.device}")
     fp8 = key_cache.dtype == torch.float8_e4m3fn
     num_seqs = seq_lens.shape[0]
     index_dtypes = (torch.int32, torch.int64)
@@ -338,7 +356,8 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     grid = (num_tokens // block_q + num_seqs, num_kv_heads, num_kv_splits)
     _paged_attention_kernel.on(device)[grid](
         query_ptr=query, key_cache_ptr=key_cache, value_cache_ptr=value_cache, block_table_ptr=block_table,
-        query_start_loc_ptr=query_start_loc, seq_lens_ptr=seq_lens, out_ptr=out,
+        query_start_loc_ptr=query_start_loc, seq_lens_ptr=seq_lens,
+        sinks_ptr=sinks.float().contiguous() if sinks is not None else seq_lens, out_ptr=out,
         partial_out_ptr=partial_out, partial_max_ptr=partial_max, partial_sum_ptr=partial_sum,
         qk_scale_log2=scale * (k_scale if fp8 else 1.0) * _LOG2_E, v_scale=v_scale if fp8 else 1.0,
         sliding_window=sliding_window or 0, num_seqs=num_seqs,
@@ -352,7 +371,7 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         block_size=block_size,
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
         HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=num_kv_splits, FP8=fp8,
-        SLIDING=sliding_window is not None, UPCAST=interpreted(device),
+        SLIDING=sliding_window is not None, SINKS=sinks is not None, UPCAST=interpreted(device),
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         num_warps=config.num_warps, num_stages=config.num_stages,
     )

@@ -7,6 +7,8 @@ D = head_dim, N = cache blocks, bs = block_size.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -46,15 +48,27 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate).mul_(up)
 
 
+def clamped_swiglu(x: torch.Tensor, limit: float, alpha: float) -> torch.Tensor:
+    """gpt-oss's expert activation. x: [T, 2*I] (gate | up) -> [T, I]: the gate clamped above at
+    ``limit``, the up projection to +-limit, then (up + 1) * gate * sigmoid(alpha * gate)."""
+    gate, up = x.chunk(2, dim=-1)
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor) -> torch.Tensor:
+              topk_ids: torch.Tensor, *, w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
+              swiglu_limit: float | None = None, swiglu_alpha: float = 1.0) -> torch.Tensor:
     """A mixture-of-experts MLP: each token through its top-k experts' SwiGLU, weighted and summed.
 
     Tokens are sorted by expert, so each expert runs one product over the tokens routed to it;
     contributions are added in expert order (as transformers' reference does).
 
     x: [T, H]; w13: [E, 2*I, H] (gate | up); w2: [E, H, I]; topk_weights: [T, K] fp32;
-    topk_ids: [T, K] int64. Returns [T, H] in x's dtype."""
+    topk_ids: [T, K] int64. gpt-oss's experts add biases (w13_bias [E, 2*I], w2_bias [E, H],
+    before the router's weight) and use ``clamped_swiglu`` (swiglu_limit set) in place of
+    SwiGLU. Returns [T, H] in x's dtype."""
     flat = topk_ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
     counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()  # one host read a layer
@@ -66,8 +80,15 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         if not n:
             continue
         rows = tokens[start:start + n]
-        hidden = silu_and_mul(x[rows] @ w13[expert].t())
-        out.index_add_(0, rows, (hidden @ w2[expert].t()) * weights[start:start + n, None])
+        gate_up = x[rows] @ w13[expert].t()
+        if w13_bias is not None:
+            gate_up += w13_bias[expert]
+        hidden = silu_and_mul(gate_up) if swiglu_limit is None else clamped_swiglu(gate_up, swiglu_limit,
+                                                                                   swiglu_alpha)
+        down = hidden @ w2[expert].t()
+        if w2_bias is not None:
+            down += w2_bias[expert]
+        out.index_add_(0, rows, down * weights[start:start + n, None])
         start += n
     return out
 
@@ -153,7 +174,8 @@ def _length_groups(rows: list[int], lens: list[int], max_padding: float = 1.25) 
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     block_table: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                     scale: float, *, k_scale: float = 1.0, v_scale: float = 1.0,
-                    sliding_window: int | None = None, plan: None = None) -> torch.Tensor:
+                    sliding_window: int | None = None, sinks: torch.Tensor | None = None,
+                    plan: None = None) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its paged context.
 
     query: [T, Hq, D]; key_cache, value_cache: [N, bs, Hkv, D] of query's dtype or
@@ -166,6 +188,8 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     sliding_window: W where the layer slides: the query at position p sees keys p - W + 1 .. p
     only, and blocks wholly before its window are never read (the KV manager may have freed
     them); None for full attention.
+    sinks: [Hq] fp32 or None: gpt-oss's attention sinks, one learned logit per query head that
+    joins the softmax's denominator (it takes weight from the keys and adds no value).
     plan: the step's attention plan (``ops.Kernels``); the twin plans nothing, so it is None.
     Returns [T, Hq, D].
 
@@ -185,9 +209,9 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         scale = scale * k_scale
     decode = [b for b in range(num_seqs) if q_lens[b] == 1]
     decode_attention_rows(query, key_cache, value_cache, block_table, starts, lens, scale, sliding_window,
-                          decode, out)
+                          decode, out, sinks)
     multi_token_attention(query, key_cache, value_cache, block_table, starts, lens, scale,
-                          [b for b in range(num_seqs) if q_lens[b] != 1], out, sliding_window)
+                          [b for b in range(num_seqs) if q_lens[b] != 1], out, sliding_window, sinks)
     if fp8 and v_scale != 1.0:
         out.mul_(v_scale)
     return out
@@ -202,7 +226,8 @@ def first_visible_block(first_query_pos: int, block_size: int, sliding_window: i
 
 def decode_attention_rows(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                           block_table: torch.Tensor, starts: list[int], lens: list[int], scale: float,
-                          sliding_window: int | None, seqs: list[int], out: torch.Tensor) -> None:
+                          sliding_window: int | None, seqs: list[int], out: torch.Tensor,
+                          sinks: torch.Tensor | None = None) -> None:
     """The one-token rows ``seqs`` of ``paged_attention``, written into ``out`` [T, Hq, D]. Each row
     gathers its blocks from the first its window sees (block 0 without a window)."""
     device = query.device  # index and mask tensors live with the data (the twin also runs on CUDA)
@@ -225,14 +250,14 @@ def decode_attention_rows(query: torch.Tensor, key_cache: torch.Tensor, value_ca
             mask &= pos >= ctx - sliding_window
         q_rows = torch.tensor([starts[b] for b in group], dtype=torch.long, device=device)
         q = query.index_select(0, q_rows).unsqueeze(2)  # [Bd, Hq, 1, D]
-        o = F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2),
-                                           attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=gqa)
+        o = attend(q, k.transpose(1, 2), v.transpose(1, 2), mask[:, None, None, :], scale, gqa, sinks)
         out.index_copy_(0, q_rows, o.squeeze(2))
 
 
 def multi_token_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                           block_table: torch.Tensor, starts: list[int], lens: list[int], scale: float,
-                          seqs: list[int], out: torch.Tensor, sliding_window: int | None = None) -> None:
+                          seqs: list[int], out: torch.Tensor, sliding_window: int | None = None,
+                          sinks: torch.Tensor | None = None) -> None:
     """The rows of ``paged_attention`` with several new tokens (prompts, prefill chunks), one
     sequence at a time, written into ``out`` [T, Hq, D]; ``seqs`` are their indices and
     ``starts``/``lens`` the step's query_start_loc and seq_lens as lists. Over an fp8 cache,
@@ -252,7 +277,7 @@ def multi_token_attention(query: torch.Tensor, key_cache: torch.Tensor, value_ca
         k = _gather_blocks(key_cache, table, query.dtype)[:span].transpose(0, 1)[None]  # [1, Hkv, L, D]
         v = _gather_blocks(value_cache, table, query.dtype)[:span].transpose(0, 1)[None]
         q = query[starts[b]:starts[b + 1]].transpose(0, 1)[None]  # [1, Hq, q_len, D]
-        if q_len == ctx_len and sliding_window is None:
+        if q_len == ctx_len and sliding_window is None and sinks is None:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
         else:
             pos = torch.arange(ctx_len - q_len, ctx_len, device=device).unsqueeze(1)
@@ -260,8 +285,36 @@ def multi_token_attention(query: torch.Tensor, key_cache: torch.Tensor, value_ca
             mask = key_pos <= pos  # [q_len, L]
             if sliding_window is not None:
                 mask &= key_pos > pos - sliding_window
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+            o = attend(q, k, v, mask, scale, gqa, sinks)
         out[starts[b]:starts[b + 1]] = o[0].transpose(0, 1)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float, gqa: bool,
+           sinks: torch.Tensor | None) -> torch.Tensor:
+    """q: [B, Hq, L, D]; k, v: [B, Hkv, S, D]; mask: bool, broadcast to [B, Hq, L, S] (True: seen);
+    sinks: [Hq] or None. Without sinks, SDPA; with them, the softmax over the scores and each
+    head's sink logit, whose share of the weight is dropped (as transformers' gpt-oss computes
+    it), a chunk of query rows at a time so that the scores stay near _SINK_CHUNK_SCORES
+    elements. Returns [B, Hq, L, D]."""
+    if sinks is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    if gqa:
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    k, v = k.float(), v.float()
+    sink = sinks.float().view(1, -1, 1, 1)
+    mask = mask.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    rows = max(1, _SINK_CHUNK_SCORES // (q.shape[0] * q.shape[1] * k.shape[2]))
+    out = torch.empty_like(q)
+    for r in range(0, q.shape[2], rows):
+        scores = (q[:, :, r:r + rows].float() @ k.transpose(-1, -2) * scale).masked_fill(~mask[:, :, r:r + rows],
+                                                                                        float("-inf"))
+        logits = torch.cat((scores, sink.expand(*scores.shape[:-1], 1)), dim=-1)
+        out[:, :, r:r + rows] = logits.softmax(dim=-1)[..., :-1] @ v
+    return out
+
+
+_SINK_CHUNK_SCORES = 1 << 24  # fp32 scores a chunk of ``attend``'s rows holds: 64 MiB
 
 
 def build_cos_sin_cache(head_dim: int, max_position: int, base: float,
@@ -285,7 +338,47 @@ def build_cos_sin_cache(head_dim: int, max_position: int, base: float,
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
         inv_freq = torch.where(is_medium, smoothed, scaled)
+    elif rope_type == "yarn":
+        inv_freq, attention_factor = yarn_inv_freq(head_dim, base, rope_scaling)
+        freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
+        return torch.cat((freqs.cos() * attention_factor, freqs.sin() * attention_factor), dim=-1)
     elif rope_type != "default":
-        raise ValueError(f"unsupported rope_scaling type {rope_type!r} (supported: default, llama3)")
+        raise ValueError(f"unsupported rope_scaling type {rope_type!r} (supported: default, llama3, yarn)")
     freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
     return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+
+
+def yarn_inv_freq(head_dim: int, base: float, scaling: dict) -> tuple[torch.Tensor, float]:
+    """YaRN's frequencies [head_dim / 2] and the factor on cos and sin, as transformers'
+    ``_compute_yarn_parameters`` computes them: each frequency interpolated (divided by
+    ``factor``) or kept, by a linear ramp between the dimensions that turn beta_fast and
+    beta_slow times over the original context (rounded outwards unless ``truncate`` is False)."""
+    factor = scaling["factor"]
+    original = scaling["original_max_position_embeddings"]
+    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            attention_factor = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+        else:
+            attention_factor = _yarn_mscale(factor)
+
+    def correction_dim(rotations: float) -> float:
+        return head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # no division by zero
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = base ** (torch.arange(0, head_dim, 2).float() / head_dim)
+    extrapolation = 1 - ramp
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv_freq, float(attention_factor)
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0

@@ -50,22 +50,38 @@ DEMO_SIZES = {
     "tiny": DemoSize(128, 2, 4, 2, 256, 1000, 2048),
     "small": DemoSize(512, 8, 8, 4, 1408, 32000, 4096),
 }
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe", "gpt_oss")
 # The mixture-of-experts demos: 4 experts, 2 a token; Qwen3-MoE's second layer is dense
 # (mlp_only_layers), so one model has both kinds of layer.
 _MOE_KWARGS = {"mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None},
                "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 96,
-                             "mlp_only_layers": [1], "norm_topk_prob": True}}
+                             "mlp_only_layers": [1], "norm_topk_prob": True},
+               # gpt-oss: sliding then full layers (its default layer_types), YaRN rope whose ramp falls
+               # inside the tiny head_dim, and a SwiGLU limit low enough that the clamp bites on
+               # these small random weights.
+               "gpt_oss": {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 96,
+                           "sliding_window": 128, "swiglu_limit": 0.25,
+                           "rope_parameters": {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 8.0,
+                                               "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                                               "original_max_position_embeddings": 256}}}
 
 # Fixed text mixed into the synthetic corpus so that digits, punctuation, code
 # and common English words get merges of their own.
 def _model_config(arch: str, size: DemoSize, *, vocab_size: int, num_key_value_heads: int,
                   tie_word_embeddings: bool | None, dtype: str, token_ids: dict[str, int],
                   sliding_window: int | None = None, max_window_layers: int | None = None):
-    from transformers import LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
+    from transformers import (
+        GptOssConfig,
+        LlamaConfig,
+        MistralConfig,
+        MixtralConfig,
+        Qwen2Config,
+        Qwen3Config,
+        Qwen3MoeConfig,
+    )
 
-    config_class = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config,
-                    "mistral": MistralConfig, "mixtral": MixtralConfig, "qwen3_moe": Qwen3MoeConfig}[arch]
+    config_class = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "mistral": MistralConfig,
+                    "mixtral": MixtralConfig, "qwen3_moe": Qwen3MoeConfig, "gpt_oss": GptOssConfig}[arch]
     kwargs = dict(
         vocab_size=vocab_size,
         hidden_size=size.hidden_size,
@@ -104,7 +120,7 @@ def _window_kwargs(arch: str, sliding_window: int | None, max_window_layers: int
         if max_window_layers is not None:
             raise ValueError("max_window_layers needs a sliding_window")
         return {}
-    if arch in ("mistral", "mixtral"):
+    if arch in ("mistral", "mixtral", "gpt_oss"):
         if max_window_layers is not None:
             raise ValueError(f"{arch} slides in every layer: it has no max_window_layers")
         return {"sliding_window": sliding_window}
@@ -139,8 +155,11 @@ def _init_weights(model: torch.nn.Module, seed: int) -> None:
                 continue
             std = 0.02
             # A MoE router's logits O(1) too, so that each token's top-k is no near-tie.
-            if name.endswith(("q_proj.weight", "k_proj.weight", "mlp.gate.weight", "block_sparse_moe.gate.weight")):
+            if name.endswith(("q_proj.weight", "k_proj.weight", "mlp.gate.weight", "block_sparse_moe.gate.weight",
+                              "mlp.router.weight")):
                 std = hidden_size ** -0.5
+            elif name.endswith("self_attn.sinks"):
+                std = 1.0  # gpt-oss's sink logits, of the scores' order, so that they take a real share
             elif name.endswith(("o_proj.weight", "down_proj.weight")):
                 std = residual_std
             elif name.endswith("embed_tokens.weight"):
@@ -203,7 +222,7 @@ def write_demo_checkpoint(
 
     `tie_word_embeddings=None` keeps the architecture's default (untied for all
     four); `vocab_size` and `num_key_value_heads` override the size preset.
-    `sliding_window` gives Mistral and Mixtral a window in every layer, Qwen2 and Qwen3 one in
+    `sliding_window` gives Mistral and Mixtral a window in every layer, gpt-oss one in its sliding layers, Qwen2 and Qwen3 one in
     the layers from `max_window_layers` on."""
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig

@@ -65,11 +65,12 @@ inline void store(uint16_t* p, float x) {  // round to nearest even, as torch co
 // q: rows of HQ x D (q_stride elements apart); caches: [num_blocks, BS, HKV, D]; block_table:
 // [rows, width]; seq_lens: [rows]; out: [rows, HQ, D]. Row b attends over its first
 // seq_lens[b] tokens, or with window > 0 over the last `window` of them only (blocks before
-// those are never read: the KV manager may have freed them).
+// those are never read: the KV manager may have freed them). sinks: [HQ] fp32 or null: each
+// head's attention-sink logit joins the softmax's denominator (gpt-oss).
 template <typename T>
 void decode(const T* q, int64_t q_stride, const T* k_cache, const T* v_cache, const int32_t* block_table,
             int64_t width, const int32_t* seq_lens, T* out, int64_t rows, float scale, int64_t window,
-            int64_t threads) {
+            const float* sinks, int64_t threads) {
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
   for (int64_t b = 0; b < rows; ++b) {
     float qf[HQ][D], acc[HQ][D], m[HQ], l[HQ], s[HQ][BS];
@@ -127,6 +128,14 @@ void decode(const T* q, int64_t q_stride, const T* k_cache, const T* v_cache, co
         }
       }
     }
+    if (sinks != nullptr) {
+      for (int64_t r = 0; r < HQ; ++r) {  // the sink as one more logit with no value
+        const float mx = std::max(m[r], sinks[r]);
+        const float corr = std::exp(m[r] - mx);
+        l[r] = l[r] * corr + std::exp(sinks[r] - mx);
+        for (int64_t d = 0; d < D; ++d) acc[r][d] *= corr;
+      }
+    }
     for (int64_t r = 0; r < HQ; ++r) {
       const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
       for (int64_t d = 0; d < D; ++d) store(out + (b * HQ + r) * D + d, acc[r][d] * inv);
@@ -138,9 +147,9 @@ void decode(const T* q, int64_t q_stride, const T* k_cache, const T* v_cache, co
 #define ENTRY(name, T)                                                                                  \
   extern "C" void name(const T* q, int64_t q_stride, const T* k_cache, const T* v_cache,              \
                        const int32_t* block_table, int64_t width, const int32_t* seq_lens, T* out,     \
-                       int64_t rows, float scale, int64_t window, int64_t threads) {                   \
+                       int64_t rows, float scale, int64_t window, const float* sinks, int64_t threads) {  \
     decode<T>(q, q_stride, k_cache, v_cache, block_table, width, seq_lens, out, rows, scale, window,   \
-              threads);                                                                                 \
+              sinks, threads);                                                                          \
   }
 ENTRY(decode_f32, float)
 ENTRY(decode_bf16, uint16_t)
@@ -148,7 +157,8 @@ ENTRY(decode_f16, _Float16)
 """
 
 _ARGTYPES = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
-             ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int64, ctypes.c_int64]
+             ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int64, ctypes.c_void_p,
+             ctypes.c_int64]
 
 
 def decode_kernel(dtype: torch.dtype, head_dim: int, group: int, num_kv_heads: int,
@@ -203,9 +213,11 @@ def decode_attention_planner(spec: AttentionSpec) -> AttentionPlanner:
 
 
 def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, plan: DecodePlan,
-                     scale: float, sliding_window: int | None = None) -> torch.Tensor:
+                     scale: float, sliding_window: int | None = None,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of the plan's decode rows. query: [T, Hq, D] -> [B, Hq, D] for plan.rows; with
-    ``sliding_window`` W each row sees its last W tokens only."""
+    ``sliding_window`` W each row sees its last W tokens only; ``sinks`` [Hq]: gpt-oss's
+    per-head sink logits."""
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be at least 1 token, got {sliding_window}")
     num_heads, head_dim = query.shape[1:]
@@ -216,16 +228,18 @@ def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
         q = q.contiguous()
     rows = q.shape[0]
     out = torch.empty(rows, num_heads, head_dim, dtype=query.dtype)
+    if sinks is not None:
+        sinks = sinks.float().contiguous()
     plan.kernel(q.data_ptr(), q.stride(0), key_cache.data_ptr(), value_cache.data_ptr(), plan.block_table.data_ptr(),
        plan.block_table.shape[1], plan.seq_lens.data_ptr(), out.data_ptr(), rows, scale, sliding_window or 0,
-       torch.get_num_threads())
+       None if sinks is None else sinks.data_ptr(), torch.get_num_threads())
     return out
 
 
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     block_table: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                     *, k_scale: float = 1.0, v_scale: float = 1.0, sliding_window: int | None = None,
-                    plan: DecodePlan | None = None) -> torch.Tensor:
+                    sinks: torch.Tensor | None = None, plan: DecodePlan | None = None) -> torch.Tensor:
     """``reference.paged_attention``'s contract, with the step's decode rows (``plan``) read in
     place by the kernel and the rest computed by the twin. Returns [T, Hq, D]. The caches hold
     the query's dtype (an fp8 cache keeps the twin: ``compiled_cpu_kernels``), so the scales,
@@ -235,12 +249,12 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
                          f"got {key_cache.dtype}")
     if plan is None:
         return reference.paged_attention(query, key_cache, value_cache, block_table, query_start_loc, seq_lens,
-                                          scale, sliding_window=sliding_window)
-    decoded = decode_attention(query, key_cache, value_cache, plan, scale, sliding_window)
+                                          scale, sliding_window=sliding_window, sinks=sinks)
+    decoded = decode_attention(query, key_cache, value_cache, plan, scale, sliding_window, sinks)
     if plan.rows is None:
         return decoded
     out = torch.empty_like(query)
     out.index_copy_(0, plan.rows, decoded)
     reference.multi_token_attention(query, key_cache, value_cache, block_table, plan.starts, plan.lens, scale,
-                                    plan.multi, out, sliding_window)
+                                    plan.multi, out, sliding_window, sinks)
     return out

@@ -82,6 +82,11 @@ def _llama8b_batch(seqs, dtype=torch.bfloat16):
                             extra_blocks=0)
 
 
+def _gpt_oss_batch(seqs):
+    return make_paged_batch(seqs, num_q_heads=64, num_kv_heads=8, head_dim=64, block_size=16, dtype=torch.bfloat16,
+                            extra_blocks=0)
+
+
 def _fp8_caches(batch):
     q, key_cache, value_cache, *rest = batch.args()
     return (q, key_cache.to(torch.float8_e4m3fn), value_cache.to(torch.float8_e4m3fn), *rest)
@@ -109,6 +114,11 @@ LAUNCHERS = {
         *_llama8b_batch([(1, 20), (5, 9)]).args(), 128**-0.5, sliding_window=4096),
     "paged_attention_split_decode_bf16_sliding": lambda: paged_attention.paged_attention(
         *_llama8b_batch([(1, 20)]).args(), 128**-0.5, sliding_window=4096, num_kv_splits=8),
+    # gpt-oss-20b's attention (64 query heads, 8 KV heads of 64): sinks, with its 128-token window.
+    "paged_attention_mixed_bf16_sinks_sliding": lambda: paged_attention.paged_attention(
+        *_gpt_oss_batch([(1, 20), (5, 9)]).args(), 64**-0.5, sliding_window=128, sinks=torch.zeros(64)),
+    "paged_attention_split_decode_bf16_sinks": lambda: paged_attention.paged_attention(
+        *_gpt_oss_batch([(1, 20)]).args(), 64**-0.5, sinks=torch.zeros(64), num_kv_splits=8),
     "paged_attention_mixed_fp16": lambda: paged_attention.paged_attention(
         *_llama8b_batch([(1, 20), (5, 9)], torch.float16).args(), 128**-0.5),
     "paged_attention_mixed_fp32": lambda: paged_attention.paged_attention(

@@ -1,5 +1,5 @@
-"""Greedy tokens from pagefleet equal transformers' on tiny checkpoints of all six
-architectures (the two mixture-of-experts ones included), under prefix sharing, forced preemption and forced chunking.
+"""Greedy tokens from pagefleet equal transformers' on tiny checkpoints of all seven
+architectures (the three mixture-of-experts ones included), under prefix sharing, forced preemption and forced chunking.
 
 By default (no enforce_eager) decode rows read their KV blocks in place through the compiled
 C++ decode attention kernel, so every case below runs that way; the Llama batch, prefix-cache,
@@ -20,7 +20,7 @@ from pagefleet.worker.model_executor.model_config import load_model_config
 
 from hf_reference import hf_greedy
 
-ARCHS = ["llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe"]
+ARCHS = ["llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe", "gpt_oss"]
 MAX_NEW = 12
 
 

@@ -4,12 +4,13 @@ against the layer types transformers' own config class gives the same dictionary
 from __future__ import annotations
 
 import pytest
-from transformers import MistralConfig, MixtralConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
+from transformers import GptOssConfig, MistralConfig, MixtralConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
 from pagefleet.worker.model_executor.sliding_window import kv_sliding_window, sliding_windows
 
 CONFIGS = {"MistralForCausalLM": MistralConfig, "MixtralForCausalLM": MixtralConfig,
-           "Qwen2ForCausalLM": Qwen2Config, "Qwen3ForCausalLM": Qwen3Config, "Qwen3MoeForCausalLM": Qwen3MoeConfig}
+           "Qwen2ForCausalLM": Qwen2Config, "Qwen3ForCausalLM": Qwen3Config, "Qwen3MoeForCausalLM": Qwen3MoeConfig,
+           "GptOssForCausalLM": GptOssConfig}
 
 CASES = [
     # (architecture, config.json fields, each layer's window)
@@ -28,6 +29,10 @@ CASES = [
                           "layer_types": ["sliding_attention", "full_attention"] * 2}, (8, None, 8, None)),
     ("Qwen3MoeForCausalLM", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 3},
      (8, 8, 8, 8)),
+    # gpt-oss: no use_sliding_window; without layer_types the even layers slide.
+    ("GptOssForCausalLM", {"sliding_window": 128}, (128, None, 128, None)),
+    ("GptOssForCausalLM", {"sliding_window": 16, "layer_types": ["full_attention"] * 3 + ["sliding_attention"]},
+     (None, None, None, 16)),
 ]
 
 
@@ -36,7 +41,7 @@ def test_windows_match_transformers(arch, fields, want):
     cfg = {"num_hidden_layers": 4, **fields}
     assert sliding_windows(arch, cfg) == want
     hf = CONFIGS[arch](**cfg)
-    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):  # the classes that read layer types
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "GptOssForCausalLM"):  # the classes that read layer types
         types = tuple(hf.sliding_window if t == "sliding_attention" else None for t in hf.layer_types)
         assert (types if any(types) else ()) == want
     else:  # one window for every layer, or none

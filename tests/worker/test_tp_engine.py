@@ -40,6 +40,9 @@ CASES = {
     # a full layer then a sliding one.
     "mistral_sliding_window": dict(arch="mistral", sliding_window=16),
     "qwen2_full_and_sliding_layers": dict(arch="qwen2", sliding_window=12, max_window_layers=1),
+    # Sinks split with their heads, the experts' biases with their intermediate slices, a sliding
+    # layer then a full one.
+    "gpt_oss_sinks_and_windows": dict(arch="gpt_oss", sliding_window=12),
 }
 
 
@@ -110,6 +113,8 @@ def test_tp2_greedy_matches_tp1(ray_session, tiny_checkpoint, baselines, case):
         if cfg.qk_norm:
             replicated += 2 * cfg.num_layers * cfg.head_dim * 4
         replicated += len(cfg.moe_layers) * cfg.num_experts * cfg.hidden_size * 4  # the routers
+        if cfg.attention_sinks:  # gpt-oss: the router and down-projection biases, o_proj's bias
+            replicated += cfg.num_layers * (cfg.num_experts + cfg.num_experts * cfg.hidden_size + cfg.hidden_size) * 4
         if cfg.num_kv_heads < 2:  # the one KV head's k and v rows are on both ranks
             replicated += 2 * cfg.num_layers * cfg.head_dim * cfg.hidden_size * 4
         padding = 2 * (-cfg.vocab_size % 2) * cfg.hidden_size * 4

@@ -23,6 +23,8 @@ def checkpoint_quantization(config: dict, path: Path) -> str | None:
     if not qc:
         return None
     method = qc.get("quant_method")
+    if method == "mxfp4" and config.get("model_type") == "gpt_oss":
+        return None  # gpt-oss's MXFP4 experts: dequantized as they load (moe.py), the rest full precision
     if method != "compressed-tensors":
         raise ValueError(f"{path}: quantization_config quant_method {method!r} is not supported; "
                          f"pagefleet loads {SUPPORTED}")

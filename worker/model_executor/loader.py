@@ -50,6 +50,10 @@ def load_model(cfg: ModelConfig, tp: TPGroup, kernels: Kernels, device: torch.de
         _init_dummy(model, seed)
     else:
         started = time.monotonic()
+        if cfg.mxfp4_experts and tp.rank == 0:
+            logger.info("%s stores its experts in MXFP4; pagefleet has no MXFP4 kernel for %s, so they are "
+                        "dequantized to %s as they load", cfg.path.name, torch.device(device).type,
+                        str(cfg.dtype).removeprefix("torch."))
         _load_safetensors(model, cfg.path, progress=tp.rank == 0)
         if tp.rank == 0:
             size = sum(p.numel() * p.element_size() for p in model.parameters())

@@ -1,8 +1,11 @@
-"""The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen3-MoE) over the paged KV cache.
+"""The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen3-MoE, gpt-oss) over the paged KV cache.
 
 One class covers them all: Qwen2 adds q/k/v biases, Qwen3 adds per-head q/k RMSNorm, and the
 mixture-of-experts models put a SparseMoeBlock (moe.py) in place of the MLP of some layers, and
 a layer with a sliding window (Mistral's, Qwen2's upper layers) hands it to the attention kernel.
+gpt-oss adds an o_proj bias, a learned sink logit per query head (handed to the attention
+kernel like the window) and its own MoE block (GptOssMoeBlock); its sliding and full layers
+alternate.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from pagefleet.worker.model_executor.layers import (
     VocabParallelEmbedding,
 )
 from pagefleet.worker.model_executor.model_config import ModelConfig
-from pagefleet.worker.model_executor.moe import EXPERT_NAMES, SparseMoeBlock
+from pagefleet.worker.model_executor.moe import EXPERT_NAMES, GptOssMoeBlock, SparseMoeBlock
 from pagefleet.worker.parallel.tp_group import TPGroup
 
 
@@ -47,8 +50,13 @@ class Attention(nn.Module):
         self.sliding_window = cfg.sliding_window(index)  # None: this layer attends over the whole context
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads,
                                           cfg.attention_bias, tp, cfg.dtype, device)
-        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, False, tp, cfg.dtype, device)
+        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, cfg.o_proj_bias, tp, cfg.dtype,
+                                        device)
         self.num_heads = self.qkv_proj.num_heads
+        self.tp_rank = tp.rank
+        # gpt-oss: this rank's heads' sink logits [Hq_rank], fp32 as the kernels read them.
+        self.sinks = (nn.Parameter(torch.zeros(self.num_heads, dtype=torch.float32, device=device),
+                                   requires_grad=False) if cfg.attention_sinks else None)
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.head_dim = cfg.head_dim
         self.scale = cfg.head_dim ** -0.5
@@ -77,8 +85,13 @@ class Attention(nn.Module):
                                     v_scale=self.v_scale)
         o = self.kernels.paged_attention(q, key_cache, value_cache, meta.block_table, meta.query_start_loc,
                                          meta.seq_lens, self.scale, k_scale=self.k_scale, v_scale=self.v_scale,
-                                         sliding_window=self.sliding_window, plan=meta.attn_plan)
+                                         sliding_window=self.sliding_window, sinks=self.sinks, plan=meta.attn_plan)
         return self.o_proj(o.reshape(num_tokens, self.num_heads * self.head_dim))
+
+    def load(self, kind: str, shard: int, src) -> None:
+        """The checkpoint's sinks [Hq]: this rank's heads."""
+        start = self.tp_rank * self.num_heads
+        self.sinks.data.copy_(src[start:start + self.num_heads])
 
 
 class MLP(nn.Module):
@@ -104,9 +117,13 @@ class DecoderLayer(nn.Module):
         self.kernels = kernels
         self.self_attn = Attention(cfg, index, tp, kernels, device)
         # A mixture-of-experts layer or a dense one: the config says which (moe_layers).
-        self.mlp = (SparseMoeBlock(cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob, cfg.hidden_size,
-                                   cfg.moe_intermediate_size, tp, kernels, cfg.dtype, device)
-                    if index in cfg.moe_layers else MLP(cfg, tp, kernels, device))
+        if cfg.swiglu_limit is not None:
+            self.mlp = GptOssMoeBlock(cfg, tp, kernels, device)
+        elif index in cfg.moe_layers:
+            self.mlp = SparseMoeBlock(cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob, cfg.hidden_size,
+                                      cfg.moe_intermediate_size, tp, kernels, cfg.dtype, device)
+        else:
+            self.mlp = MLP(cfg, tp, kernels, device)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype, device)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype, device)
 
@@ -175,8 +192,12 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(mlp, SparseMoeBlock):
                 block, names = EXPERT_NAMES[self.cfg.architecture]
                 table.update(mlp.checkpoint_names(f"{p}{block}.", self.cfg.num_experts, names))
-            for kind in ("weight", "weight_scale"):
+            elif isinstance(mlp, GptOssMoeBlock):
+                table.update(mlp.checkpoint_names(f"{p}mlp."))
+            for kind in ("weight", "bias", "weight_scale"):
                 table[f"{p}self_attn.o_proj.{kind}"] = (attn.o_proj, kind, 0)
+            if attn.sinks is not None:
+                table[f"{p}self_attn.sinks"] = (attn, "sinks", 0)
             table[f"{p}input_layernorm.weight"] = (layer.input_layernorm, "weight", 0)
             table[f"{p}post_attention_layernorm.weight"] = (layer.post_attention_layernorm, "weight", 0)
             if attn.q_norm is not None:

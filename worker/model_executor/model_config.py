@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from pagefleet.worker.engine_args import EngineArgs
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           "MixtralForCausalLM", "Qwen3MoeForCausalLM")
+                           "MixtralForCausalLM", "Qwen3MoeForCausalLM", "GptOssForCausalLM")
 
 DTYPES = ("float32", "bfloat16", "float16")
 QUANTIZATIONS = ("fp8",)  # EngineArgs.quantization (quantization.py)
@@ -64,6 +64,14 @@ class ModelConfig:
     # Each layer's sliding window in tokens, None for a full-attention layer (sliding_window.py);
     # () where every layer attends over the whole context.
     sliding_windows: tuple[int | None, ...] = ()
+    # gpt-oss: a learned sink logit per query head in every attention layer, a bias on o_proj
+    # too, and experts with biases and a clamped SwiGLU (swiglu_limit set; None: plain SwiGLU),
+    # stored in MXFP4 in the released checkpoints (mxfp4_experts: dequantized as they load).
+    attention_sinks: bool = False
+    o_proj_bias: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
+    mxfp4_experts: bool = False
 
     def sliding_window(self, layer: int) -> int | None:
         """Layer ``layer``'s attention window in tokens, None for full attention."""
@@ -194,7 +202,7 @@ def load_model_config(model: str, *, dtype: str = "auto", max_model_len: int | N
         max_position_embeddings=max_pos,
         max_model_len=max_model_len,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
+        attention_bias=bool(cfg.get("attention_bias", arch in ("Qwen2ForCausalLM", "GptOssForCausalLM"))),
         mlp_bias=bool(cfg.get("mlp_bias", False)),
         qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
         dtype=resolve_dtype(dtype, cfg),
@@ -202,6 +210,7 @@ def load_model_config(model: str, *, dtype: str = "auto", max_model_len: int | N
         quantization=checkpoint_quantization(cfg, path),
         sliding_windows=sliding_windows(arch, cfg),
         **moe_fields(arch, cfg),
+        **gpt_oss_fields(arch, cfg),
     )
 
 
@@ -235,7 +244,7 @@ def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: "torch.dtype") -> "to
 
 def moe_fields(arch: str, cfg: dict) -> dict:
     """The ModelConfig fields of a mixture-of-experts config.json ({} for a dense model)."""
-    if arch == "MixtralForCausalLM":
+    if arch in ("MixtralForCausalLM", "GptOssForCausalLM"):
         experts, size, norm, layers = cfg["num_local_experts"], cfg["intermediate_size"], True, None
     elif arch == "Qwen3MoeForCausalLM":
         # Released checkpoints say num_experts; transformers 5 writes its alias num_local_experts.
@@ -252,6 +261,16 @@ def moe_fields(arch: str, cfg: dict) -> dict:
     return {"num_experts": int(experts), "num_experts_per_tok": top_k, "moe_intermediate_size": int(size),
             "norm_topk_prob": norm,
             "moe_layers": tuple(range(cfg["num_hidden_layers"])) if layers is None else layers}
+
+
+def gpt_oss_fields(arch: str, cfg: dict) -> dict:
+    """The ModelConfig fields only gpt-oss sets ({} for any other architecture)."""
+    if arch != "GptOssForCausalLM":
+        return {}
+    qc = cfg.get("quantization_config") or {}
+    return {"attention_sinks": True, "o_proj_bias": bool(cfg.get("attention_bias", True)),
+            "swiglu_limit": float(cfg.get("swiglu_limit", 7.0)), "swiglu_alpha": float(cfg.get("swiglu_alpha", 1.702)),
+            "mxfp4_experts": qc.get("quant_method") == "mxfp4"}
 
 
 def _parameters(cfg: ModelConfig, active: bool) -> int:

@@ -43,3 +43,23 @@ def quantize_fp8(model: nn.Module) -> None:
     for linear in fp8_linears(model):
         if linear.weight_scale is None:
             linear.quantize_fp8()
+
+
+# The sixteen values of an FP4 (e2m1) code, by its 4 bits: sign, then two exponent and one mantissa bit.
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """MXFP4 as gpt-oss's checkpoints store it, in full precision: blocks [..., G, 16] uint8 hold
+    32 FP4 codes per group (the low nibble first), scales [..., G] uint8 one E8M0 exponent per
+    group (2 ** (scale - 127)). Returns [..., G * 32] in ``dtype``: exact (every value is a
+    code times a power of two)."""
+    if blocks.shape[:-1] != scales.shape or blocks.shape[-1] != 16:
+        raise ValueError(f"MXFP4 blocks {tuple(blocks.shape)} and scales {tuple(scales.shape)} do not pair: "
+                         "need blocks [..., G, 16] and scales [..., G]")
+    lut = torch.tensor(FP4_VALUES, dtype=torch.float32, device=blocks.device)
+    codes = torch.stack((blocks & 0x0F, blocks >> 4), dim=-1).long()  # [..., G, 16, 2]: low nibble first
+    values = lut[codes].flatten(-2)  # [..., G, 32]
+    exponents = scales.to(torch.int32) - 127
+    out = torch.ldexp(values, exponents.unsqueeze(-1).float())
+    return out.flatten(-2).to(dtype)

@@ -13,6 +13,9 @@ _ALL_LAYERS = ("MistralForCausalLM", "MixtralForCausalLM")
 _BY_LAYER_TYPE = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
 # Qwen3-MoE slides in every layer with use_sliding_window (transformers reads no layer types for it).
 _ALL_LAYERS_IF_USED = ("Qwen3MoeForCausalLM",)
+# gpt-oss alternates sliding and full layers by ``layer_types``; transformers' default slides in
+# the even layers.
+_ALTERNATING = ("GptOssForCausalLM",)
 _DEFAULT_MAX_WINDOW_LAYERS = 28  # transformers' Qwen2Config / Qwen3Config default
 _LAYER_TYPES = ("full_attention", "sliding_attention")
 
@@ -23,13 +26,15 @@ def sliding_windows(arch: str, cfg: dict) -> tuple[int | None, ...]:
     window = cfg.get("sliding_window")
     if arch in _BY_LAYER_TYPE + _ALL_LAYERS_IF_USED and not cfg.get("use_sliding_window", False):
         window = None
-    if arch not in _ALL_LAYERS + _BY_LAYER_TYPE + _ALL_LAYERS_IF_USED or window is None:
+    if arch not in _ALL_LAYERS + _BY_LAYER_TYPE + _ALL_LAYERS_IF_USED + _ALTERNATING or window is None:
         return ()
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
         raise ValueError(f"sliding_window must be a positive number of tokens, got {window!r}")
-    if arch not in _BY_LAYER_TYPE:
+    if arch not in _BY_LAYER_TYPE + _ALTERNATING:
         return (window,) * num_layers
     types = cfg.get("layer_types")
+    if types is None and arch in _ALTERNATING:
+        types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]
     if types is None:
         first = int(cfg.get("max_window_layers", _DEFAULT_MAX_WINDOW_LAYERS))
         types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
