@@ -8,6 +8,7 @@ D = head_dim, N = cache blocks, bs = block_size.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -59,7 +60,7 @@ def clamped_swiglu(x: torch.Tensor, limit: float, alpha: float) -> torch.Tensor:
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, *, w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
-              swiglu_limit: float | None = None, swiglu_alpha: float = 1.0) -> torch.Tensor:
+              swiglu_limit: float | None = None, swiglu_alpha: float = 1.0, packed: Any = None) -> torch.Tensor:
     """A mixture-of-experts MLP: each token through its top-k experts' SwiGLU, weighted and summed.
 
     Tokens are sorted by expert, so each expert runs one product over the tokens routed to it;
@@ -68,7 +69,9 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     x: [T, H]; w13: [E, 2*I, H] (gate | up); w2: [E, H, I]; topk_weights: [T, K] fp32;
     topk_ids: [T, K] int64. gpt-oss's experts add biases (w13_bias [E, 2*I], w2_bias [E, H],
     before the router's weight) and use ``clamped_swiglu`` (swiglu_limit set) in place of
-    SwiGLU. Returns [T, H] in x's dtype."""
+    SwiGLU. ``packed``: the experts' weights in another layout, with ``gate_up(x, expert)`` and
+    ``down(h, expert)`` computing the two products (a CPU engine's oneDNN copies,
+    ``worker.cpu.linear.PackedExperts``). Returns [T, H] in x's dtype."""
     flat = topk_ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
     counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()  # one host read a layer
@@ -80,12 +83,12 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         if not n:
             continue
         rows = tokens[start:start + n]
-        gate_up = x[rows] @ w13[expert].t()
+        gate_up = x[rows] @ w13[expert].t() if packed is None else packed.gate_up(x[rows], expert)
         if w13_bias is not None:
             gate_up += w13_bias[expert]
         hidden = silu_and_mul(gate_up) if swiglu_limit is None else clamped_swiglu(gate_up, swiglu_limit,
                                                                                    swiglu_alpha)
-        down = hidden @ w2[expert].t()
+        down = hidden @ w2[expert].t() if packed is None else packed.down(hidden, expert)
         if w2_bias is not None:
             down += w2_bias[expert]
         out.index_add_(0, rows, down * weights[start:start + n, None])

@@ -81,3 +81,30 @@ def test_a_model_without_packable_weights_reports_none():
     model = nn.ModuleList([_Linear(8, 8).to(torch.float64)])
     assert pack_linear_weights(model) == (0, None)
     assert model[0].packed_weight is None
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 64])
+def test_packed_experts_compute_the_mixture_the_plain_weights_do(tokens):
+    from pagefleet.kernels.reference import fused_moe
+    from pagefleet.worker.cpu.linear import pack_experts
+
+    torch.manual_seed(0)
+    experts, hidden, inter, top_k = 4, 64, 96, 2
+    w13, w2 = torch.randn(experts, 2 * inter, hidden) * 0.1, torch.randn(experts, hidden, inter) * 0.1
+    x = torch.randn(tokens, hidden)
+    topk_weights, topk_ids = torch.rand(tokens, experts).softmax(-1).topk(top_k, dim=-1)
+    packed = pack_experts(w13, w2)
+    assert len(packed.w13) == len(packed.w2) == experts
+    with torch.inference_mode():
+        torch.testing.assert_close(fused_moe(x, w13, w2, topk_weights, topk_ids, packed=packed),
+                                   fused_moe(x, w13, w2, topk_weights, topk_ids), rtol=1e-5, atol=1e-5)
+
+
+def test_a_cpu_engine_packs_every_mixture_of_experts(tiny_checkpoint):
+    from pagefleet.worker import LLM
+    from pagefleet.worker.model_executor.moe import FusedExperts
+
+    llm = LLM(model=str(tiny_checkpoint("mixtral")), device="cpu", kv_cache_bytes=8 << 20)
+    experts = [m for m in llm.engine.executor.runner.model.modules() if isinstance(m, FusedExperts)]
+    assert experts and all(m.packed_experts is not None for m in experts)
+    assert [len(m.packed_experts.w13) for m in experts] == [m.w13.shape[0] for m in experts]

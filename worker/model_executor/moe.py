@@ -41,6 +41,7 @@ class FusedExperts(nn.Module):
                                 requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden, self.per_rank, dtype=dtype, device=device),
                                requires_grad=False)
+        self.packed_experts = None  # a CPU engine's oneDNN copies (cpu_linear.pack_linear_weights), after loading
 
     def load(self, kind: str, shard: int, src: TensorSlice) -> None:
         """``shard`` = 3 * expert + (0 gate, 1 up, 2 down); this rank reads only its slice."""
@@ -83,7 +84,8 @@ class SparseMoeBlock(nn.Module):
         topk_weights, topk_ids = probs.topk(self.top_k, dim=-1)  # [T, K]
         if self.norm_topk_prob:
             topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
-        out = self.kernels.fused_moe(x, self.experts.w13, self.experts.w2, topk_weights, topk_ids)
+        out = self.kernels.fused_moe(x, self.experts.w13, self.experts.w2, topk_weights, topk_ids,
+                                     packed=self.experts.packed_experts)
         return self.tp.all_reduce(out)
 
     def checkpoint_names(self, prefix: str, num_experts: int, names: tuple[str, str, str]) -> dict:
@@ -169,7 +171,8 @@ class GptOssMoeBlock(nn.Module):
         top_logits, topk_ids = logits.topk(self.top_k, dim=-1)  # [T, K]
         topk_weights = top_logits.softmax(dim=-1, dtype=torch.float32)
         experts = self.experts
-        out = self.kernels.fused_moe(x, experts.w13, experts.w2, topk_weights, topk_ids, w13_bias=experts.w13_bias,
+        out = self.kernels.fused_moe(x, experts.w13, experts.w2, topk_weights, topk_ids, packed=experts.packed_experts,
+                                     w13_bias=experts.w13_bias,
                                      w2_bias=experts.w2_bias if self.tp.rank == 0 else None,
                                      swiglu_limit=self.swiglu_limit, swiglu_alpha=self.swiglu_alpha)
         return self.tp.all_reduce(out)
