@@ -142,17 +142,17 @@ def _narrow_responses_request(schemas: dict[str, dict], info: ModelInfo, samplin
     props["store"] = _nullable({"const": False}, "Only false: this server stores no responses")
     string = {"type": "string"}
     kinds = [("message", {"role": schemas["ResponsesInputItem"]["properties"]["role"]["anyOf"][0],
-                          "content": {"anyOf": [text, {"type": "array", "minItems": 1,
+                          "content": {"anyOf": [text, {"type": "array",
                                                        "items": {"$ref": _REF.format(model="ResponsesContentPart")}}]}}),
              ("function_call", {"call_id": string, "name": string, "arguments": string}),
              ("function_call_output", {"call_id": string, "output": string})]
     # A message item may leave its type out; the others name theirs.
     items = [{"type": "object", "additionalProperties": False, "required": [*fields] + ([] if kind == "message"
                                                                                        else ["type"]),
-              "properties": {"type": {"const": kind}, **fields, "id": string,
-                             "status": {"enum": ["in_progress", "completed", "incomplete"]}}}
+              "properties": {"type": {"const": kind}, **fields, "id": _nullable(string),
+                             "status": _nullable({"enum": ["in_progress", "completed", "incomplete"]})}}
              for kind, fields in kinds]
-    props["input"] = {"anyOf": [{**text, "minLength": 1}, {"type": "array", "items": {"anyOf": items}, "minItems": 1,
+    props["input"] = {"anyOf": [text, {"type": "array", "items": {"anyOf": items}, "minItems": 1,
                                                          "maxItems": info.serving.max_chat_messages - 1}]}
     props["tools"] = _nullable({"type": "array", "items": {"$ref": _REF.format(model="ResponsesFunctionTool")},
                                 "maxItems": MAX_TOOLS}, "Function tools, whose names must differ")

@@ -183,14 +183,20 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
 
 
-class ResponsesContentPart(_Body):
+class _ResponsesBody(_Body):
+    """/v1/responses refuses what it would otherwise ignore: unknown fields are a 400 naming them."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+class ResponsesContentPart(_ResponsesBody):
     """A text part of a Responses input message (``output_text``: an earlier answer sent back)."""
 
     type: Literal["input_text", "output_text"]
     text: str
 
 
-class ResponsesInputItem(_Body):
+class ResponsesInputItem(_ResponsesBody):
     """One item of a Responses ``input`` list: a message, or a function call an earlier answer
     made and its output, sent back in the conversation."""
 
@@ -205,7 +211,7 @@ class ResponsesInputItem(_Body):
     status: Literal["in_progress", "completed", "incomplete"] | None = None  # likewise
 
 
-class ResponsesFunctionTool(_Body):
+class ResponsesFunctionTool(_ResponsesBody):
     """A Responses function tool: the chat API's function definition, one level up."""
 
     type: Literal["function"]
@@ -215,7 +221,7 @@ class ResponsesFunctionTool(_Body):
     strict: bool | None = None
 
 
-class ResponsesToolChoiceFunction(_Body):
+class ResponsesToolChoiceFunction(_ResponsesBody):
     type: Literal["function"]
     name: str
 

@@ -75,8 +75,18 @@ def chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
         raise renamed(from_validation_error(exc)) from exc
 
 
+# The fields each kind of input item holds (``id`` and ``status``, which an earlier answer gave
+# it, are not read); another one set is refused.
+_ITEM_FIELDS = {"message": {"role", "content"}, "function_call": {"call_id", "name", "arguments"},
+                "function_call_output": {"call_id", "output"}}
+
+
 def _append_item(messages: list[dict], i: int, item: ResponsesInputItem) -> None:
     where = f"input.[{i}]"
+    stray = next((name for name in item.model_fields_set - _ITEM_FIELDS[item.type] - {"type", "id", "status"}
+                  if getattr(item, name) is not None), None)
+    if stray is not None:
+        raise bad_request(f"{where}: a {item.type} item has no {stray}", f"{where}.{stray}")
     if item.type == "message":
         if item.role is None or item.content is None:
             raise bad_request(f"{where}: a message needs role and content", f"{where}.{'role' if item.role is None else 'content'}")
