@@ -121,8 +121,10 @@ def renamed(exc: OpenAIError) -> OpenAIError:
     name = _PARAM_NAMES.get(head)
     if name is None:
         return exc
-    exc.message = exc.message.replace(head, name)
-    exc.param = name if head == "messages" else name + dot + rest  # message indices shift with instructions
+    if head == "messages":  # its message indices shift with instructions: the input as a whole
+        exc.param = name
+    else:
+        exc.message, exc.param = exc.message.replace(head, name), name + dot + rest
     return exc
 
 

@@ -14,6 +14,7 @@ from fastapi.testclient import TestClient
 
 from pagefleet.router.ingress import load_model_info
 from pagefleet.router.openai.app import build_openai_app
+from pagefleet.router.openai.output.reasoning import PARSERS
 from pagefleet.router.openai.preprocess import ModelInfo
 from pagefleet.router.openai.service import OpenAIService
 from pagefleet.router.openai.tool_choice import ToolCallOptions
@@ -247,3 +248,43 @@ def test_a_call_and_its_output_sent_back_become_the_assistant_call_and_the_tool_
         {"type": "function_call_output", "call_id": "call_1", "output": "sunny"}])
     prompt = tokenizer.decode(worker.requests[-1][1])
     assert prompt.startswith("user: weather?\nassistant: \ntool: sunny\n"), prompt
+
+
+QWEN3 = ["<th", "ink>\nThe user", " greets. </thi", "nk>\n\nHello", " there!"]
+
+
+def test_a_reasoning_models_answer_is_a_reasoning_item_then_the_message(tokenizer):
+    info = ModelInfo(served_model_name=MODEL, limits=RequestLimits(vocab_size=len(tokenizer), max_model_len=64,
+                                                                   max_num_seqs=8))
+    service = OpenAIService(tokenizer=tokenizer, info=info, client=ScriptedWorker(tokenizer, QWEN3),
+                            reasoning=PARSERS["qwen3"])
+    with TestClient(build_openai_app(service)) as http:
+        client = openai.OpenAI(base_url="http://testserver/v1", api_key="unused", max_retries=0, http_client=http)
+        r = client.responses.create(model=MODEL, input="hi")
+        events = list(client.responses.create(model=MODEL, input="hi", stream=True))
+    reasoning, message = r.output
+    assert (reasoning.type, reasoning.content[0].text, message.type, r.output_text) == (
+        "reasoning", "\nThe user greets. ", "message", "\n\nHello there!")
+    types = [e.type for e in events]
+    first_text = types.index("response.output_text.delta")
+    assert types[:3] == ["response.created", "response.in_progress", "response.output_item.added"]
+    assert set(types[3:types.index("response.reasoning_text.done")]) == {"response.reasoning_text.delta"}
+    assert types[types.index("response.reasoning_text.done"):first_text] == [
+        "response.reasoning_text.done", "response.output_item.done", "response.output_item.added",
+        "response.content_part.added"]
+    assert types[-1] == "response.completed"
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == "\nThe user greets. "
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == "\n\nHello there!"
+    assert [(i.type, i.status) for i in events[-1].response.output] == [("reasoning", "completed"),
+                                                                      ("message", "completed")]
+
+
+def test_a_failure_after_the_200_is_an_error_event_and_the_response_does_not_complete(service, fake):
+    fake.fail_after_steps = 2
+    with TestClient(build_openai_app(service)) as http:
+        client = openai.OpenAI(base_url="http://testserver/v1", api_key="unused", max_retries=0, http_client=http)
+        events = list(client.responses.create(model=MODEL, input="hi", max_output_tokens=5, stream=True))
+    types = [e.type for e in events]
+    assert types == STREAM_EVENTS + ["response.output_text.delta"] * 2 + ["error"]
+    assert events[-1].code == "internal_error" and events[-1].sequence_number == len(events) - 1
+    assert len(fake.requests) == 1
