@@ -179,6 +179,7 @@ def build_openai_app(service: OpenAIService, *, api_key: str | None = None, body
             return StreamingResponse(sse_typed_stream(shaper.events(service.stream_chunks(prepared))),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        # Built off the loop when big; encoded here: with no logprobs it is a few strings, whatever its length.
         return Response(json_body(shaper.response(await service.run_to_completion(prepared))),
                         media_type="application/json")
 
