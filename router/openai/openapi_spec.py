@@ -141,9 +141,9 @@ def _narrow_responses_request(schemas: dict[str, dict], info: ModelInfo, samplin
     props["instructions"] = _nullable(text, "A system message before the input")
     props["store"] = _nullable({"const": False}, "Only false: this server stores no responses")
     string = {"type": "string"}
+    parts = {"type": "array", "items": {"$ref": _REF.format(model="ResponsesContentPart")}}
     kinds = [("message", {"role": schemas["ResponsesInputItem"]["properties"]["role"]["anyOf"][0],
-                          "content": {"anyOf": [text, {"type": "array",
-                                                       "items": {"$ref": _REF.format(model="ResponsesContentPart")}}]}}),
+                          "content": {"anyOf": [text, parts]}}),
              ("function_call", {"call_id": string, "name": string, "arguments": string}),
              ("function_call_output", {"call_id": string, "output": string})]
     # A message item may leave its type out; the others name theirs.
@@ -252,8 +252,9 @@ def install_schemas(app: FastAPI, info: ModelInfo, *, api_key: bool = False) -> 
     schema is FastAPI's own doing: ``responses`` names its model), and the API key's scheme."""
     components = body_schemas(info)
     _, top = models_json_schema([(m, "serialization") for m in (
-        out.CompletionResponse, out.ChatCompletionResponse, out.ChatCompletionChunk, out.TokenizeResponse, out.DetokenizeResponse,
-        out.ModelList, out.VersionResponse, out.ResponseObject, out.ResponseStreamEvent)], ref_template=_REF)
+        out.CompletionResponse, out.ChatCompletionResponse, out.ChatCompletionChunk, out.TokenizeResponse,
+        out.DetokenizeResponse, out.ModelList, out.VersionResponse, out.ResponseObject, out.ResponseStreamEvent)],
+        ref_template=_REF)
     components.update(top["$defs"])
     generate: Callable[[], dict] = app.openapi
 

@@ -89,7 +89,8 @@ def _append_item(messages: list[dict], i: int, item: ResponsesInputItem) -> None
         raise bad_request(f"{where}: a {item.type} item has no {stray}", f"{where}.{stray}")
     if item.type == "message":
         if item.role is None or item.content is None:
-            raise bad_request(f"{where}: a message needs role and content", f"{where}.{'role' if item.role is None else 'content'}")
+            field = "role" if item.role is None else "content"
+            raise bad_request(f"{where}: a message needs role and content", f"{where}.{field}")
         content = item.content if isinstance(item.content, str) else [
             {"type": "text", "text": part.text} for part in item.content]
         messages.append({"role": item.role, "content": content})

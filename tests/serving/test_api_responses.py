@@ -202,8 +202,8 @@ class ScriptedWorker(FakeWorkerClient):
 @pytest.fixture
 def scripted():
     tokenizer = make_tokenizer()
-    tokenizer.chat_template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-                               "{% if tools %}tools: {{ tools | map(attribute='function.name') | join(',') }}{% endif %}")
+    tokenizer.chat_template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}{% if tools %}"
+                               "tools: {{ tools | map(attribute='function.name') | join(',') }}{% endif %}")
     info = ModelInfo(served_model_name=MODEL, limits=RequestLimits(vocab_size=len(tokenizer), max_model_len=64,
                                                                    max_num_seqs=8))
     worker = ScriptedWorker(tokenizer, CALL)

@@ -115,7 +115,9 @@ class _EventStream:
         yield self.event(final, response=shaper.body(status, self.output, usage))
 
     def _text(self, kind: str, text: str) -> list[dict]:
-        events = [] if self.open is not None and self.open["type"] == kind else self._close("completed") + self._open(kind)
+        events = []
+        if self.open is None or self.open["type"] != kind:
+            events = self._close("completed") + self._open(kind)
         item = self.open
         self.texts[item["id"]] += text
         name = "response.output_text.delta" if kind == "message" else "response.reasoning_text.delta"
