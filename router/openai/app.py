@@ -19,6 +19,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pagefleet.router.metrics import RouterMetrics
+from pagefleet.router.openai import responses_api
 from pagefleet.router.openai.auth import APIKeyMiddleware
 from pagefleet.router.openai.errors import OpenAIError, from_validation_error, install_error_handlers
 from pagefleet.router.openai.http_guards import (
@@ -32,12 +33,14 @@ from pagefleet.router.openai.http_guards import (
 from pagefleet.router.openai.node_metrics import NodeMetricsReader
 from pagefleet.router.openai.openapi_spec import install_schemas, route_docs
 from pagefleet.router.openai.output import response_schema as out
+from pagefleet.router.openai.output.response_events import ResponseShaper
 from pagefleet.router.openai.output.responses import json_body
-from pagefleet.router.openai.output.sse import sse_stream
+from pagefleet.router.openai.output.sse import sse_stream, sse_typed_stream
 from pagefleet.router.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    ResponsesRequest,
     TokenizeRequest,
 )
 from pagefleet.router.openai.service import OpenAIService, PreparedRequest
@@ -55,8 +58,8 @@ Body = TypeVar("Body", bound=BaseModel)
 
 
 # Routes counted by name in pagefleet_http_requests; anything else counts as "other".
-ROUTES = frozenset({"/v1/models", "/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize",
-                    "/health", "/version", "/metrics"})
+ROUTES = frozenset({"/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/responses", "/tokenize",
+                    "/detokenize", "/health", "/version", "/metrics"})
 
 
 class ResponseCounter:
@@ -127,12 +130,15 @@ def build_openai_app(service: OpenAIService, *, api_key: str | None = None, body
     async def list_models() -> dict:
         return service.models()
 
-    async def respond(prepared: PreparedRequest, request: Request, started: float) -> Response:
+    async def admit(prepared: PreparedRequest, request: Request, started: float) -> None:
         service.trace(prepared, request.headers, started)
         client = client_address(request.client.host if request.client is not None else "", request.headers)
         for job in prepared.jobs:  # whose share of a worker's grammar compile queue it takes
             job.client = client
         await service.admit(prepared)
+
+    async def respond(prepared: PreparedRequest, request: Request, started: float) -> Response:
+        await admit(prepared, request, started)
         if prepared.stream:
             return _event_stream(service.stream_chunks(prepared))
         return Response(await service.run_to_completion_json(prepared), media_type="application/json")
@@ -155,6 +161,27 @@ def build_openai_app(service: OpenAIService, *, api_key: str | None = None, body
         service.check_open()
         body = _priority_from_header(await _parse(request, ChatCompletionRequest), request)
         return await respond(await service.chat(body), request, started)
+
+    @app.post("/v1/responses", **route_docs(request=ResponsesRequest, ok=out.ResponseObject,
+                                            events=out.ResponseStreamEvent, errors=generating, api_key=keyed))
+    async def create_response(request: Request) -> Response:
+        started = time.time()
+        service.check_open()
+        body = await _parse(request, ResponsesRequest)
+        chat = _priority_from_header(responses_api.chat_request(body), request)
+        try:
+            prepared = await service.chat(chat)
+        except OpenAIError as exc:
+            raise responses_api.renamed(exc) from None
+        shaper = ResponseShaper(model=service.info.served_model_name, echo=responses_api.echo(body))
+        await admit(prepared, request, started)
+        if prepared.stream:
+            return StreamingResponse(sse_typed_stream(shaper.events(service.stream_chunks(prepared))),
+                                     media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        # Built off the loop when big; encoded here: with no logprobs it is a few strings, whatever its length.
+        return Response(json_body(shaper.response(await service.run_to_completion(prepared))),
+                        media_type="application/json")
 
     @app.post("/tokenize", **route_docs(request=TokenizeRequest, ok=out.TokenizeResponse, errors=reading,
                                         api_key=keyed))

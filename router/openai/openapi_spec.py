@@ -35,6 +35,7 @@ from pagefleet.router.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    ResponsesRequest,
     TokenizeRequest,
 )
 from pagefleet.router.openai.tool_choice import FUNCTION_NAME, MAX_TOOLS
@@ -66,7 +67,7 @@ _ERRORS = {
 def body_schemas(info: ModelInfo) -> dict[str, dict]:
     """Component schemas of the request bodies, narrowed to what this server accepts."""
     _, top = models_json_schema([(m, "validation") for m in (CompletionRequest, ChatCompletionRequest,
-                                                              TokenizeRequest, DetokenizeRequest)],
+                                                              ResponsesRequest, TokenizeRequest, DetokenizeRequest)],
                                 ref_template=_REF)
     schemas = top["$defs"]
     limits = info.limits
@@ -115,6 +116,8 @@ def body_schemas(info: ModelInfo) -> dict[str, dict]:
     schemas["ContentPart"] = {"type": "object", "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
                               "required": ["type", "text"]}
 
+    _narrow_responses_request(schemas, info, sampling, completion_tokens)
+
     tokenize = schemas["TokenizeRequest"]
     tokenize["properties"]["prompt"] = _nullable({"type": "string", **_max_length(info.serving.max_prompt_chars)})
     tokenize["properties"]["messages"] = _nullable({"type": "array", "items": {"$ref": _REF.format(
@@ -123,6 +126,38 @@ def body_schemas(info: ModelInfo) -> dict[str, dict]:
     schemas["DetokenizeRequest"]["properties"]["tokens"] = {"type": "array", "items": token_id,
                                                             "maxItems": limits.max_model_len}
     return schemas
+
+
+def _narrow_responses_request(schemas: dict[str, dict], info: ModelInfo, sampling: dict[str, dict],
+                              completion_tokens: dict) -> None:
+    """/v1/responses: only its declared fields (any other is refused, 400 naming it), each input
+    item with the fields its type needs, ``store`` only false."""
+    body = schemas["ResponsesRequest"]
+    body["additionalProperties"] = False
+    props = body["properties"]
+    props.update({name: sampling[name] for name in ("model", "temperature", "top_p")})
+    props["max_output_tokens"] = _nullable(completion_tokens, "max_tokens of the chat completion it runs as")
+    text = {"type": "string", **_max_length(info.serving.max_prompt_chars)}
+    props["instructions"] = _nullable(text, "A system message before the input")
+    props["store"] = _nullable({"const": False}, "Only false: this server stores no responses")
+    string = {"type": "string"}
+    parts = {"type": "array", "items": {"$ref": _REF.format(model="ResponsesContentPart")}}
+    kinds = [("message", {"role": schemas["ResponsesInputItem"]["properties"]["role"]["anyOf"][0],
+                          "content": {"anyOf": [text, parts]}}),
+             ("function_call", {"call_id": string, "name": string, "arguments": string}),
+             ("function_call_output", {"call_id": string, "output": string})]
+    # A message item may leave its type out; the others name theirs.
+    items = [{"type": "object", "additionalProperties": False, "required": [*fields] + ([] if kind == "message"
+                                                                                       else ["type"]),
+              "properties": {"type": {"const": kind}, **fields, "id": _nullable(string),
+                             "status": _nullable({"enum": ["in_progress", "completed", "incomplete"]})}}
+             for kind, fields in kinds]
+    props["input"] = {"anyOf": [text, {"type": "array", "items": {"anyOf": items}, "minItems": 1,
+                                                         "maxItems": info.serving.max_chat_messages - 1}]}
+    props["tools"] = _nullable({"type": "array", "items": {"$ref": _REF.format(model="ResponsesFunctionTool")},
+                                "maxItems": MAX_TOOLS}, "Function tools, whose names must differ")
+    schemas["ResponsesFunctionTool"]["properties"]["name"] = {"type": "string",
+                                                              "pattern": FUNCTION_NAME.pattern.join("^$")}
 
 
 def _sampling_fields(info: ModelInfo) -> dict[str, dict]:
@@ -178,15 +213,20 @@ def _sampling_fields(info: ModelInfo) -> dict[str, dict]:
 
 def route_docs(*, request: type[BaseModel] | None = None, ok: type[BaseModel] | None = None,
                ok_media: str | None = "application/json", chunk: type[BaseModel] | None = None,
-               errors: tuple[int, ...] = (500,), api_key: bool = False) -> dict[str, Any]:
+               events: type[BaseModel] | None = None, errors: tuple[int, ...] = (500,),
+               api_key: bool = False) -> dict[str, Any]:
     """Keyword arguments for a route decorator: its request body and every response it can give.
-    ``chunk``: the route streams (``stream: true``) events of this shape; ``ok_media`` None: a 200
-    has no body."""
+    ``chunk``: the route streams (``stream: true``) chunks of this shape, then ``[DONE]``;
+    ``events``: it streams named events of this shape instead; ``ok_media`` None: a 200 has no body."""
     content: dict[str, dict] = {}
     if ok_media is not None:
         content[ok_media] = {"schema": _ref(ok) if ok is not None else {"type": "string"}}
     if chunk is not None:
         content["text/event-stream"] = {"itemSchema": _event_schema(chunk)}
+    if events is not None:
+        content["text/event-stream"] = {"itemSchema": {"type": "object", "required": ["event", "data"], "properties": {
+            "event": {"type": "string"},
+            "data": {"type": "string", "contentMediaType": "application/json", "contentSchema": _ref(events)}}}}
     responses: dict[int | str, dict] = {200: {"description": "Success", **({"content": content} if content else {})}}
     for status in sorted({*errors, *((401,) if api_key else ())}):
         responses[status] = {"description": _ERRORS[status], "model": ErrorResponse}
@@ -212,8 +252,9 @@ def install_schemas(app: FastAPI, info: ModelInfo, *, api_key: bool = False) -> 
     schema is FastAPI's own doing: ``responses`` names its model), and the API key's scheme."""
     components = body_schemas(info)
     _, top = models_json_schema([(m, "serialization") for m in (
-        out.CompletionResponse, out.ChatCompletionResponse, out.ChatCompletionChunk, out.TokenizeResponse, out.DetokenizeResponse,
-        out.ModelList, out.VersionResponse)], ref_template=_REF)
+        out.CompletionResponse, out.ChatCompletionResponse, out.ChatCompletionChunk, out.TokenizeResponse,
+        out.DetokenizeResponse, out.ModelList, out.VersionResponse, out.ResponseObject, out.ResponseStreamEvent)],
+        ref_template=_REF)
     components.update(top["$defs"])
     generate: Callable[[], dict] = app.openapi
 

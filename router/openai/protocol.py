@@ -183,6 +183,69 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
 
 
+class _ResponsesBody(_Body):
+    """/v1/responses refuses what it would otherwise ignore: unknown fields are a 400 naming them."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+class ResponsesContentPart(_ResponsesBody):
+    """A text part of a Responses input message (``output_text``: an earlier answer sent back)."""
+
+    type: Literal["input_text", "output_text"]
+    text: str
+
+
+class ResponsesInputItem(_ResponsesBody):
+    """One item of a Responses ``input`` list: a message, or a function call an earlier answer
+    made and its output, sent back in the conversation."""
+
+    type: Literal["message", "function_call", "function_call_output"] = "message"
+    role: Literal["system", "developer", "user", "assistant"] | None = None  # messages'
+    content: str | list[ResponsesContentPart] | None = None  # messages'
+    call_id: str | None = None  # function_call's and function_call_output's
+    name: str | None = None  # function_call's
+    arguments: str | None = None  # function_call's
+    output: str | None = None  # function_call_output's
+    id: str | None = None  # the item id an earlier answer gave it (not read)
+    status: Literal["in_progress", "completed", "incomplete"] | None = None  # likewise
+
+
+class ResponsesFunctionTool(_ResponsesBody):
+    """A Responses function tool: the chat API's function definition, one level up."""
+
+    type: Literal["function"]
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ResponsesToolChoiceFunction(_ResponsesBody):
+    type: Literal["function"]
+    name: str
+
+
+class ResponsesRequest(_Body):
+    """``POST /v1/responses``: run as a chat completion (``responses_api``). Nothing is stored, so
+    ``store: true``, ``previous_response_id`` and ``background`` are refused; so is any field not
+    declared here (kept in ``model_extra`` to be named in the 400)."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    model: str | None = None
+    input: str | list[ResponsesInputItem]
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: bool = False
+    tools: list[ResponsesFunctionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | ResponsesToolChoiceFunction | None = None
+    parallel_tool_calls: bool | None = None
+    store: bool | None = None
+
+
 class TokenizeRequest(_Body):
     """vLLM's /tokenize: either ``prompt`` (completion style) or ``messages`` (chat style)."""
 

@@ -17,6 +17,7 @@ GOOD = {"Authorization": f"Bearer {KEY}"}
 BODIES = {
     "/v1/completions": {"prompt": "hi", "max_tokens": 2},
     "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+    "/v1/responses": {"input": "hi", "max_output_tokens": 2},
     "/tokenize": {"prompt": "hi"},
     "/detokenize": {"tokens": [5, 6]},
 }
@@ -53,7 +54,7 @@ def test_every_route_needs_the_key_but_the_probes(keyed, fake):
     routes = _routes(app)
     paths = {p for _, p in routes}
     # the walk covers the API, FastAPI's schema and docs, and the three open probes
-    assert {"/v1/models", "/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize",
+    assert {"/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/responses", "/tokenize", "/detokenize",
             "/openapi.json", "/docs", "/health", "/version", "/metrics"} <= paths
     for method, path in routes:
         url = prefix + path
@@ -68,7 +69,7 @@ def test_every_route_needs_the_key_but_the_probes(keyed, fake):
             assert r.json()["error"]["code"] == "invalid_api_key"
             assert r.headers["WWW-Authenticate"] == "Bearer"
         assert with_key.status_code == 200, (method, url, with_key.text)
-    assert len(fake.requests) == 2  # one completions and one chat request, both with the key
+    assert len(fake.requests) == 3  # one completions, one chat and one responses request, each with the key
 
 
 @pytest.mark.parametrize("path", [

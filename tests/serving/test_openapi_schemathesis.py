@@ -34,7 +34,8 @@ from serving_fakes import MAX_MODEL_LEN, MODEL, FakeWorkerClient
 API_KEY = "schemathesis-test-key"
 MAX_EXAMPLES = 30  # per operation and phase; the whole run takes about 15 s on 2 busy cores
 SEED = 20261130
-OPERATIONS = {"GET /v1/models", "POST /v1/completions", "POST /v1/chat/completions", "POST /tokenize",
+OPERATIONS = {"GET /v1/models", "POST /v1/completions", "POST /v1/chat/completions", "POST /v1/responses",
+              "POST /tokenize",
               "POST /detokenize", "GET /health", "GET /version", "GET /metrics"}
 
 

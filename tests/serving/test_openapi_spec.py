@@ -90,3 +90,23 @@ def test_a_prompt_that_does_not_fit_is_context_length_exceeded(client, fake, bod
     error = r.json()["error"]
     assert (error["param"], error["code"]) == (param, "context_length_exceeded")
     assert fake.requests == []
+
+
+def test_responses_documents_its_body_its_answer_and_its_named_events(service, info):
+    schema = _schema(service)
+    post = schema["paths"]["/v1/responses"]["post"]
+    assert post["requestBody"]["content"]["application/json"]["schema"] == {
+        "$ref": "#/components/schemas/ResponsesRequest"}
+    ok = post["responses"]["200"]["content"]
+    assert ok["application/json"]["schema"] == {"$ref": "#/components/schemas/ResponseObject"}
+    assert ok["text/event-stream"]["itemSchema"]["required"] == ["event", "data"]
+    body = schema["components"]["schemas"]["ResponsesRequest"]
+    assert body["additionalProperties"] is False  # anything else is refused, naming it
+    assert body["properties"]["store"]["anyOf"][0] == {"const": False}
+    tokens = body["properties"]["max_output_tokens"]["anyOf"][0]
+    assert (tokens["minimum"], tokens["maximum"]) == (1, info.limits.max_model_len - 1)
+    items = body["properties"]["input"]["anyOf"][1]["items"]["anyOf"]
+    assert [item["required"] for item in items] == [["role", "content"], ["call_id", "name", "arguments", "type"],
+                                                    ["call_id", "output", "type"]]
+    answer = schema["components"]["schemas"]["ResponseObject"]
+    assert answer["properties"]["status"]["enum"] == ["in_progress", "completed", "incomplete"]

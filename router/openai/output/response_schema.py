@@ -155,3 +155,101 @@ class ChatCompletionChunk(_Shape):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None  # null in every chunk but the last with include_usage
+
+
+# ---- /v1/responses (built by ``response_events``) ------------------------------------------
+
+class OutputText(_Shape):
+    type: Literal["output_text"]
+    text: str
+    annotations: list[None]  # none: pagefleet cites nothing
+    logprobs: list[None]  # none: logprobs are not offered on /v1/responses
+
+
+class ReasoningText(_Shape):
+    type: Literal["reasoning_text"]
+    text: str
+
+
+ItemStatus = Literal["in_progress", "completed", "incomplete"]
+
+
+class OutputMessage(_Shape):
+    type: Literal["message"]
+    id: str
+    status: ItemStatus
+    role: Literal["assistant"]
+    content: list[OutputText]
+
+
+class OutputReasoning(_Shape):
+    type: Literal["reasoning"]
+    id: str
+    summary: list[None]
+    content: list[ReasoningText]
+    status: ItemStatus
+
+
+class OutputFunctionCall(_Shape):
+    type: Literal["function_call"]
+    id: str
+    call_id: str
+    name: str
+    arguments: str  # JSON text
+    status: ItemStatus
+
+
+class ResponseUsage(_Shape):
+    input_tokens: int
+    input_tokens_details: PromptTokensDetails
+    output_tokens: int
+    output_tokens_details: dict[Literal["reasoning_tokens"], int]
+    total_tokens: int
+
+
+class IncompleteDetails(_Shape):
+    reason: Literal["max_output_tokens"]
+
+
+class ResponseTool(_Shape):
+    type: Literal["function"]
+    name: str
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class ResponseObject(_Shape):
+    """A ``/v1/responses`` answer, and the ``response`` of its first and last stream events."""
+
+    id: str
+    object: Literal["response"]
+    created_at: int
+    status: Literal["in_progress", "completed", "incomplete"]
+    error: None
+    incomplete_details: IncompleteDetails | None
+    model: str
+    output: list[OutputMessage | OutputReasoning | OutputFunctionCall]
+    usage: ResponseUsage | None  # None until the response ends
+    store: Literal[False]
+    background: Literal[False]
+    truncation: Literal["disabled"]
+    text: dict[Literal["format"], dict[Literal["type"], Literal["text"]]]
+    metadata: None
+    instructions: str | None
+    max_output_tokens: int | None
+    temperature: float | None
+    top_p: float | None
+    tools: list[ResponseTool]
+    tool_choice: Literal["none", "auto", "required"] | dict[str, str]
+    parallel_tool_calls: bool
+
+
+class ResponseStreamEvent(BaseModel):
+    """One event of a streamed ``/v1/responses``: its ``type`` (also the SSE event's name) says
+    which other fields it has (``response``, ``item``, ``part``, ``delta``, ``text``, ...)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: str
+    sequence_number: int

@@ -37,3 +37,10 @@ async def sse_stream(chunks: AsyncIterator[dict]) -> AsyncIterator[bytes]:
             await close()
     yield DONE
 
+
+
+async def sse_typed_stream(events: AsyncIterator[dict]) -> AsyncIterator[bytes]:
+    """The Responses API's events: each named by an ``event:`` line (its ``type``), and no
+    ``[DONE]`` (the last event says the response ended). ``events`` reports its own errors."""
+    async for payload in events:
+        yield b"event: " + payload["type"].encode() + b"\n" + sse_event(payload)
