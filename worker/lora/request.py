@@ -31,6 +31,15 @@ class LoRARequest:
 
 
 @dataclass(frozen=True, slots=True)
+class LoRAConfig:
+    """The engine's LoRA limits, as a runner takes them (``EngineArgs``' options)."""
+
+    max_loras: int
+    max_lora_rank: int
+    max_cpu_loras: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class LoRAModulePath:
     """One ``--lora-modules`` entry: an adapter served under ``name`` from ``path``;
     ``base_model_name`` is the parent /v1/models lists (default: the served model)."""

@@ -12,6 +12,7 @@ from typing import Protocol
 import torch
 
 from pagefleet.worker.engine_args import EngineArgs
+from pagefleet.worker.lora.request import LoRAConfig, LoRARequest
 from pagefleet.worker.model_executor.model_config import ModelConfig
 from pagefleet.worker.model_executor.model_runner import ModelRunner, StepInput
 from pagefleet.worker.model_executor.platform import platform_for
@@ -35,6 +36,9 @@ class Executor(Protocol):
 
     def execute(self, step: StepInput, prev_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
         """Forward one step on every rank; the sampling rows' fp32 logits [S, vocab]."""
+
+    def add_lora(self, request: LoRARequest) -> None:
+        """Register and load a LoRA adapter on every rank (a ValueError names what is wrong with it)."""
 
     def check_health(self) -> None:
         """Raise if a rank died or hung, even while the engine is idle."""
@@ -65,6 +69,12 @@ class UniProcExecutor:
     def execute(self, step: StepInput, prev_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
         return self._runner().execute(step, prev_tokens)
 
+    def add_lora(self, request: LoRARequest) -> None:
+        runner = self._runner()
+        if isinstance(runner, ModelRunner):
+            runner.add_lora(request)
+        # the simulated GPU computes nothing: an adapter changes no step's time there
+
     def decode_greedy(self, steps: list[StepInput]):
         """Several greedy decode steps in one go (``ModelRunner.decode_greedy``); None where the
         runner cannot. One rank only: a tensor-parallel executor has no such method."""
@@ -89,11 +99,21 @@ def make_executor(cfg: ModelConfig, args: EngineArgs, device: torch.device) -> E
     if args.simulate is not None:
         # The simulated GPU computes nothing: one runner stands for every rank of the replica.
         return UniProcExecutor(SimulatedModelRunner(cfg, args))
+    if args.enable_lora and args.tensor_parallel_size > 1:
+        # TP ranks would need the adapters registered through their actors and each step's
+        # lora_ids on the step wire; the layers already shard adapters as their base layers.
+        raise ValueError("enable_lora runs on one rank (tensor_parallel_size 1) for now")
     if args.tensor_parallel_size == 1:
         platform_for(device).set_compute_threads(args)
         return UniProcExecutor(ModelRunner(cfg, SINGLE, device, args.load_format, args.seed, args.enforce_eager,
                                            args.max_num_seqs, args.max_num_batched_tokens,
-                                           kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization))
+                                           kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
+                                           lora=lora_config_of(args)))
     from pagefleet.worker.parallel.tp_executor import TPExecutor
 
     return TPExecutor(cfg, args, device)
+
+
+def lora_config_of(args: EngineArgs) -> LoRAConfig | None:
+    """The runner's LoRA limits (None: LoRA is off)."""
+    return LoRAConfig(args.max_loras, args.max_lora_rank, args.max_cpu_loras) if args.enable_lora else None
