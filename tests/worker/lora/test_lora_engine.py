@@ -5,11 +5,12 @@ with prefix caching on; the adapter is part of the block hash."""
 from __future__ import annotations
 
 import pytest
-from lora_helpers import ADAPTERS, peft_greedy, write_adapter
 
 from pagefleet.worker import LLM, SamplingParams
 from pagefleet.worker.core.block_hash import block_hashes, extra_keys_digest
 from pagefleet.worker.lora.request import LoRARequest
+
+from lora_helpers import ADAPTERS, peft_greedy, write_adapter
 
 MAX_NEW = 10
 
