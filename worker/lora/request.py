@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pagefleet.worker.engine_args import EngineArgs
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +40,11 @@ class LoRAConfig:
     max_loras: int
     max_lora_rank: int
     max_cpu_loras: int | None = None
+
+    @classmethod
+    def of(cls, args: EngineArgs) -> LoRAConfig | None:
+        """The engine options' LoRA limits (None: LoRA is off)."""
+        return cls(args.max_loras, args.max_lora_rank, args.max_cpu_loras) if args.enable_lora else None
 
 
 @dataclass(frozen=True, slots=True)

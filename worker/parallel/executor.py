@@ -99,21 +99,13 @@ def make_executor(cfg: ModelConfig, args: EngineArgs, device: torch.device) -> E
     if args.simulate is not None:
         # The simulated GPU computes nothing: one runner stands for every rank of the replica.
         return UniProcExecutor(SimulatedModelRunner(cfg, args))
-    if args.enable_lora and args.tensor_parallel_size > 1:
-        # TP ranks would need the adapters registered through their actors and each step's
-        # lora_ids on the step wire; the layers already shard adapters as their base layers.
-        raise ValueError("enable_lora runs on one rank (tensor_parallel_size 1) for now")
     if args.tensor_parallel_size == 1:
         platform_for(device).set_compute_threads(args)
         return UniProcExecutor(ModelRunner(cfg, SINGLE, device, args.load_format, args.seed, args.enforce_eager,
                                            args.max_num_seqs, args.max_num_batched_tokens,
                                            kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
-                                           lora=lora_config_of(args)))
+                                           lora=LoRAConfig.of(args)))
     from pagefleet.worker.parallel.tp_executor import TPExecutor
 
     return TPExecutor(cfg, args, device)
 
-
-def lora_config_of(args: EngineArgs) -> LoRAConfig | None:
-    """The runner's LoRA limits (None: LoRA is off)."""
-    return LoRAConfig(args.max_loras, args.max_lora_rank, args.max_cpu_loras) if args.enable_lora else None

@@ -33,9 +33,15 @@ def write_adapter(base: Path, out: Path, r: int, alpha: int, rslora: bool, targe
     return out
 
 
-@functools.lru_cache(maxsize=64)
 def peft_greedy(base: str, adapter: str | None, prompt_ids: tuple[int, ...], max_new_tokens: int) -> list[int]:
     """transformers (+ PEFT's adapter, unmerged) greedy continuation, EOS treated as any token."""
+    return peft_greedy_top5(base, adapter, prompt_ids, max_new_tokens)[0]
+
+
+@functools.lru_cache(maxsize=64)
+def peft_greedy_top5(base: str, adapter: str | None, prompt_ids: tuple[int, ...],
+                     max_new_tokens: int) -> tuple[list[int], list[set[int]]]:
+    """``peft_greedy``, and each step's top-5 ids (DESIGN.md's criterion)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
@@ -44,8 +50,10 @@ def peft_greedy(base: str, adapter: str | None, prompt_ids: tuple[int, ...], max
 
         model = PeftModel.from_pretrained(model, adapter).eval()
     ids = list(prompt_ids)
+    top5 = []
     with torch.no_grad():
         for _ in range(max_new_tokens):  # no KV cache: the plainest reference
             logits = model(input_ids=torch.tensor([ids])).logits[0, -1]
+            top5.append(set(logits.topk(5).indices.tolist()))
             ids.append(int(logits.argmax()))
-    return ids[len(prompt_ids):]
+    return ids[len(prompt_ids):], top5
