@@ -151,6 +151,13 @@ class LLMEngine:
             self.executor.add_lora(request)
             self.loras[request.lora_int_id] = request
 
+    def lora_named(self, name: str) -> LoRARequest:
+        """The registered adapter served as ``name``; an InvalidRequest (404-like, on ``model``) if none."""
+        request = next((r for r in self.loras.values() if r.lora_name == name), None)
+        if request is None:
+            raise InvalidRequest(f"no LoRA adapter named {name!r} is loaded on this worker", "model")
+        return request
+
     # ---- requests -------------------------------------------------------------------------
 
     def check(self, prompt_token_ids: list[int], params: SamplingParams, block_hashes: bytes = b"",
