@@ -140,8 +140,9 @@ class EngineArgs:
                                            "compressed-tensors layout loads as it is, with or without this flag")
     enable_lora: bool = option(False, help="serve LoRA adapters beside the base model, as vLLM's flag: a step "
                                            "batches requests for several adapters and the base model (PEFT "
-                                           "checkpoints over q/k/v/o/gate/up/down projections). One rank, no "
-                                           "CUDA graphs (the engine runs eagerly with it)")
+                                           "checkpoints over q/k/v/o/gate/up/down projections; adapters shard "
+                                           "over tensor-parallel ranks as their layers do). No CUDA graphs: "
+                                           "the engine runs eagerly with it")
     max_loras: int = option(1, metavar="N", help="adapters in one step (GPU slots), as vLLM's flag: requests for "
                                                  "more wait until an adapter's requests end")
     max_lora_rank: int = option(16, metavar="R", help="the largest adapter rank served, as vLLM's flag; an "

@@ -4,7 +4,7 @@ ask for them.
 
 The engine registers each adapter once (``add_lora``: read and checked then, so a bad adapter is
 refused when it is added, not in a step); a step names each row's adapter by ``lora_int_id``
-(``StepInput.lora_ids``), and ``segments`` puts those adapters in slots and groups the rows.
+(``StepInput.lora_ids``), and ``mapping`` puts those adapters in slots and sorts the rows by adapter.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from pagefleet.worker.lora.adapter import TARGETS, LoRAAdapter, load_adapter
-from pagefleet.worker.lora.layers import LoRABatch, LoRALinear, LoRASegment
+from pagefleet.worker.lora.layers import LoRABatch, LoRALinear, LoRAMapping
 from pagefleet.worker.lora.request import LoRARequest
 
 if TYPE_CHECKING:
@@ -39,6 +39,7 @@ class LoRAManager:
         self.known: dict[int, LoRARequest] = {}           # every adapter registered, by lora_int_id
         self.host: OrderedDict[int, LoRAAdapter] = OrderedDict()  # loaded adapters, least recently used first
         self.slots: OrderedDict[int, int] = OrderedDict()  # lora_int_id -> GPU slot, least recently used first
+        self.host_scaling: dict[int, float] = {}  # lora_int_id -> its adapter's scaling, once read
 
     def _attach(self, model: LlamaForCausalLM) -> None:
         """A LoRA layer beside each projection of every layer (a mixture-of-experts layer's experts
@@ -83,6 +84,7 @@ class LoRAManager:
         if self.known.pop(lora_int_id, None) is None:
             return False
         self.host.pop(lora_int_id, None)
+        self.host_scaling.pop(lora_int_id, None)
         slot = self.slots.pop(lora_int_id, None)
         if slot is not None:
             for linear in self.linears.values():
@@ -103,24 +105,32 @@ class LoRAManager:
 
     def _keep_on_host(self, lora_int_id: int, adapter: LoRAAdapter) -> None:
         self.host[lora_int_id] = adapter
+        self.host_scaling[lora_int_id] = adapter.scaling
         self.host.move_to_end(lora_int_id)
         while len(self.host) > self.max_cpu_loras:
             self.host.popitem(last=False)
 
     # ---- a step -------------------------------------------------------------------------------
 
-    def segments(self, lora_ids: list[int | None], query_start_loc: list[int]) -> list[LoRASegment]:
+    def mapping(self, lora_ids: list[int | None], query_start_loc: list[int]) -> LoRAMapping:
         """Slot every adapter the step's rows name (``lora_ids``: one per sequence row, None for the
-        base model) and group the token rows by adapter."""
+        base model) and sort the token rows into one segment per adapter."""
         rows: dict[int, list[int]] = {}
         for i, lora_int_id in enumerate(lora_ids):
             if lora_int_id is not None:
                 rows.setdefault(lora_int_id, []).extend(range(query_start_loc[i], query_start_loc[i + 1]))
         if len(rows) > self.max_loras:
             raise ValueError(f"a step names {len(rows)} LoRA adapters; max_loras is {self.max_loras}")
-        slots = {lora_int_id: self._slot(lora_int_id, keep=rows) for lora_int_id in rows}
-        return [LoRASegment(slots[lora_int_id], torch.tensor(r, dtype=torch.int64, device=self.device))
-                for lora_int_id, r in rows.items()]
+        order: list[int] = []
+        scalings: list[float] = []
+        segments = []
+        for lora_int_id, seg_rows in rows.items():
+            slot = self._slot(lora_int_id, keep=rows)
+            segments.append((slot, len(order), len(order) + len(seg_rows)))
+            order.extend(seg_rows)
+            scalings.extend([self.host_scaling[lora_int_id]] * len(seg_rows))
+        return LoRAMapping(torch.tensor(order, dtype=torch.int64, device=self.device),
+                           torch.tensor(scalings, dtype=self.dtype, device=self.device).unsqueeze(1), segments)
 
     def _slot(self, lora_int_id: int, keep: dict[int, list[int]]) -> int:
         """The GPU slot of an adapter, loading it into a free one or the least recently used one

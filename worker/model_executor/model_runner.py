@@ -217,8 +217,8 @@ class ModelRunner:
             return run.graphs.run(step, run.size, prev_tokens)
         input_ids, positions, meta, logits_indices = self._eager_tensors(step, prev_tokens)
         if step.lora_ids:
-            segments = self._lora().segments(step.lora_ids, step.query_start_loc)
-            with self.lora_manager.batch.step(segments):
+            mapping = self._lora().mapping(step.lora_ids, step.query_start_loc)
+            with self.lora_manager.batch.step(mapping):
                 hidden = self.model(input_ids, positions, meta, self.kv_caches)
         else:
             hidden = self.model(input_ids, positions, meta, self.kv_caches)
