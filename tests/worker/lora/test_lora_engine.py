@@ -89,3 +89,28 @@ def test_more_adapters_than_slots_wait_their_turn(base, adapters):
     assert [o.outputs[0].token_ids for o in outs] == refs
     assert len(llm.engine.executor.runner.lora_manager.slots) == 1
     assert len(llm.engine.executor.runner.lora_manager.host) == 1  # max_cpu_loras defaults to max_loras
+
+
+@pytest.mark.parametrize("what, engine", [
+    # 10 blocks of 16 tokens cannot hold the batch to its end: sequences are preempted and
+    # recomputed, under their own adapters; a 7-token budget chunks every prompt.
+    ("preemption and chunked prefill", dict(kv_cache_bytes=10 * 2 * 2 * 16 * 2 * 32 * 4, max_num_batched_tokens=7,
+                                            enable_prefix_caching=False, max_model_len=128)),
+    # A step launched before the last one's tokens reach the host keeps each row's adapter.
+    ("async scheduling", dict(kv_cache_bytes=32 << 20, async_output_proc=True, async_scheduling=True)),
+])
+def test_adapters_survive_preemption_chunking_and_async_scheduling(base, adapters, what, engine):
+    llm = LLM(model=str(base), dtype="float32", enable_lora=True, max_loras=3, max_lora_rank=8, **engine)
+    loras = _requests(adapters)
+    shared, others = _prompts(llm.tokenizer)
+    batch = [(shared, loras["sql"]), (others[2], loras["chat"]), (others[1], None), (shared, loras["code"]),
+             (others[2], loras["sql"]), (others[0], None)]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p, _ in batch], params, lora_request=[lora for _, lora in batch])
+    refs = [peft_greedy(str(base), None if lora is None else str(adapters[lora.lora_name]), tuple(p), 24)
+            for p, lora in batch]
+    assert [o.outputs[0].token_ids for o in outs] == refs, what
+    stats = llm.engine.stats()
+    if what.startswith("preemption"):
+        assert llm.engine.pool.num_blocks == 10 and stats.num_preemptions > 0
+    assert stats.num_free_blocks == stats.num_total_blocks
