@@ -11,7 +11,7 @@ from pagefleet.kernels.ops import AttentionPlanner, AttentionSpec, no_plan
 from pagefleet.worker.core.kv_cache_sizing import DEFAULT_CPU_KV_CACHE_BYTES, gpu_kv_budget, kv_bytes_per_block
 from pagefleet.worker.engine_args import DEFAULT_GPU_MEMORY_UTILIZATION
 from pagefleet.worker.lora.manager import LoRAManager
-from pagefleet.worker.lora.request import LoRAConfig
+from pagefleet.worker.lora.request import LoRAConfig, LoRARequest
 from pagefleet.worker.model_executor.cuda_graphs import DecodeGraphs, PrefillGraphs, StepGraphs, capture_graphs
 from pagefleet.worker.model_executor.loader import load_model
 from pagefleet.worker.model_executor.model import AttentionMetadata
@@ -229,6 +229,6 @@ class ModelRunner:
             raise ValueError("a step names LoRA adapters, but LoRA is not enabled (enable_lora)")
         return self.lora_manager
 
-    def add_lora(self, request) -> None:
+    def add_lora(self, request: LoRARequest) -> None:
         """Register and load a LoRA adapter (``LoRAManager.add_lora``)."""
         self._lora().add_lora(request)

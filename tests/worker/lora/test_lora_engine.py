@@ -114,3 +114,30 @@ def test_adapters_survive_preemption_chunking_and_async_scheduling(base, adapter
     if what.startswith("preemption"):
         assert llm.engine.pool.num_blocks == 10 and stats.num_preemptions > 0
     assert stats.num_free_blocks == stats.num_total_blocks
+
+
+def test_gpu_slots_are_reused_least_recently_used_first_and_never_from_the_step(base, adapters):
+    llm = LLM(model=str(base), dtype="float32", kv_cache_bytes=16 << 20, enable_lora=True, max_loras=2,
+              max_lora_rank=8, max_cpu_loras=3)
+    for request in _requests(adapters).values():
+        llm.engine.add_lora(request)
+    manager = llm.engine.executor.runner.lora_manager
+    qkv = llm.engine.executor.runner.model.layers[0].self_attn.qkv_proj.lora
+
+    def slots_after(*ids):
+        mapping = manager.mapping(list(ids), list(range(len(ids) + 1)))
+        return dict(manager.slots), mapping
+
+    assert slots_after(1)[0] == {1: 0}
+    assert slots_after(2, None)[0] == {1: 0, 2: 1}
+    slots, mapping = slots_after(3, None, 2)  # 1 is the least recently used: 3 takes its slot
+    assert slots == {2: 1, 3: 0}
+    assert mapping.rows.tolist() == [0, 2] and mapping.segments == [(0, 0, 1), (1, 1, 2)]
+    # code: lora_alpha / r; chat: rsLoRA's lora_alpha / sqrt(r) (fp32)
+    assert mapping.scalings.flatten().tolist() == pytest.approx([4 / 2, 16 / 8 ** 0.5], rel=1e-7)
+    assert slots_after(1, 3)[0] == {3: 0, 1: 1}  # 2 goes, not 3, which this step uses too
+    with pytest.raises(ValueError, match="a step names 3 LoRA adapters; max_loras is 2"):
+        manager.mapping([1, 2, 3], [0, 1, 2, 3])
+    assert manager.remove_lora(1) and not manager.remove_lora(1)
+    assert qkv.scalings[1] is None and not qkv.lora_a[1].any() and not qkv.lora_b[1].any()
+    assert list(manager.slots) == [3] and 1 not in manager.host
