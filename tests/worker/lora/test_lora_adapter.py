@@ -140,3 +140,17 @@ def test_no_cache_salt_poses_as_an_adapter():
     assert extra_keys_digest((), "sql") != extra_keys_digest(("sql",))
     assert extra_keys_digest((), "sql") != extra_keys_digest(())
     assert extra_keys_digest(("t",), "sql") != extra_keys_digest(("t",), "chat")
+
+
+def test_an_expert_layer_takes_no_lora(tiny_checkpoint, good, tmp_path):
+    """Qwen3-MoE's layer 0 has experts, not gate/up/down projections: an adapter targeting them
+    there is refused (layer 1 is dense and would take it)."""
+    llm = LLM(model=str(tiny_checkpoint("qwen3_moe")), dtype="float32", kv_cache_bytes=16 << 20, enable_lora=True,
+              max_lora_rank=8)
+    path = _copy(good, tmp_path)
+    _edit_weights(path, lambda t: t.update({
+        "base_model.model.model.layers.0.mlp.gate_proj.lora_A.weight": torch.zeros(4, 128),
+        "base_model.model.model.layers.0.mlp.gate_proj.lora_B.weight": torch.zeros(96, 4)}))
+    _refused(llm, path, r"targets gate_proj of layer 0, which the model lacks")
+    manager = llm.engine.executor.runner.lora_manager
+    assert (1, "gate_proj") in manager.shapes and (0, "gate_proj") not in manager.shapes
