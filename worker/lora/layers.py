@@ -3,7 +3,7 @@
 A linear that takes LoRA holds a ``LoRALinear`` (``lora``); after its own product it calls
 ``lora.add_to(x, y)``, which adds, for each adapter in the step, ``(x_s @ A.T) @ B.T * scaling``
 to the rows ``s`` that adapter's sequences own (the shrink and the expand, as PEFT computes them).
-This is the PyTorch path: one gather and one scatter-add per linear, two small matmuls per
+This is the PyTorch path: one gather and one add back per linear, two small matmuls per
 adapter segment; a kernel over all segments at once (Triton, and a CPU one) is a later step.
 
 Sharding follows the base layer: a column-parallel linear holds B's rows of its output shard
