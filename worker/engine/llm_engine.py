@@ -92,6 +92,9 @@ class LLMEngine:
         self._in_flight: InFlight | None = None  # what the last step handed the next
         self.prompt_tokens_total = 0
         self.loras: dict[int, LoRARequest] = {}  # adapters registered on every rank, by lora_int_id
+        # Every adapter name ever served, with its path: the prefix cache keys blocks by name, so a
+        # name never comes back with other weights while blocks cached under it may live.
+        self._lora_paths: dict[str, str] = {}
         try:
             for i, module in enumerate(args.lora_modules or (), start=1):
                 self.add_lora(LoRARequest(module.name, i, module.path, module.base_model_name))
@@ -147,9 +150,33 @@ class LLMEngine:
         if same_name is not None and same_name.lora_int_id != request.lora_int_id:
             raise ValueError(f"LoRA adapter {request.lora_name!r} is registered with lora_int_id "
                              f"{same_name.lora_int_id} already")
+        served = self._lora_paths.get(request.lora_name)
+        if served is not None and served != request.lora_path:
+            raise ValueError(f"LoRA adapter {request.lora_name!r} was served from {served}; its name cannot "
+                             f"name {request.lora_path} in this engine (its cached KV blocks are keyed by name)")
         if known is None:
             self.executor.add_lora(request)
             self.loras[request.lora_int_id] = request
+            self._lora_paths[request.lora_name] = request.lora_path
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter on every rank; whether it was registered. A ValueError while a
+        request (running or waiting) still runs with it."""
+        request = self.loras.get(lora_int_id)
+        if request is None:
+            return False
+        holders = [rid for rid, seqs in self.requests.items()
+                   if any(s.lora_request is not None and s.lora_request.lora_int_id == lora_int_id for s in seqs)]
+        if holders:
+            raise ValueError(f"LoRA adapter {request.lora_name!r} is in use by {len(holders)} request(s), e.g. "
+                             f"{holders[0]!r}")
+        self.executor.remove_lora(lora_int_id)
+        del self.loras[lora_int_id]
+        return True
+
+    def list_loras(self) -> list[LoRARequest]:
+        """The registered adapters, by lora_int_id."""
+        return [self.loras[i] for i in sorted(self.loras)]
 
     def lora_named(self, name: str) -> LoRARequest:
         """The registered adapter served as ``name``; an InvalidRequest (404-like, on ``model``) if none."""

@@ -232,3 +232,6 @@ class ModelRunner:
     def add_lora(self, request: LoRARequest) -> None:
         """Register and load a LoRA adapter (``LoRAManager.add_lora``)."""
         self._lora().add_lora(request)
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        self._lora().remove_lora(lora_int_id)

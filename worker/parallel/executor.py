@@ -40,6 +40,9 @@ class Executor(Protocol):
     def add_lora(self, request: LoRARequest) -> None:
         """Register and load a LoRA adapter on every rank (a ValueError names what is wrong with it)."""
 
+    def remove_lora(self, lora_int_id: int) -> None:
+        """Forget a LoRA adapter on every rank (its GPU slot and host copy)."""
+
     def check_health(self) -> None:
         """Raise if a rank died or hung, even while the engine is idle."""
 
@@ -74,6 +77,11 @@ class UniProcExecutor:
         if isinstance(runner, ModelRunner):
             runner.add_lora(request)
         # the simulated GPU computes nothing: an adapter changes no step's time there
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        runner = self._runner()
+        if isinstance(runner, ModelRunner):
+            runner.remove_lora(lora_int_id)
 
     def decode_greedy(self, steps: list[StepInput]):
         """Several greedy decode steps in one go (``ModelRunner.decode_greedy``); None where the

@@ -10,7 +10,7 @@ payload: ``[T, B, S, L, input_ids(T), positions(T), slot_mapping(T), query_start
 seq_lens(B), logits_indices(S), block_table_lens(B), block_tables(sum of lens), lora_ids(L)]``,
 where L is 0 (no LoRA row) or B, and a row of the base model is 0 there (adapter ids are >= 1).
 An adapter to register (``ADD_LORA``) is ``[lora_int_id, name bytes N, path bytes P, name(N),
-path(P)]``, each UTF-8 byte one value.
+path(P)]``, each UTF-8 byte one value; one to forget (``REMOVE_LORA``) is ``[lora_int_id]``.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from pagefleet.worker.model_executor.step_input import StepInput
 STOP = 0
 STEP = 1
 ADD_LORA = 2
+REMOVE_LORA = 3
 _HEADER_LEN = 2
 
 
@@ -101,22 +102,31 @@ def broadcast_add_lora(request: LoRARequest, group) -> None:
     dist.broadcast(payload, _src(group), group=group)
 
 
+def broadcast_remove_lora(lora_int_id: int, group) -> None:
+    """Rank 0: have every rank of ``group`` forget an adapter (``ModelRunner.remove_lora``)."""
+    dist.broadcast(torch.tensor([REMOVE_LORA, 1], dtype=torch.int64), _src(group), group=group)
+    dist.broadcast(torch.tensor([lora_int_id], dtype=torch.int64), _src(group), group=group)
+
+
 def broadcast_stop(group) -> None:
     """Rank 0: tell the receive loops to return."""
     dist.broadcast(torch.tensor([STOP, 0], dtype=torch.int64), _src(group), group=group)
 
 
-def receive_step(group) -> StepInput | LoRARequest | None:
-    """Ranks 1..N-1: the next step or adapter to register from rank 0, or None when rank 0 says stop."""
+def receive_step(group) -> StepInput | LoRARequest | int | None:
+    """Ranks 1..N-1: the next step from rank 0, an adapter to register, the lora_int_id of one to
+    forget, or None when rank 0 says stop."""
     header = torch.empty(_HEADER_LEN, dtype=torch.int64)
     dist.broadcast(header, _src(group), group=group)
     command, length = header.tolist()
     if command == STOP:
         return None
-    if command not in (STEP, ADD_LORA):
+    if command not in (STEP, ADD_LORA, REMOVE_LORA):
         raise ValueError(f"unknown command {command} from tensor-parallel rank 0")
     payload = torch.empty(length, dtype=torch.int64)
     dist.broadcast(payload, _src(group), group=group)
+    if command == REMOVE_LORA:
+        return int(payload[0])
     return unpack_step(payload) if command == STEP else unpack_lora(payload)
 
 

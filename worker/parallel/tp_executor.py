@@ -35,7 +35,12 @@ from pagefleet.worker.parallel.distributed import (
     init_process_groups,
     rendezvous_host,
 )
-from pagefleet.worker.parallel.step_wire import broadcast_add_lora, broadcast_step, broadcast_stop
+from pagefleet.worker.parallel.step_wire import (
+    broadcast_add_lora,
+    broadcast_remove_lora,
+    broadcast_step,
+    broadcast_stop,
+)
 from pagefleet.worker.parallel.tp_placement import Placement, acquire_placement, ensure_ray
 from pagefleet.worker.parallel.tp_worker import LoadReport, TPWorker, build_runner
 
@@ -174,6 +179,12 @@ class TPExecutor:
             self._raise_if_failed()
             self.runner.add_lora(request)
             self._guarded(broadcast_add_lora, request, self._groups.control)
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        with self._lock:
+            self._raise_if_failed()
+            self.runner.remove_lora(lora_int_id)
+            self._guarded(broadcast_remove_lora, lora_int_id, self._groups.control)
 
     def check_health(self) -> None:
         """Raise TPWorkerError if a rank's actor has died, even while the engine is idle.

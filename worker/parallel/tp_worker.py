@@ -100,6 +100,9 @@ class TPWorker:
                 if isinstance(message, LoRARequest):
                     self.runner.add_lora(message)  # rank 0 read the same adapter without error
                     continue
+                if isinstance(message, int):
+                    self.runner.remove_lora(message)
+                    continue
                 self.runner.execute(message)
                 steps += 1
         except BaseException:

@@ -141,3 +141,27 @@ def test_gpu_slots_are_reused_least_recently_used_first_and_never_from_the_step(
     assert manager.remove_lora(1) and not manager.remove_lora(1)
     assert qkv.scalings[1] is None and not qkv.lora_a[1].any() and not qkv.lora_b[1].any()
     assert list(manager.slots) == [3] and 1 not in manager.host
+
+
+def test_an_adapter_is_removed_only_when_no_request_holds_it(base, adapters, tmp_path):
+    llm = LLM(model=str(base), dtype="float32", kv_cache_bytes=16 << 20, enable_lora=True, max_loras=2,
+              max_lora_rank=8)
+    loras = _requests(adapters)
+    ids = llm.tokenizer.encode("one two three four five six seven")
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    llm.engine.add_request("held", ids, params, lora_request=loras["sql"])
+    with pytest.raises(ValueError, match=r"LoRA adapter 'sql' is in use by 1 request\(s\), e.g. 'held'"):
+        llm.engine.remove_lora(1)
+    while llm.engine.has_unfinished():
+        llm.engine.step()
+    assert llm.engine.remove_lora(1) and not llm.engine.remove_lora(1)
+    assert llm.engine.list_loras() == []
+    assert 1 not in llm.engine.executor.runner.lora_manager.known
+    # The name keeps its weights for the engine's life (cached blocks are keyed by it) ...
+    with pytest.raises(ValueError, match=r"LoRA adapter 'sql' was served from .*; its name cannot name"):
+        llm.engine.add_lora(LoRARequest("sql", 7, str(adapters["chat"])))
+    # ... and comes back under a new id, equal to PEFT again.
+    again = LoRARequest("sql", 7, str(adapters["sql"]))
+    out = llm.generate({"prompt_token_ids": ids}, params, lora_request=again)
+    assert out[0].outputs[0].token_ids == peft_greedy(str(base), str(adapters["sql"]), tuple(ids), 4)
+    assert llm.engine.list_loras() == [again]

@@ -54,5 +54,9 @@ def test_tp2_mixed_adapters_equal_peft(ray_session, tiny_checkpoint, tmp_path):
             assert_greedy_close(seq.token_ids, [{t for t, _ in lp.top} for lp in seq.logprobs], ref, ref_top5,
                                 f"prompt {i} ({None if lora is None else lora.lora_name})")
         assert len({tuple(o.outputs[0].token_ids) for o in outs[:3]}) == 3  # the adapters steer the output
+        # Removed on every rank over the step wire; the group steps on with the others.
+        assert llm.engine.remove_lora(3) and [r.lora_name for r in llm.engine.list_loras()] == ["sql", "chat"]
+        again = llm.generate({"prompt_token_ids": other}, params, lora_request=loras["chat"])[0].outputs[0]
+        assert again.token_ids == outs[5].outputs[0].token_ids
     finally:
         llm.engine.shutdown()
