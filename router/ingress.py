@@ -189,7 +189,7 @@ class HandleWorkerClient:
     async def _attempts(self, job: Job) -> AsyncIterator[RequestOutputDelta]:
         request = WorkerRequest(job.request_id, job.token_ids, job.params, job.block_hashes, job.extra_keys,
                                 job.ranking, channel=self.mux.channel_id, trace_headers=tracing.headers_of(job.span),
-                                client=job.client, priority=job.priority)
+                                client=job.client, priority=job.priority, lora_name=job.lora_name)
         async for delta in self._follow(job, request, StreamProgress(job.params.n), failovers=0):
             yield delta
 
@@ -321,7 +321,8 @@ def load_model_info(args: EngineArgs, serving: ServingLimits = ServingLimits()) 
     return tokenizer, ModelInfo(served_model_name=cfg.served_model_name, limits=RequestLimits.of(cfg, args),
                                 serving=serving, block_size=args.block_size,
                                 more_names=cfg.served_model_names[1:], path_names=cfg.model_path_names,
-                                max_blocks_per_seq=held)
+                                max_blocks_per_seq=held,
+                                lora_modules=tuple(args.lora_modules or ()) if args.enable_lora else ())
 
 
 @serve.ingress()

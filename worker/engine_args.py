@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pagefleet.worker.core.request_queue import SCHEDULING_POLICIES
+from pagefleet.worker.lora.request import LoRAModulePath, lora_modules_of, parse_lora_module
 from pagefleet.worker.model_executor.model_config import QUANTIZATIONS, parse_dtype
 from pagefleet.worker.options import check_choices, option, parse_bytes
 from pagefleet.worker.request_check import (
@@ -137,6 +138,23 @@ class EngineArgs:
                                            "Hopper; older GPUs are refused); a CPU runs the PyTorch twin of the "
                                            "same math (slow, for tests). A pre-quantized FP8 checkpoint in the "
                                            "compressed-tensors layout loads as it is, with or without this flag")
+    enable_lora: bool = option(False, help="serve LoRA adapters beside the base model, as vLLM's flag: a step "
+                                           "batches requests for several adapters and the base model (PEFT "
+                                           "checkpoints over q/k/v/o/gate/up/down projections; adapters shard "
+                                           "over tensor-parallel ranks as their layers do). No CUDA graphs: "
+                                           "the engine runs eagerly with it")
+    max_loras: int = option(1, metavar="N", help="adapters in one step (GPU slots), as vLLM's flag: requests for "
+                                                 "more wait until an adapter's requests end")
+    max_lora_rank: int = option(16, metavar="R", help="the largest adapter rank served, as vLLM's flag; an "
+                                                      "adapter of a higher rank is refused at load")
+    max_cpu_loras: int | None = option(None, metavar="N",
+                                       help="adapters kept loaded in host memory, least recently used evicted, "
+                                            "as vLLM's flag (default and minimum: --max-loras)")
+    lora_modules: list[LoRAModulePath] | None = option(None, nargs="+", parse=parse_lora_module,
+                                                       metavar="NAME=PATH",
+                                                       help="adapters served from the start, as vLLM's flag: "
+                                                            "name=path, or JSON {\"name\": ..., \"path\": ..., "
+                                                            "\"base_model_name\": ...}; needs --enable-lora")
     cpu_omp_threads: int | None = option(None, metavar="N",
                                          help="threads a one-rank CPU engine computes with (default: every "
                                               "core; a served engine computes at the lowest priority, so "
@@ -187,6 +205,7 @@ class EngineArgs:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        self._check_lora()
         if self.cpu_omp_threads is not None and (not isinstance(self.cpu_omp_threads, int)
                                                  or isinstance(self.cpu_omp_threads, bool)
                                                  or self.cpu_omp_threads < 1):
@@ -203,3 +222,17 @@ class EngineArgs:
                 raise ValueError("give kv_cache_bytes or gpu_memory_utilization, not both")
             if not 0.0 < self.gpu_memory_utilization <= 1.0:
                 raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+
+    def _check_lora(self) -> None:
+        self.lora_modules = lora_modules_of(self.lora_modules)
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError("lora_modules needs enable_lora")
+        for name in ("max_loras", "max_lora_rank"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.max_cpu_loras is not None and (not isinstance(self.max_cpu_loras, int)
+                                               or isinstance(self.max_cpu_loras, bool)
+                                               or self.max_cpu_loras < self.max_loras):
+            raise ValueError(f"max_cpu_loras must be an integer >= max_loras ({self.max_loras}), got "
+                             f"{self.max_cpu_loras!r}")

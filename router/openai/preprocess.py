@@ -27,6 +27,7 @@ from pagefleet.router.openai.request_size import (
 from pagefleet.router.openai.structured import structured_outputs
 from pagefleet.router.openai.tool_choice import ToolPlan
 from pagefleet.router.openai.vllm_fields import NOT_IMPLEMENTED
+from pagefleet.worker.lora.request import LoRAModulePath
 from pagefleet.worker.request_check import (
     CONTEXT_LENGTH_EXCEEDED,
     InvalidRequest,
@@ -70,9 +71,15 @@ class ModelInfo:
     # The blocks one sequence ever holds where every layer slides (kv_cache_sizing.max_blocks_per_seq);
     # None: a sequence holds all it grows to.
     max_blocks_per_seq: int | None = None
+    # The LoRA adapters the workers serve from the start (--lora-modules): a request's model may
+    # name one, and /v1/models lists each with its parent.
+    lora_modules: tuple[LoRAModulePath, ...] = ()
 
     def accepts(self, name: str) -> bool:
         return name == self.served_model_name or name in self.more_names or name in self.path_names
+
+    def lora_named(self, name: str) -> LoRAModulePath | None:
+        return next((m for m in self.lora_modules if m.name == name), None)
 
 
 def longest_token_chars(tokenizer: Any) -> int:
@@ -107,11 +114,17 @@ class PreparedPrompt:
     text: str | None  # None when the client sent token ids
 
 
-def check_model_name(requested: str | None, info: ModelInfo) -> None:
-    if requested is not None and not info.accepts(requested):
-        raise OpenAIError(f"The model `{requested}` does not exist. This server serves "
-                          f"`{info.served_model_name}`.", status_code=404, param="model",
-                          code="model_not_found")
+def check_model_name(requested: str | None, info: ModelInfo) -> str | None:
+    """The LoRA adapter ``requested`` names (None: the base model), or a 404 for a name not served."""
+    if requested is None or info.accepts(requested):
+        return None
+    if info.lora_named(requested) is not None:
+        return requested
+    adapters = f" and the LoRA adapters {', '.join(f'`{m.name}`' for m in info.lora_modules)}" if (
+        info.lora_modules) else ""
+    raise OpenAIError(f"The model `{requested}` does not exist. This server serves "
+                      f"`{info.served_model_name}`{adapters}.", status_code=404, param="model",
+                      code="model_not_found")
 
 
 def completion_prompt_items(req: CompletionRequest, info: ModelInfo) -> list[str | list[int]]:

@@ -86,7 +86,7 @@ class OpenAIService:
 
     async def completion(self, req: CompletionRequest) -> PreparedRequest:
         self._check_open()
-        pre.check_model_name(req.model, self.info)
+        lora_name = pre.check_model_name(req.model, self.info)
         pre.check_request_id(req.request_id, self.info)
         pre.check_not_implemented(req)
         items = pre.completion_prompt_items(req, self.info)
@@ -98,17 +98,17 @@ class OpenAIService:
         echo = [(p.text if p.text is not None else self.tokenizer.decode(p.token_ids), p.token_ids)
                 for p in prompts] if req.echo else None
         builder = CompletionResponseBuilder(request_id=req.request_id or engine_id,
-                                            model=self.info.served_model_name, tokenizer=self.tokenizer,
+                                            model=lora_name or self.info.served_model_name, tokenizer=self.tokenizer,
                                             want_logprobs=req.logprobs is not None,
                                             include_usage=_include_usage(req),
                                             tokens_as_ids=bool(req.return_tokens_as_token_ids), n=req.n,
                                             want_prompt_logprobs=req.prompt_logprobs is not None,
                                             echo_prompts=echo)
-        return self._prepared(req, builder, engine_id, [p.token_ids for p in prompts], params)
+        return self._prepared(req, builder, engine_id, [p.token_ids for p in prompts], params, lora_name)
 
     async def chat(self, req: ChatCompletionRequest) -> PreparedRequest:
         self._check_open()
-        pre.check_model_name(req.model, self.info)
+        lora_name = pre.check_model_name(req.model, self.info)
         pre.check_request_id(req.request_id, self.info)
         pre.check_not_implemented(req)
         pre.check_message_count(req.messages, self.info)
@@ -117,12 +117,12 @@ class OpenAIService:
         plan, params, prompt = await self._off_loop(work, self._chat_prompt, req)
         engine_id = f"chatcmpl-{uuid.uuid4().hex}"
         builder = ChatResponseBuilder(request_id=req.request_id or engine_id,
-                                      model=self.info.served_model_name, tokenizer=self.tokenizer,
+                                      model=lora_name or self.info.served_model_name, tokenizer=self.tokenizer,
                                       want_logprobs=req.logprobs, include_usage=_include_usage(req),
                                       tool_plan=plan, tokens_as_ids=bool(req.return_tokens_as_token_ids),
                                       reasoning=self.reasoning, n=req.n,
                                       want_prompt_logprobs=req.prompt_logprobs is not None)
-        return self._prepared(req, builder, engine_id, [prompt.token_ids], params)
+        return self._prepared(req, builder, engine_id, [prompt.token_ids], params, lora_name)
 
     def _chat_prompt(self, req: ChatCompletionRequest) -> tuple[ToolPlan | None, SamplingParams, pre.PreparedPrompt]:
         """All of a chat request's work that grows with it (its tools, the template, the tokenizer),
@@ -146,7 +146,7 @@ class OpenAIService:
         return plan, params, prompt
 
     def _prepared(self, req: CompletionRequest | ChatCompletionRequest, builder: ResponseBuilder, engine_id: str,
-                  prompts: list[list[int]], params: SamplingParams) -> PreparedRequest:
+                  prompts: list[list[int]], params: SamplingParams, lora_name: str | None = None) -> PreparedRequest:
         if req.cache_salt is not None and not 0 < len(req.cache_salt) <= pre.MAX_CACHE_SALT_CHARS:
             raise bad_request(f"cache_salt must be 1 to {pre.MAX_CACHE_SALT_CHARS} characters", "cache_salt")
         limit = self.info.serving.max_prompts_per_request
@@ -155,14 +155,14 @@ class OpenAIService:
                               f"{limit} are allowed in one request (max_prompts_per_request)", "n")
         pre.check_request_priority(req, self.info)
         extra_keys = (req.cache_salt,) if req.cache_salt else ()
-        extra = extra_keys_digest(extra_keys)
+        extra = extra_keys_digest(extra_keys, lora_name)  # no prefix is shared across adapters
         jobs = []
         for i, token_ids in enumerate(pre.truncated_prompt(p, req, self.info) for p in prompts):
             pre.check_job(token_ids, params, self.info, req)
             hashes = pack_hashes(block_hashes(token_ids, self.info.block_size, extra))
             # Engine request ids are the server's own, whatever id the client sent.
             jobs.append(Job(f"{engine_id}-{i}", token_ids, pre.with_max_tokens(params, len(token_ids), self.info),
-                            hashes, extra_keys, priority=req.priority))
+                            hashes, extra_keys, priority=req.priority, lora_name=lora_name))
         if not req.stream:  # one body holds the whole output: bounded before anything runs
             check_unstreamed_size([job.params for job in jobs], self.info.serving.max_unstreamed_response_tokens,
                                   pre.client_field_names(req))
@@ -330,12 +330,14 @@ class OpenAIService:
         return {"prompt": await self._off_loop(len(req.tokens), self.tokenizer.decode, req.tokens)}
 
     def models(self) -> dict:
-        # root names the model, never the checkpoint's path on the server
+        # root names the model, never the checkpoint's (or an adapter's) path on the server
         root = self.info.served_model_name
-        return {"object": "list", "data": [{
-            "id": name, "object": "model", "created": 0, "owned_by": "pagefleet",
-            "root": root, "parent": None, "max_model_len": self.info.limits.max_model_len}
-            for name in (root, *self.info.more_names)]}
+        card = {"object": "model", "created": 0, "owned_by": "pagefleet", "max_model_len": self.info.limits.max_model_len}
+        base = [{"id": name, "root": root, "parent": None, **card} for name in (root, *self.info.more_names)]
+        # LoRA adapters as vLLM lists them: their parent is the base model (or the one they name)
+        adapters = [{"id": m.name, "root": m.name, "parent": m.base_model_name or root, **card}
+                    for m in self.info.lora_modules]
+        return {"object": "list", "data": base + adapters}
 
 
 @dataclass(slots=True, weakref_slot=True)
@@ -351,6 +353,7 @@ class Job:
     span: Any = None  # its span while tracing is on (``worker.tracing``)
     client: str = ""  # the client's address, as the ingress sees it (``WorkerRequest.client``)
     priority: int = 0  # vLLM's request priority (``WorkerRequest.priority``)
+    lora_name: str | None = None  # the LoRA adapter its model names (``WorkerRequest.lora_name``)
 
 
 @dataclass(slots=True, weakref_slot=True)

@@ -28,8 +28,11 @@ TOKEN_CHAR_BASE = 0x100
 
 def prompt_text(request: WorkerRequest) -> str:
     """The prompt as Ray's router matches it: one character per token id, salted so that two
-    tenants' identical tokens (different KV under different cache salts) do not match."""
+    tenants' identical tokens (different KV under different cache salts) do not match, nor the
+    same tokens under two LoRA adapters (a routing hint only: the KV cache keys blocks by adapter)."""
     salt = "".join(str(k) for k in request.extra_keys)
+    if request.lora_name is not None:
+        salt += "\x01" + request.lora_name
     return salt + "\x00" + "".join(chr(TOKEN_CHAR_BASE + t) for t in request.prompt_token_ids)
 
 

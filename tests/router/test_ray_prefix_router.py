@@ -21,3 +21,11 @@ def test_the_same_tokens_under_two_cache_salts_share_no_prefix():
     a, b = prompt_text(request([5, 6], ("tenant-1",))), prompt_text(request([5, 6], ("tenant-2",)))
     assert a == "tenant-1\x00" + chr(TOKEN_CHAR_BASE + 5) + chr(TOKEN_CHAR_BASE + 6)
     assert a[:7] == b[:7] and a[7] != b[7]
+
+
+def test_the_same_tokens_under_two_adapters_share_no_prefix():
+    base = prompt_text(request([5, 6]))
+    sql = prompt_text(WorkerRequest("r", [5, 6], SamplingParams(), lora_name="sql"))
+    chat = prompt_text(WorkerRequest("r", [5, 6], SamplingParams(), lora_name="chat"))
+    assert sql == "\x01sql\x00" + chr(TOKEN_CHAR_BASE + 5) + chr(TOKEN_CHAR_BASE + 6)
+    assert len({base[0], sql[0]}) == 2 and sql[1] != chat[1]

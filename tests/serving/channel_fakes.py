@@ -57,7 +57,7 @@ class SteppedEngine(IdleEngineParts):
         self.closed: list[str] = []
 
     async def generate(self, request_id, prompt_token_ids, params, extra_keys=(), block_hashes=None, span=None,
-                       resume=None, forward=None, client="", priority=0):
+                       resume=None, forward=None, client="", priority=0, lora_name=None):
         if request_id in self.started and request_id not in self.closed:  # as AsyncLLMEngine refuses it
             raise ValueError(f"request id {request_id!r} is already running")
         self.started.append(request_id)

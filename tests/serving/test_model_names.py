@@ -13,6 +13,7 @@ from pagefleet.router.ingress import load_model_info
 from pagefleet.router.openai.app import build_openai_app
 from pagefleet.router.openai.service import OpenAIService
 from pagefleet.worker.engine_args import EngineArgs
+from pagefleet.worker.lora.request import LoRAModulePath
 from pagefleet.worker.model_executor.model_config import load_model_config
 
 from serving_fakes import MAX_MODEL_LEN
@@ -83,3 +84,26 @@ def test_served_model_names_are_listed_in_order_and_the_first_is_reported(ckpt, 
     for unserved in (str(ckpt), ckpt.name):
         with pytest.raises(openai.NotFoundError):
             client.completions.create(model=unserved, prompt="hello", max_tokens=1)
+
+
+def test_a_lora_adapter_is_picked_by_model_listed_with_its_parent_and_hashed_apart(ckpt, fake):
+    """As vLLM: --lora-modules adapters are models of their own name in /v1/models (parent: the base
+    model, or the base_model_name given); a request's model picks one; the response reports it; its
+    prompt's block hashes are under the adapter, so no prefix is shared with the base model."""
+    modules = [LoRAModulePath("sql", "/adapters/sql"), LoRAModulePath("chat", "/adapters/chat", "llama-tiny")]
+    client = _openai_client(ckpt, fake, enable_lora=True, lora_modules=modules)
+    listed = {m.id: (m.root, m.model_extra["parent"]) for m in client.models.list().data}
+    assert listed == {ckpt.name: (ckpt.name, None), "sql": ("sql", ckpt.name), "chat": ("chat", "llama-tiny")}
+    prompt = "the quick brown fox jumps over the lazy dog"  # a full block to hash (max_model_len 64)
+    for model in (ckpt.name, "sql", "chat"):
+        r = client.completions.create(model=model, prompt=prompt, max_tokens=2)
+        assert r.model == model
+    base_job, sql_job, chat_job = fake.routed[-3:]
+    assert (base_job.lora_name, sql_job.lora_name, chat_job.lora_name) == (None, "sql", "chat")
+    assert base_job.token_ids == sql_job.token_ids and len(base_job.block_hashes) >= 16
+    assert len({base_job.block_hashes, sql_job.block_hashes, chat_job.block_hashes}) == 3
+    with pytest.raises(openai.NotFoundError) as err:
+        client.chat.completions.create(model="law", messages=[{"role": "user", "content": "hi"}], max_tokens=1)
+    assert err.value.body["code"] == "model_not_found" and err.value.body["param"] == "model"
+    assert "the LoRA adapters `sql`, `chat`" in err.value.body["message"]
+    assert len(fake.requests) == 3

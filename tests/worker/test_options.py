@@ -13,6 +13,7 @@ from pagefleet.cluster.cli import _parser, options_from_args
 from pagefleet.cluster.config import ServeArgs, ServeOptions
 from pagefleet.worker.engine import llm as llm_module
 from pagefleet.worker.engine_args import CPU_MAX_NUM_SEQS, CUDA_MAX_NUM_SEQS, EngineArgs, default_max_num_seqs
+from pagefleet.worker.lora.request import LoRAModulePath
 from pagefleet.worker.options import default_of, flag_name, option_fields
 
 SERVE_YAML = Path(__file__).resolve().parents[2] / "deploy" / "serve.yaml"
@@ -47,6 +48,11 @@ OTHER_VALUES = {
     "max_stop_string_chars": ("64", 64),
     "max_stop_token_ids": ("8", 8),
     "cpu_omp_threads": ("3", 3),
+    "enable_lora": (None, True),  # --enable-lora
+    "max_loras": ("4", 4),
+    "max_lora_rank": ("64", 64),
+    "max_cpu_loras": ("8", 8),
+    "lora_modules": ("sql=/adapters/sql", [LoRAModulePath("sql", "/adapters/sql")]),  # with --enable-lora (NEEDS)
     "enforce_eager": (None, True),  # --enforce-eager
     "quantization": ("fp8", "fp8"),
     "simulate": ("h100", "h100"),
@@ -82,7 +88,8 @@ OTHER_VALUES = {
     "drain_timeout_s": ("5", 5.0),
 }
 # What an option's other value needs beside it: (flag, text) and the config key's value.
-NEEDS = {"enable_auto_tool_choice": (["--tool-call-parser", "hermes"], {"tool_call_parser": "hermes"})}
+NEEDS = {"enable_auto_tool_choice": (["--tool-call-parser", "hermes"], {"tool_call_parser": "hermes"}),
+         "lora_modules": (["--enable-lora"], {"enable_lora": True})}
 ENGINE_FIELDS = [f.name for f in option_fields(EngineArgs)]
 SERVE_FIELDS = [f.name for f in option_fields(ServeArgs)]
 
@@ -136,7 +143,7 @@ def test_engine_option_is_an_llm_keyword(name, monkeypatch):
     seen = []
     monkeypatch.setattr(llm_module, "LLMEngine", lambda args: seen.append(args) or _Stub())
     _, value = OTHER_VALUES[name]
-    kwargs = {"model": "/ckpt", name: value}
+    kwargs = {"model": "/ckpt", name: value, **NEEDS.get(name, ([], {}))[1]}
     llm_module.LLM(**kwargs)
     assert getattr(seen[0], name) == value
 

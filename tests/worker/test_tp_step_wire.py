@@ -3,8 +3,9 @@
 import pytest
 import torch
 
+from pagefleet.worker.lora.request import LoRARequest
 from pagefleet.worker.model_executor.model_runner import StepInput
-from pagefleet.worker.parallel.step_wire import pack_step, unpack_step
+from pagefleet.worker.parallel.step_wire import pack_lora, pack_step, unpack_lora, unpack_step
 
 
 def _step() -> StepInput:
@@ -39,3 +40,26 @@ def test_payload_with_extra_values_is_refused():
     payload = torch.cat([pack_step(_step()), torch.tensor([9])])
     with pytest.raises(ValueError, match="accounts for"):
         unpack_step(payload)
+
+
+def test_lora_ids_round_trip_with_base_rows():
+    step = _step()
+    step.lora_ids = [2, None, 7]
+    payload = pack_step(step)
+    assert payload.tolist()[:4] == [5, 3, 2, 3]
+    assert payload.tolist()[-3:] == [2, 0, 7]  # the base model's row is 0 on the wire (ids are >= 1)
+    assert unpack_step(payload) == step
+
+
+def test_lora_ids_must_name_every_row():
+    step = _step()
+    step.lora_ids = [2, None]
+    with pytest.raises(ValueError, match="2 lora ids for 3 sequences"):
+        pack_step(step)
+
+
+def test_an_adapter_to_register_round_trips():
+    request = LoRARequest("sql-ünï", 3, "/adapters/sql ünï")
+    assert unpack_lora(pack_lora(request)) == request
+    with pytest.raises(ValueError, match="accounts for"):
+        unpack_lora(torch.cat([pack_lora(request), torch.tensor([9])]))

@@ -1,7 +1,8 @@
 """The chained block hash shared by worker, router and global scheduler.
 
 A block's hash covers its parent's hash, its token ids and any extra keys
-that change KV content (a per-tenant cache salt, say). It is deterministic
+that change KV content (a per-tenant cache salt, say; the LoRA adapter, so
+no prefix is shared across adapters or with the base model). It is deterministic
 across processes and machines: blake2b over a fixed byte encoding, never
 Python's ``hash()``.
 
@@ -24,16 +25,27 @@ HASH_SIZE = 16  # bytes
 ROOT_HASH = BlockHash(b"\x00" * HASH_SIZE)
 
 
-def extra_keys_digest(extra_keys: tuple = ()) -> bytes:
-    """What a request's extra keys add to each of its block hashes, hashed once per request, so
-    that a block costs the same whatever the keys' length; b"" for none."""
-    if not extra_keys:
+# Marks the adapter's name in the digest: no extra key's length prefix can equal it (a key
+# would be 4 GiB long), so no cache salt can pose as an adapter.
+_LORA_MARK = struct.pack("<I", 0xFFFFFFFF)
+
+
+def extra_keys_digest(extra_keys: tuple = (), lora_name: str | None = None) -> bytes:
+    """What a request's extra keys and its LoRA adapter (``lora_name``; None: the base model) add
+    to each of its block hashes, hashed once per request, so that a block costs the same whatever
+    the keys' length; b"" for neither."""
+    if not extra_keys and lora_name is None:
         return b""
     h = blake2b(digest_size=HASH_SIZE, person=b"pagefleet-xkeys")
     for key in extra_keys:
         data = key if isinstance(key, bytes) else str(key).encode()
         h.update(struct.pack("<I", len(data)))
         h.update(data)
+    if lora_name is not None:
+        name = lora_name.encode()
+        h.update(_LORA_MARK)
+        h.update(struct.pack("<I", len(name)))
+        h.update(name)
     return h.digest()
 
 

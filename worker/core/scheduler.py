@@ -38,8 +38,12 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 policy: str = "fcfs") -> None:
+                 policy: str = "fcfs", max_loras: int | None = None) -> None:
+        """``max_loras``: LoRA adapters among the running sequences at most (the GPU slots; None:
+        LoRA is off): a waiting sequence whose adapter would be one too many waits, and those behind
+        it may go first."""
         self.kv = kv
+        self.max_loras = max_loras
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting = waiting_queue(policy)
@@ -92,10 +96,16 @@ class Scheduler:
         in the policy's order (the second half of ``schedule``; async scheduling's launches ahead
         call it alone)."""
         skipped: list[Sequence] = []
+        loras = self._running_loras()
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting.peek()
             if seq.parent is not None and not self._parent_ready(seq.parent):
                 skipped.append(self.waiting.pop())  # wait to share the parent's prompt blocks
+                continue
+            lora = seq.lora_request
+            if (lora is not None and self.max_loras is not None and lora.lora_int_id not in loras
+                    and len(loras) >= self.max_loras):
+                skipped.append(self.waiting.pop())  # every slot is taken by running adapters
                 continue
             prefix = self.kv.find_prefix(seq)
             num_new = min(seq.num_tokens - prefix.num_tokens, budget)
@@ -109,7 +119,12 @@ class Scheduler:
             self.running.append(seq)
             out.scheduled.append(_scheduled(seq, num_new))
             budget -= num_new
+            if lora is not None:
+                loras.add(lora.lora_int_id)
         self.waiting.prepend(skipped)
+
+    def _running_loras(self) -> set[int]:
+        return {seq.lora_request.lora_int_id for seq in self.running if seq.lora_request is not None}
 
     def schedule_ahead(self, out: SchedulerOutput, max_model_len: int) -> SchedulerOutput | None:
         """The step to launch after ``out`` before its sampled tokens reach the host (async

@@ -9,6 +9,7 @@ from pagefleet.worker.outputs import TokenLogprob
 from pagefleet.worker.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from pagefleet.worker.lora.request import LoRARequest
     from pagefleet.worker.structured.matcher import SequenceGrammar
 
 
@@ -26,12 +27,13 @@ class Sequence:
     __slots__ = ("seq_id", "request_id", "index", "params", "token_ids", "num_prompt_tokens",
                  "num_resumed_tokens", "num_computed_tokens", "num_cached_tokens", "status", "finish_reason",
                  "stop_reason", "logprobs", "parent", "extra_digest", "block_hashes", "penalties", "grammar",
-                 "bad_words_ids", "prompt_logprobs", "priority")
+                 "bad_words_ids", "prompt_logprobs", "priority", "lora_request")
 
     def __init__(self, seq_id: int, request_id: str, index: int, prompt_token_ids: list[int],
                  params: SamplingParams, parent: "Sequence | None" = None,
                  extra_digest: bytes = b"", grammar: "SequenceGrammar | None" = None,
-                 resumed_token_ids: list[int] = (), priority: int = 0) -> None:
+                 resumed_token_ids: list[int] = (), priority: int = 0,
+                 lora_request: "LoRARequest | None" = None) -> None:
         self.seq_id = seq_id
         self.request_id = request_id
         self.index = index
@@ -39,6 +41,7 @@ class Sequence:
         # The request's priority (vLLM's): under --scheduling-policy priority lower values are
         # admitted first and preempted last (core.request_queue).
         self.priority = priority
+        self.lora_request = lora_request  # the LoRA adapter it runs with; None: the base model
         self.token_ids = [*prompt_token_ids, *resumed_token_ids]
         self.num_prompt_tokens = len(prompt_token_ids)
         # Output tokens another replica generated before this sequence was resumed here

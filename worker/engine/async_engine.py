@@ -108,7 +108,8 @@ class AsyncLLMEngine:
                        extra_keys: tuple = (), block_hashes: bytes = b"",
                        span=None, resume: ResumeState | None = None,
                        forward: Callable[[RequestOutputDelta], None] | None = None,
-                       client: str = "", priority: int = 0) -> AsyncIterator[RequestOutputDelta]:
+                       client: str = "", priority: int = 0,
+                       lora_name: str | None = None) -> AsyncIterator[RequestOutputDelta]:
         """Stream a request's deltas. Bad input raises ValueError before anything is queued;
         if the consumer stops early the request is aborted and its blocks freed. ``span``: the
         request's tracing span, which the engine thread marks when it takes the request in and
@@ -118,9 +119,11 @@ class AsyncLLMEngine:
         ``forward``: called on this loop with each delta but the last as it comes, which the
         stream then does not yield (it yields the last, or raises): a worker replica puts them
         on its delta channel with no task waking per delta. ``client``: who sent it, for the
-        per-client bound of the grammar compile queue. ``priority``: vLLM's (``LLMEngine.add_request``)."""
+        per-client bound of the grammar compile queue. ``priority``: vLLM's (``LLMEngine.add_request``).
+        ``lora_name``: a registered LoRA adapter's name (``LLMEngine.lora_named``; None: the base model)."""
         self._raise_if_dead()
         self.engine.check(prompt_token_ids, params, block_hashes, resume, priority)  # the engine thread does not check again
+        lora_request = None if lora_name is None else self.engine.lora_named(lora_name)
         grammar = resumed = None
         if params.structured_outputs is not None:  # on the engine's compile pool: not here, not the step thread
             grammar = await self.engine.grammars.compile_async(params.structured_outputs, client)
@@ -140,7 +143,7 @@ class AsyncLLMEngine:
             self._spans.pop(request_id, None)
             raise
         self._send(AddRequest(request_id, list(prompt_token_ids), params, extra_keys, block_hashes, grammar,
-                              resumed, priority))
+                              resumed, priority, lora_request))
         finished = False
         try:
             while not finished:
@@ -286,7 +289,7 @@ class AsyncLLMEngine:
                 try:
                     self.engine.add_checked_request(command.request_id, command.prompt_token_ids, command.params,
                                                     command.extra_keys, command.block_hashes, command.grammar,
-                                                    command.resumed, command.priority)
+                                                    command.resumed, command.priority, command.lora_request)
                 except Exception as e:  # a bad request fails alone, never the loop
                     self._deliver(command.request_id, e)
                 else:

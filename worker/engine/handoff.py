@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Callable
 
 from pagefleet.worker.core.kv_events import KVEventBatch
 from pagefleet.worker.engine.resumed import ResumedStart
+from pagefleet.worker.lora.request import LoRARequest
 from pagefleet.worker.outputs import RequestOutputDelta, merge_deltas
 from pagefleet.worker.sampling_params import SamplingParams
 
@@ -29,6 +30,7 @@ class AddRequest:
     grammar: "xgr.CompiledGrammar | None" = None  # params.structured_outputs', compiled
     resumed: ResumedStart | None = None  # a resumed sequence's start, built
     priority: int = 0  # vLLM's request priority (``LLMEngine.add_request``)
+    lora_request: LoRARequest | None = None  # the adapter it runs with, registered (``LLMEngine.add_lora``)
 
 
 @dataclass(slots=True)

@@ -8,6 +8,7 @@ from typing import Any, Sequence as Seq
 from pagefleet.worker.engine.llm_engine import LLMEngine
 from pagefleet.worker.engine_args import EngineArgs
 from pagefleet.worker.errors import CompileQueueFull
+from pagefleet.worker.lora.request import LoRARequest
 from pagefleet.worker.outputs import CompletionOutput, RequestOutput, append_output
 from pagefleet.worker.sampling_params import SamplingParams
 
@@ -29,10 +30,12 @@ class LLM:
 
     def generate(self, prompts: str | dict | Seq[str | dict],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-                 priority: int | Seq[int] | None = None) -> list[RequestOutput]:
+                 priority: int | Seq[int] | None = None,
+                 lora_request: LoRARequest | Seq[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in prompt order. ``priority``: one for
         all prompts or one a prompt, as vLLM's (lower first; needs ``scheduling_policy="priority"``
-        unless 0)."""
+        unless 0). ``lora_request``: one adapter for all prompts or one a prompt (None: the base
+        model), as vLLM's; needs ``enable_lora``."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         if sampling_params is None:
@@ -44,6 +47,10 @@ class LLM:
         priorities = [priority or 0] * len(prompts) if priority is None or isinstance(priority, int) else list(priority)
         if len(priorities) != len(prompts):
             raise ValueError(f"{len(priorities)} priorities for {len(prompts)} prompts")
+        loras = ([lora_request] * len(prompts) if lora_request is None or isinstance(lora_request, LoRARequest)
+                 else list(lora_request))
+        if len(loras) != len(prompts):
+            raise ValueError(f"{len(loras)} lora requests for {len(prompts)} prompts")
         engine = self.engine
         for params in sampling_params:  # distinct grammars compile side by side on the engine's pool
             if params.structured_outputs is not None:
@@ -54,10 +61,10 @@ class LLM:
         order: list[str] = []
         results: dict[str, RequestOutput] = {}
         try:
-            for prompt, params, prio in zip(prompts, sampling_params, priorities):
+            for prompt, params, prio, lora in zip(prompts, sampling_params, priorities, loras):
                 text, ids = self._prompt_ids(prompt)
                 rid = f"offline-{next(self._ids)}"
-                engine.add_request(rid, ids, params, priority=prio)
+                engine.add_request(rid, ids, params, priority=prio, lora_request=lora)
                 order.append(rid)
                 outputs = [CompletionOutput(i, "", [], [] if params.logprobs is not None else None, None)
                            for i in range(params.n)]

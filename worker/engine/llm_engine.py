@@ -24,6 +24,7 @@ from pagefleet.worker.engine.overlapped_step import OverlappedStep
 from pagefleet.worker.engine.resumed import ResumedStart, new_detokenizer, resumed_start
 from pagefleet.worker.engine.step_loop import InFlight, PlainStep, StepFn, StepParts
 from pagefleet.worker.engine_args import EngineArgs
+from pagefleet.worker.lora.request import LoRARequest
 from pagefleet.worker.metrics.stats import EngineStats
 from pagefleet.worker.model_executor.model_config import model_config_of
 from pagefleet.worker.model_executor.simulated_sampler import SimulatedSampler
@@ -65,7 +66,8 @@ class LLMEngine:
             raise
         self.pool = BlockPool(num_blocks, args.enable_prefix_caching)
         self.kv = KVCacheManager(self.pool, args.block_size, cfg.kv_sliding_window)
-        self.scheduler = Scheduler(self.kv, args.max_num_seqs, args.max_num_batched_tokens, args.scheduling_policy)
+        self.scheduler = Scheduler(self.kv, args.max_num_seqs, args.max_num_batched_tokens, args.scheduling_policy,
+                                   max_loras=args.max_loras if args.enable_lora else None)
         if args.simulate is None:
             self.sampler: Sampler | SimulatedSampler = Sampler(cfg.eos_token_ids, self.tokenizer)
         else:  # the simulated GPU returns no logits: tokens are drawn, over the tokenizer's ids
@@ -89,6 +91,16 @@ class LLMEngine:
         self._step_fn = self._pick_step_fn()
         self._in_flight: InFlight | None = None  # what the last step handed the next
         self.prompt_tokens_total = 0
+        self.loras: dict[int, LoRARequest] = {}  # adapters registered on every rank, by lora_int_id
+        # Every adapter name ever served, with its path: the prefix cache keys blocks by name, so a
+        # name never comes back with other weights while blocks cached under it may live.
+        self._lora_paths: dict[str, str] = {}
+        try:
+            for i, module in enumerate(args.lora_modules or (), start=1):
+                self.add_lora(LoRARequest(module.name, i, module.path, module.base_model_name))
+        except BaseException:
+            self.shutdown()
+            raise
 
     def _pick_step_fn(self) -> StepFn:
         """The step function for the engine's options, decided once (``step_loop``)."""
@@ -123,6 +135,56 @@ class LLMEngine:
         return max_tokens_held(num_tokens, args.block_size, self.model_config.kv_sliding_window,
                                step_tokens(args.max_num_batched_tokens, args.num_scheduler_steps))
 
+    # ---- LoRA adapters ----------------------------------------------------------------------
+
+    def add_lora(self, request: LoRARequest) -> None:
+        """Register an adapter on every rank, read and checked now (a ValueError says what is wrong
+        with it). Its name and id are the engine's from then on: one name, one id, one path."""
+        if not self.args.enable_lora:
+            raise ValueError(f"LoRA adapter {request.lora_name!r}: LoRA is not enabled (enable_lora)")
+        known = self.loras.get(request.lora_int_id)
+        if known is not None and known != request:
+            raise ValueError(f"lora_int_id {request.lora_int_id} is registered as {known.lora_name!r} "
+                             f"({known.lora_path}), not {request.lora_name!r} ({request.lora_path})")
+        same_name = next((r for r in self.loras.values() if r.lora_name == request.lora_name), None)
+        if same_name is not None and same_name.lora_int_id != request.lora_int_id:
+            raise ValueError(f"LoRA adapter {request.lora_name!r} is registered with lora_int_id "
+                             f"{same_name.lora_int_id} already")
+        served = self._lora_paths.get(request.lora_name)
+        if served is not None and served != request.lora_path:
+            raise ValueError(f"LoRA adapter {request.lora_name!r} was served from {served}; its name cannot "
+                             f"name {request.lora_path} in this engine (its cached KV blocks are keyed by name)")
+        if known is None:
+            self.executor.add_lora(request)
+            self.loras[request.lora_int_id] = request
+            self._lora_paths[request.lora_name] = request.lora_path
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter on every rank; whether it was registered. A ValueError while a
+        request (running or waiting) still runs with it."""
+        request = self.loras.get(lora_int_id)
+        if request is None:
+            return False
+        holders = [rid for rid, seqs in self.requests.items()
+                   if any(s.lora_request is not None and s.lora_request.lora_int_id == lora_int_id for s in seqs)]
+        if holders:
+            raise ValueError(f"LoRA adapter {request.lora_name!r} is in use by {len(holders)} request(s), e.g. "
+                             f"{holders[0]!r}")
+        self.executor.remove_lora(lora_int_id)
+        del self.loras[lora_int_id]
+        return True
+
+    def list_loras(self) -> list[LoRARequest]:
+        """The registered adapters, by lora_int_id."""
+        return [self.loras[i] for i in sorted(self.loras)]
+
+    def lora_named(self, name: str) -> LoRARequest:
+        """The registered adapter served as ``name``; an InvalidRequest (404-like, on ``model``) if none."""
+        request = next((r for r in self.loras.values() if r.lora_name == name), None)
+        if request is None:
+            raise InvalidRequest(f"no LoRA adapter named {name!r} is loaded on this worker", "model")
+        return request
+
     # ---- requests -------------------------------------------------------------------------
 
     def check(self, prompt_token_ids: list[int], params: SamplingParams, block_hashes: bytes = b"",
@@ -149,22 +211,27 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     extra_keys: tuple = (), block_hashes: bytes = b"", resume: ResumeState | None = None,
-                    priority: int = 0) -> None:
-        """``block_hashes``: the prompt's full-block hashes under ``extra_keys``, packed
+                    priority: int = 0, lora_request: LoRARequest | None = None) -> None:
+        """``block_hashes``: the prompt's full-block hashes under ``extra_keys`` and the adapter, packed
         (``block_hash.pack_hashes``), when the caller (the ingress) has computed them already; the
         engine then does not hash them again. ``resume``: continue the one sequence (n = 1) another
         replica had generated this far (``core.resume``); its deltas carry only what comes after.
-        ``priority``: vLLM's (lower first), with ``scheduling_policy`` priority only."""
+        ``priority``: vLLM's (lower first), with ``scheduling_policy`` priority only.
+        ``lora_request``: the LoRA adapter the request runs with (registered on first use,
+        ``add_lora``); None: the base model."""
         self.check(prompt_token_ids, params, block_hashes, resume, priority)
+        if lora_request is not None:
+            self.add_lora(lora_request)
         grammar = None if params.structured_outputs is None else self.grammars.compile(params.structured_outputs)
         resumed = None if resume is None else resumed_start(self.tokenizer, prompt_token_ids, params, resume, grammar)
         self.add_checked_request(request_id, prompt_token_ids, params, extra_keys, block_hashes, grammar, resumed,
-                                 priority)
+                                 priority, lora_request)
 
     def add_checked_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                             extra_keys: tuple = (), block_hashes: bytes = b"",
                             grammar: "xgr.CompiledGrammar | None" = None,
-                            resumed: ResumedStart | None = None, priority: int = 0) -> None:
+                            resumed: ResumedStart | None = None, priority: int = 0,
+                            lora_request: LoRARequest | None = None) -> None:
         """``add_request`` for a request that passed ``check`` already, with its structured_outputs'
         grammar compiled already and a resumed sequence's start built (``AsyncLLMEngine`` does all
         three on the caller's side, before it queues the request for the engine thread: the step
@@ -174,20 +241,24 @@ class LLMEngine:
         if (grammar is None) != (params.structured_outputs is None):
             raise ValueError("a request with structured_outputs is added with its compiled grammar "
                              "(self.grammars.compile), and only such a request")
+        if lora_request is not None and self.loras.get(lora_request.lora_int_id) != lora_request:
+            raise ValueError(f"LoRA adapter {lora_request.lora_name!r} is not registered (add_lora)")
         hashes = unpack_hashes(block_hashes)
-        extra = extra_keys_digest(extra_keys)
+        extra = extra_keys_digest(extra_keys, None if lora_request is None else lora_request.lora_name)
         seqs: list[Sequence] = []
         detoks = []
         for i in range(params.n):
             if resumed is None:
                 seq = Sequence(next(self._seq_ids), request_id, i, prompt_token_ids, params,
                                parent=seqs[0] if seqs else None, extra_digest=extra,
-                               grammar=None if grammar is None else SequenceGrammar(grammar), priority=priority)
+                               grammar=None if grammar is None else SequenceGrammar(grammar), priority=priority,
+                               lora_request=lora_request)
                 detoks.append(new_detokenizer(self.tokenizer, prompt_token_ids, params))
             else:  # n == 1 (check_resume)
                 seq = Sequence(next(self._seq_ids), request_id, resumed.seq_index, prompt_token_ids, params,
                                extra_digest=extra, grammar=resumed.grammar,
-                               resumed_token_ids=resumed.output_token_ids, priority=priority)
+                               resumed_token_ids=resumed.output_token_ids, priority=priority,
+                               lora_request=lora_request)
                 detoks.append(resumed.detokenizer)
             if hashes:
                 seq.block_hashes = list(hashes)  # each sequence extends its own list

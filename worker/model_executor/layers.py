@@ -12,6 +12,7 @@ from torch import nn
 
 from pagefleet.worker.core.kv_cache_sizing import kv_heads_per_rank
 from pagefleet.worker.cpu.linear import PackedWeight, linear
+from pagefleet.worker.lora.layers import LoRALinear
 from pagefleet.worker.model_executor.fp8 import FP8_DTYPE, check_fp8_shape, fp8_linear, quantize_weight
 from pagefleet.worker.parallel.tp_group import TPGroup
 
@@ -31,6 +32,8 @@ class QuantizableLinear(nn.Module):
 
     weight: nn.Parameter
     packed_weight: PackedWeight | None
+    # The adapters' products added to this linear's (worker/lora), where LoRA is enabled.
+    lora: LoRALinear | None
 
     def quantize_fp8(self) -> None:
         """Replace the loaded weight by its FP8 copy and per-output-channel scales; the
@@ -85,6 +88,7 @@ class ColumnParallelLinear(QuantizableLinear):
                      if bias else None)
         self.packed_weight: PackedWeight | None = None  # cpu_linear.pack_linear_weights, after loading
         self.register_parameter("weight_scale", None)  # [out] fp32 once FP8 (QuantizableLinear)
+        self.lora = None
 
     def shard_rows(self, shard: int) -> tuple[int, int]:
         """Which rows of logical output ``shard``'s full checkpoint tensor this rank holds."""
@@ -101,7 +105,8 @@ class ColumnParallelLinear(QuantizableLinear):
         dst.data[off:off + end - start].copy_(src[start:end])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.matmul(x, self.bias)
+        y = self.matmul(x, self.bias)
+        return y if self.lora is None else self.lora.add_to(x, y)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -140,6 +145,7 @@ class RowParallelLinear(QuantizableLinear):
                      if bias else None)
         self.packed_weight: PackedWeight | None = None
         self.register_parameter("weight_scale", None)  # [out] fp32 once FP8 (QuantizableLinear)
+        self.lora = None
 
     def load(self, kind: str, shard: int, src: TensorSlice) -> None:
         if kind == "bias":
@@ -153,6 +159,8 @@ class RowParallelLinear(QuantizableLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.matmul(x, None)
+        if self.lora is not None:  # this rank's partial LoRA sums join the base layer's
+            y = self.lora.add_to(x, y)
         y = self.tp.all_reduce(y)
         if self.bias is not None:
             y = y + self.bias  # added once, after the sum

@@ -10,6 +10,8 @@ import torch
 from pagefleet.kernels.ops import AttentionPlanner, AttentionSpec, no_plan
 from pagefleet.worker.core.kv_cache_sizing import DEFAULT_CPU_KV_CACHE_BYTES, gpu_kv_budget, kv_bytes_per_block
 from pagefleet.worker.engine_args import DEFAULT_GPU_MEMORY_UTILIZATION
+from pagefleet.worker.lora.manager import LoRAManager
+from pagefleet.worker.lora.request import LoRAConfig, LoRARequest
 from pagefleet.worker.model_executor.cuda_graphs import DecodeGraphs, PrefillGraphs, StepGraphs, capture_graphs
 from pagefleet.worker.model_executor.loader import load_model
 from pagefleet.worker.model_executor.model import AttentionMetadata
@@ -27,13 +29,14 @@ class ModelRunner:
     def __init__(self, cfg: ModelConfig, tp: TPGroup, device: torch.device, load_format: str = "safetensors",
                  seed: int = 0, enforce_eager: bool = False, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 2048, kv_cache_dtype: str = "auto",
-                 quantization: str | None = None) -> None:
+                 quantization: str | None = None, lora: LoRAConfig | None = None) -> None:
         """enforce_eager: True keeps the platform from compiling kernels of its own (on CPU the
         C++ decode attention, norms and rotary; on CUDA the graphs): the backend's kernels
         serve, launched one by one. max_num_seqs, max_num_batched_tokens: the engine's step limits,
         which size the step buffers and the graphs. kv_cache_dtype: ``EngineArgs.kv_cache_dtype``
         (auto: the model's dtype; fp8: e4m3). quantization: ``EngineArgs.quantization`` (a
-        checkpoint stored in FP8 runs FP8 without it)."""
+        checkpoint stored in FP8 runs FP8 without it). lora: the LoRA slots and limits where LoRA is
+        enabled (``lora_manager`` then holds the adapters)."""
         self.cfg = cfg
         self.tp = tp
         self.device = device
@@ -48,6 +51,8 @@ class ModelRunner:
         logger.info("kernels on %s: %s", device, self.kernels)
         quantization = resolve_quantization(quantization, cfg, device)  # refuses a GPU without FP8 before loading
         self.model = load_model(cfg, tp, self.kernels, device, load_format, seed, quantization)
+        self.lora_manager = None if lora is None else LoRAManager(self.model, lora.max_loras, lora.max_lora_rank,
+                                                                   lora.max_cpu_loras, device)
         self.platform.prepare_model(self.model, self.kernels)
         attn = self.model.layers[0].self_attn
         self.num_kv_heads = attn.num_kv_heads
@@ -108,10 +113,11 @@ class ModelRunner:
 
     @property
     def graphs_wanted(self) -> bool:
-        """Steps run as CUDA graphs: on CUDA, one rank, unless enforce_eager, and for dense models
-        only (the MoE twin reads each layer's expert counts on the host, which a graph cannot)."""
+        """Steps run as CUDA graphs: on CUDA, one rank, unless enforce_eager, for dense models
+        only (the MoE twin reads each layer's expert counts on the host, which a graph cannot) and
+        without LoRA (its PyTorch path groups rows by adapter on the host)."""
         return (self.device.type == "cuda" and self.tp.size == 1 and not self.enforce_eager
-                and not self.cfg.num_experts)
+                and not self.cfg.num_experts and self.lora_manager is None)
 
     def _profile_run(self, num_tokens: int, decode: bool = False) -> None:
         # One sequence of num_tokens (decode: num_tokens sequences of one token each, every
@@ -210,5 +216,22 @@ class ModelRunner:
         if run is not None:
             return run.graphs.run(step, run.size, prev_tokens)
         input_ids, positions, meta, logits_indices = self._eager_tensors(step, prev_tokens)
-        hidden = self.model(input_ids, positions, meta, self.kv_caches)
+        if step.lora_ids:
+            mapping = self._lora().mapping(step.lora_ids, step.query_start_loc)
+            with self.lora_manager.batch.step(mapping):
+                hidden = self.model(input_ids, positions, meta, self.kv_caches)
+        else:
+            hidden = self.model(input_ids, positions, meta, self.kv_caches)
         return self.model.compute_logits(hidden.index_select(0, logits_indices))
+
+    def _lora(self) -> LoRAManager:
+        if self.lora_manager is None:
+            raise ValueError("a step names LoRA adapters, but LoRA is not enabled (enable_lora)")
+        return self.lora_manager
+
+    def add_lora(self, request: LoRARequest) -> None:
+        """Register and load a LoRA adapter (``LoRAManager.add_lora``)."""
+        self._lora().add_lora(request)
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        self._lora().remove_lora(lora_int_id)

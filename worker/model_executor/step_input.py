@@ -32,6 +32,9 @@ class StepInput:
     # row prev_token_rows[i], read on the device (ModelRunner.execute's prev_tokens); its input id
     # here is a placeholder, never read (async scheduling).
     prev_token_rows: list[int] = field(default_factory=list)
+    # Each sequence row's LoRA adapter (its lora_int_id; None: the base model), or empty where no
+    # row of the step runs one.
+    lora_ids: list[int | None] = field(default_factory=list)
 
 
 def build_step_input(out: SchedulerOutput, block_size: int,
@@ -59,7 +62,14 @@ def build_step_input(out: SchedulerOutput, block_size: int,
         if item.sample:
             logits_indices.append(starts[-1] - 1)
     logits_indices.extend(prompt_rows)
+    step.lora_ids = lora_ids_of(out)
     return step
+
+
+def lora_ids_of(out: SchedulerOutput) -> list[int | None]:
+    """Each scheduled sequence's adapter id, in row order; [] where none runs one."""
+    ids = [None if item.seq.lora_request is None else item.seq.lora_request.lora_int_id for item in out.scheduled]
+    return ids if any(i is not None for i in ids) else []
 
 
 def prompt_logprob_spans(out: SchedulerOutput) -> list[tuple[Sequence, int, int]]:
@@ -106,7 +116,7 @@ def window_steps(first: StepInput, window: int, block_size: int) -> list[StepInp
         positions = [p + j for p in first.positions]
         slots = [t[p // block_size] * block_size + p % block_size for t, p in zip(tables, positions)]
         steps.append(StepInput([0] * len(positions), positions, slots, tables, first.query_start_loc,
-                               [n + j for n in first.seq_lens], first.logits_indices))
+                               [n + j for n in first.seq_lens], first.logits_indices, lora_ids=first.lora_ids))
     return steps
 
 

@@ -12,6 +12,7 @@ from typing import Protocol
 import torch
 
 from pagefleet.worker.engine_args import EngineArgs
+from pagefleet.worker.lora.request import LoRAConfig, LoRARequest
 from pagefleet.worker.model_executor.model_config import ModelConfig
 from pagefleet.worker.model_executor.model_runner import ModelRunner, StepInput
 from pagefleet.worker.model_executor.platform import platform_for
@@ -35,6 +36,12 @@ class Executor(Protocol):
 
     def execute(self, step: StepInput, prev_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
         """Forward one step on every rank; the sampling rows' fp32 logits [S, vocab]."""
+
+    def add_lora(self, request: LoRARequest) -> None:
+        """Register and load a LoRA adapter on every rank (a ValueError names what is wrong with it)."""
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        """Forget a LoRA adapter on every rank (its GPU slot and host copy)."""
 
     def check_health(self) -> None:
         """Raise if a rank died or hung, even while the engine is idle."""
@@ -65,6 +72,17 @@ class UniProcExecutor:
     def execute(self, step: StepInput, prev_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
         return self._runner().execute(step, prev_tokens)
 
+    def add_lora(self, request: LoRARequest) -> None:
+        runner = self._runner()
+        if isinstance(runner, ModelRunner):
+            runner.add_lora(request)
+        # the simulated GPU computes nothing: an adapter changes no step's time there
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        runner = self._runner()
+        if isinstance(runner, ModelRunner):
+            runner.remove_lora(lora_int_id)
+
     def decode_greedy(self, steps: list[StepInput]):
         """Several greedy decode steps in one go (``ModelRunner.decode_greedy``); None where the
         runner cannot. One rank only: a tensor-parallel executor has no such method."""
@@ -93,7 +111,9 @@ def make_executor(cfg: ModelConfig, args: EngineArgs, device: torch.device) -> E
         platform_for(device).set_compute_threads(args)
         return UniProcExecutor(ModelRunner(cfg, SINGLE, device, args.load_format, args.seed, args.enforce_eager,
                                            args.max_num_seqs, args.max_num_batched_tokens,
-                                           kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization))
+                                           kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
+                                           lora=LoRAConfig.of(args)))
     from pagefleet.worker.parallel.tp_executor import TPExecutor
 
     return TPExecutor(cfg, args, device)
+

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from pagefleet.worker.engine_args import EngineArgs
+from pagefleet.worker.lora.request import LoRAConfig, LoRARequest
 from pagefleet.worker.model_executor.model_config import ModelConfig
 from pagefleet.worker.model_executor.model_runner import ModelRunner, StepInput
 from pagefleet.worker.parallel.distributed import (
@@ -34,7 +35,12 @@ from pagefleet.worker.parallel.distributed import (
     init_process_groups,
     rendezvous_host,
 )
-from pagefleet.worker.parallel.step_wire import broadcast_step, broadcast_stop
+from pagefleet.worker.parallel.step_wire import (
+    broadcast_add_lora,
+    broadcast_remove_lora,
+    broadcast_step,
+    broadcast_stop,
+)
 from pagefleet.worker.parallel.tp_placement import Placement, acquire_placement, ensure_ray
 from pagefleet.worker.parallel.tp_worker import LoadReport, TPWorker, build_runner
 
@@ -112,10 +118,11 @@ class TPExecutor:
         self._groups = init_process_groups(rank=0, world_size=self.size, device=self.device, host=host,
                                            port=store.port, step_timeout_s=self.step_timeout_s, store=store)
         ray.get(joins, timeout=STARTUP_TIMEOUT_S)
-        loads = [a.load.remote(args.load_format, args.seed, args.kv_cache_dtype, args.quantization)
+        lora = LoRAConfig.of(args)
+        loads = [a.load.remote(args.load_format, args.seed, args.kv_cache_dtype, args.quantization, lora)
                  for a in self.actors]
         runner, report = build_runner(self.cfg, self._groups, self.device, args.load_format, args.seed,
-                                      args.kv_cache_dtype, args.quantization)
+                                      args.kv_cache_dtype, args.quantization, lora)
         self.load_reports = [report] + ray.get(loads, timeout=STARTUP_TIMEOUT_S)
         for r in self.load_reports:
             logger.info("tensor-parallel rank %d: %.1f MiB of weights, peak RSS +%.1f MiB while loading",
@@ -164,6 +171,20 @@ class TPExecutor:
         if self.device.type == "cuda":
             self._wait_for_device()
         return logits
+
+    def add_lora(self, request: LoRARequest) -> None:
+        """Rank 0 reads and checks the adapter first (a bad one raises here and no rank holds it),
+        then every other rank registers it from the step wire."""
+        with self._lock:
+            self._raise_if_failed()
+            self.runner.add_lora(request)
+            self._guarded(broadcast_add_lora, request, self._groups.control)
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        with self._lock:
+            self._raise_if_failed()
+            self.runner.remove_lora(lora_int_id)
+            self._guarded(broadcast_remove_lora, lora_int_id, self._groups.control)
 
     def check_health(self) -> None:
         """Raise TPWorkerError if a rank's actor has died, even while the engine is idle.

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagefleet.worker.lora.request import LoRAConfig, LoRARequest
 from pagefleet.worker.model_executor.model_config import ModelConfig
 from pagefleet.worker.model_executor.model_runner import ModelRunner
 from pagefleet.worker.parallel.distributed import ProcessGroups, destroy_process_groups, init_process_groups
@@ -36,13 +37,13 @@ def peak_rss_bytes() -> int:
 
 
 def build_runner(cfg: ModelConfig, groups: ProcessGroups, device: torch.device, load_format: str,
-                 seed: int, kv_cache_dtype: str = "auto",
-                 quantization: str | None = None) -> tuple[ModelRunner, LoadReport]:
+                 seed: int, kv_cache_dtype: str = "auto", quantization: str | None = None,
+                 lora: LoRAConfig | None = None) -> tuple[ModelRunner, LoadReport]:
     before = peak_rss_bytes()
     # Tensor-parallel ranks run eagerly: the compiled decode attention is wired and tested for
     # one-rank engines only.
     runner = ModelRunner(cfg, groups.tp, device, load_format, seed, enforce_eager=True,
-                         kv_cache_dtype=kv_cache_dtype, quantization=quantization)
+                         kv_cache_dtype=kv_cache_dtype, quantization=quantization, lora=lora)
     return runner, LoadReport(groups.tp.rank, runner.weight_bytes(), peak_rss_bytes() - before)
 
 
@@ -74,10 +75,10 @@ class TPWorker:
                                           init_timeout_s=init_timeout_s)
 
     def load(self, load_format: str, seed: int, kv_cache_dtype: str = "auto",
-             quantization: str | None = None) -> LoadReport:
+             quantization: str | None = None, lora: LoRAConfig | None = None) -> LoadReport:
         torch.manual_seed(seed)
         self.runner, report = build_runner(self.cfg, self.groups, self.device, load_format, seed, kv_cache_dtype,
-                                           quantization)
+                                           quantization, lora)
         return report
 
     def available_kv_bytes(self, kv_cache_bytes: int | None, gpu_memory_utilization: float | None,
@@ -89,13 +90,20 @@ class TPWorker:
         self.runner.allocate_kv_cache(num_blocks, block_size)
 
     def run_loop(self) -> int:
-        """Execute broadcast steps until rank 0 says stop; returns the number of steps run.
+        """Execute broadcast steps (and register adapters) until rank 0 says stop; returns the
+        number of steps run.
         On any error the groups are torn down first, so rank 0's pending collective fails
         at once (connection closed) instead of waiting out its timeout."""
         steps = 0
         try:
-            while (step := receive_step(self.groups.control)) is not None:
-                self.runner.execute(step)
+            while (message := receive_step(self.groups.control)) is not None:
+                if isinstance(message, LoRARequest):
+                    self.runner.add_lora(message)  # rank 0 read the same adapter without error
+                    continue
+                if isinstance(message, int):
+                    self.runner.remove_lora(message)
+                    continue
+                self.runner.execute(message)
                 steps += 1
         except BaseException:
             logger.exception("tensor-parallel rank %d failed after %d steps", self.rank, steps)

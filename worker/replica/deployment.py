@@ -248,7 +248,8 @@ class WorkerReplica:
         delta is as right, only dearer."""
         return self.engine.generate(request.request_id, request.prompt_token_ids, request.params, request.extra_keys,
                                     request.block_hashes, span=span, resume=request.resume, forward=forward,
-                                    client=request.client, priority=request.priority)
+                                    client=request.client, priority=request.priority,
+                                    lora_name=request.lora_name)
 
     async def channel(self, request: ChannelOpen) -> AsyncIterator[bytes | SocketOffer]:
         """A caller's delta channel (``worker.replica.wire``): an encoded empty list once attached,

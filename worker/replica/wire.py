@@ -55,6 +55,9 @@ class WorkerRequest:
     client: str = ""
     # vLLM's request priority: lower is served earlier by an engine scheduling by priority.
     priority: int = 0
+    # The LoRA adapter the request runs with, by its served name (None: the base model); its
+    # block hashes are under it (``block_hash.extra_keys_digest``).
+    lora_name: str | None = None
 
 
 @dataclass(slots=True)
