@@ -151,6 +151,8 @@ def size_gpu(s: ReplicaShape) -> GPUSizing:
     m, tp = s.model, s.tensor_parallel_size
     r = rank_shape(m, tp)
     weight_bytes = weight_elements_per_rank(m, tp) * DTYPE_BYTES[s.dtype]
+    if m.attention_sinks:  # the engine keeps gpt-oss's sinks in float32
+        weight_bytes += m.num_layers * r.heads * (4 - DTYPE_BYTES[s.dtype])
     embed_bytes = 0 if m.tie_word_embeddings else r.vocab_rows * m.hidden_size * DTYPE_BYTES[s.dtype]
     expert_bytes = m.num_moe_layers * expert_elements_per_rank(m, tp) * DTYPE_BYTES[s.dtype]
     kv_elem = DTYPE_BYTES[s.kv_cache_dtype]
