@@ -16,8 +16,9 @@ device:
                the memory-bandwidth roofline (bytes a decode step must read / peak)
   moe          the same for a random-weight Qwen3-30B-A3B-shaped model cut to 12 of
                its 48 layers (128 experts, top 8), against the roofline of the
-               experts each step reads (gpu_check_moe.py); the engine section
-               leaves it MOE_RESERVE_S of the budget
+               experts each step reads (gpu_check_moe.py; eager, as the engine
+               runs MoE models on CUDA today); the engine section leaves it
+               MOE_RESERVE_S of the budget
 
 `--dry-run` runs the same code on CPU with tiny shapes (Triton kernels under the
 interpreter, the engine on its CPU twins) so CI proves the script works; its
@@ -57,8 +58,8 @@ PEAK_BANDWIDTH = [("GH200", 4.0e12), ("H200", 4.8e12), ("H100 NVL", 3.9e12), ("H
 ELEMENTWISE_EPS = {"rms_norm": (3, 3), "fused_add_rms_norm": (4, 4), "silu_and_mul": (3, 3),
                    "rotary_embedding": (8, 2)}
 ATTENTION_EPS = 3
-# The budget's last seconds, kept from the engine section for the MoE one (start-up with its
-# graphs, then three timed runs).
+# The budget's last seconds, kept from the engine section for the MoE one (start-up, the first
+# calls' kernel compiles, then three timed runs).
 MOE_RESERVE_S = 120.0
 
 
