@@ -132,7 +132,7 @@ class Plan:
     mean_blocks_per_request: float
     concurrent_requests_paged: int            # per replica, by KV blocks alone
     concurrent_requests_contiguous: int       # per replica, each reserving max_model_len
-    paged_over_contiguous: float
+    paged_over_contiguous: float | None  # None where not one contiguous reservation fits (a window's pool)
     decode: list[DecodeStep] = field(default_factory=list)
     compute_bound_from_batch: int | None = None
     cost: CostPlan | None = None
@@ -200,7 +200,8 @@ def make_plan(p: PlanInputs) -> Plan:
     plan = Plan(p, replicas, num_params(m), active_params_per_token(m), gpu.weight_bytes, gpu.decode_weight_bytes,
                 gpu.expert_bytes, window, held, kv_token, kv_token * tp,
                 gpu.kv_budget_source, gpu.peak_estimate_bytes, gpu.kv_budget_bytes, pool.num_blocks,
-                pool.num_tokens, pool.num_bytes, pool.max_concurrency(p.max_model_len), mean_blocks, paged, contiguous, paged / contiguous)
+                pool.num_tokens, pool.num_bytes, pool.max_concurrency(p.max_model_len), mean_blocks, paged, contiguous,
+                paged / contiguous if contiguous else None)
     if p.gpu is None:
         return plan
     roof = step_roofline(p.replica, gpu)

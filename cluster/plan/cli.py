@@ -184,7 +184,8 @@ def render(plan: Plan) -> str:
     rows += [("KV blocks per request (mean, at full length)", f"{plan.mean_blocks_per_request:.2f}"),
              ("paged blocks", f"{plan.concurrent_requests_paged:,}"),
              ("contiguous max_model_len reservations", f"{plan.concurrent_requests_contiguous:,}"),
-             ("paged / contiguous", f"{plan.paged_over_contiguous:.1f}x"),
+             ("paged / contiguous", f"{plan.paged_over_contiguous:.1f}x" if plan.paged_over_contiguous is not None
+              else "- (the pool holds less than one max_model_len; the window bounds what a sequence holds)"),
              ("engine cap (max_num_seqs)", f"{p.max_num_seqs}")]
     out = _format_rows(rows)
     if plan.decode:

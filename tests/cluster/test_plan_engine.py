@@ -87,3 +87,21 @@ def test_plan_weights_per_rank_equal_the_engine_modules_for_experts(tmp_path, na
     engine_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     shape = ReplicaShape(m, GPUS["h200"], tp, "bfloat16", "bfloat16", 0.9, None, 16, 2048)
     assert size_gpu(shape).weight_bytes == engine_bytes
+
+
+def test_plan_of_a_windowed_checkpoint_accepts_what_the_engine_accepts(tiny_checkpoint, capsys):
+    """A tiny Mistral with a 32-token window in every layer: 2048 tokens of max_model_len do not fit
+    in 64 blocks, but a sequence holds at most 31 + 256 + 16 tokens, so the engine starts and the
+    plan sizes the same pool, counting each request's blocks that are still held."""
+    path = str(tiny_checkpoint(arch="mistral", sliding_window=32))
+    budget = 64 * 16 * 1024  # fp32 tiny Mistral: 1 KiB of KV a token
+    plan = plan_json(capsys, "--model", path, "--kv-cache-bytes", str(budget), "--max-num-batched-tokens", "256",
+                     "--input-len", "100", "--output-len", "20")
+    llm = LLM(model=path, kv_cache_bytes=budget, max_num_batched_tokens=256)
+    assert plan["kv_bytes_per_token_per_gpu"] == 1024
+    assert plan["num_blocks"] == llm.engine.stats().num_total_blocks == 64
+    assert (plan["kv_sliding_window"], plan["max_tokens_held_per_seq"]) == (32, 31 + 256 + 16)
+    # 120 tokens: 8 blocks, of which (120 - 32) // 16 = 5 are given back
+    assert plan["mean_blocks_per_request"] == 3
+    assert plan["concurrent_requests_paged"] == 21
+    assert (plan["concurrent_requests_contiguous"], plan["paged_over_contiguous"]) == (0, None)

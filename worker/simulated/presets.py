@@ -63,8 +63,8 @@ MODELS: dict[str, ModelShape] = {m.name.lower(): m for m in (
     ModelShape("Qwen2.5-72B", 152064, 8192, 29568, 80, 64, 8, 128, 32768, attention_bias=True),
     ModelShape("Qwen3-8B", 151936, 4096, 12288, 36, 32, 8, 128, 40960, qk_norm=True),
     ModelShape("Qwen3-32B", 151936, 5120, 25600, 64, 64, 8, 128, 40960, qk_norm=True),
-    # v0.3: 32768-token vocabulary and no sliding window (v0.1 had a 4096-token one; the engine
-    # serves windows, but the planner's KV model counts every token of a sequence).
+    # v0.3: 32768-token vocabulary and no sliding window (v0.1 had a 4096-token one in every
+    # layer: plan its checkpoint directory, whose window caps the KV a sequence holds).
     ModelShape("Mistral-7B-v0.3", 32768, 4096, 14336, 32, 32, 8, 128, 32768),
     # mistralai/Mixtral-8x7B-v0.1 config.json: 8 local experts of intermediate 14336, top 2, in all
     # 32 layers; "sliding_window": null.
