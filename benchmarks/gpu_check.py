@@ -14,6 +14,11 @@ device:
   engine       offline throughput and single-stream per-token latency of a
                random-weight Llama-3-8B-shaped model in bf16, as fractions of
                the memory-bandwidth roofline (bytes a decode step must read / peak)
+  moe          the same for a random-weight Qwen3-30B-A3B-shaped model cut to 12 of
+               its 48 layers (128 experts, top 8), against the roofline of the
+               experts each step reads (gpu_check_moe.py; eager, as the engine
+               runs MoE models on CUDA today); the engine section leaves it
+               MOE_RESERVE_S of the budget
 
 `--dry-run` runs the same code on CPU with tiny shapes (Triton kernels under the
 interpreter, the engine on its CPU twins) so CI proves the script works; its
@@ -39,6 +44,7 @@ from pagefleet.kernels.rotary import rotary_embedding
 from pagefleet.kernels.testing import make_paged_batch
 
 from gpu_check_engine import LLAMA3_SCALING, check_engine  # beside this file: the engine section
+from gpu_check_moe import check_moe  # and the MoE section
 
 # Peak HBM bandwidth (bytes/s) by device-name fragment, most specific first.
 PEAK_BANDWIDTH = [("GH200", 4.0e12), ("H200", 4.8e12), ("H100 NVL", 3.9e12), ("H100 PCIe", 2.0e12),
@@ -52,6 +58,9 @@ PEAK_BANDWIDTH = [("GH200", 4.0e12), ("H200", 4.8e12), ("H100 NVL", 3.9e12), ("H
 ELEMENTWISE_EPS = {"rms_norm": (3, 3), "fused_add_rms_norm": (4, 4), "silu_and_mul": (3, 3),
                    "rotary_embedding": (8, 2)}
 ATTENTION_EPS = 3
+# The budget's last seconds, kept from the engine section for the MoE one (start-up, the first
+# calls' kernel compiles, then three timed runs).
+MOE_RESERVE_S = 120.0
 
 
 @dataclass(slots=True)
@@ -310,7 +319,7 @@ def main() -> int:
     parser.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes: proves the script runs")
     parser.add_argument("--peak-tbps", type=float, help="peak memory bandwidth, if the device name is not known")
     parser.add_argument("--time-budget-s", type=float, default=420.0)
-    parser.add_argument("--only", choices=["correctness", "bandwidth", "engine"], action="append")
+    parser.add_argument("--only", choices=["correctness", "bandwidth", "engine", "moe"], action="append")
     args = parser.parse_args()
     start = time.monotonic()
     if args.dry_run:
@@ -327,10 +336,13 @@ def main() -> int:
     run.emit("machine", torch=torch.__version__, triton=triton.__version__,
              cuda=torch.version.cuda, peak_TBps=peak / 1e12 if peak and not args.dry_run else None)
     failures = 0
+    deadline = run.deadline
+    moe_runs = not args.only or "moe" in args.only
     for section, fn in (("correctness", check_correctness), ("bandwidth", check_bandwidth),
-                        ("engine", check_engine)):
+                        ("engine", check_engine), ("moe", check_moe)):
         if args.only and section not in args.only:
             continue
+        run.deadline = deadline - (MOE_RESERVE_S if section == "engine" and moe_runs and not args.dry_run else 0)
         if run.out_of_time():
             run.emit("skipped", what=section, reason="time budget")
             continue

@@ -38,7 +38,8 @@ def write_checkpoint_config(path: Path, shape: dict) -> None:
 
     config = dict(architectures=["LlamaForCausalLM"], model_type="llama", rms_norm_eps=1e-5,
                   rope_theta=500000.0, rope_scaling=LLAMA3_SCALING, tie_word_embeddings=False,
-                  bos_token_id=1, eos_token_id=2, dtype="bfloat16", hidden_act="silu", **shape)
+                  bos_token_id=1, eos_token_id=2, dtype="bfloat16", hidden_act="silu")
+    config.update(shape)  # another architecture's shape names its own
     (path / "config.json").write_text(json.dumps(config))
     vocab = {f"w{i}": i for i in range(shape["vocab_size"])}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))

@@ -11,10 +11,17 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-from pagefleet.worker.core.kv_cache_sizing import size_kv_pool
+from pagefleet.worker.core.kv_cache_sizing import max_tokens_held, size_kv_pool
+from pagefleet.worker.model_executor.sliding_window import kv_sliding_window
 from pagefleet.worker.simulated.presets import GPUSpec, ModelShape
 from pagefleet.worker.simulated.roofline import StepRoofline, decode_work, step_work
-from pagefleet.worker.simulated.sizing import ReplicaShape, num_params, size_gpu, step_roofline
+from pagefleet.worker.simulated.sizing import (
+    ReplicaShape,
+    active_params_per_token,
+    num_params,
+    size_gpu,
+    step_roofline,
+)
 
 HOURS_PER_MONTH = 730  # 365 * 24 / 12
 
@@ -82,6 +89,7 @@ class DecodeStep:
     tokens_per_s_per_seq: float
     tokens_per_s_per_replica: float
     tokens_per_s_total: float
+    experts_read: int = 0  # per MoE layer: min(experts, batch x experts per token)
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,9 +111,15 @@ class CostPlan:
 class Plan:
     inputs: PlanInputs
     replicas: int
-    num_params: int
+    num_params: int                   # what memory holds
+    num_active_params: int            # what one token uses: all but the experts it was not routed to
     weight_bytes_per_gpu: int
-    decode_weight_bytes_per_gpu: int  # a decode step reads all weights but the embedding table
+    decode_weight_bytes_per_gpu: int  # every step reads all weights but the embedding table and the experts
+    expert_bytes_per_gpu: int         # one expert of every MoE layer: a step reads those it routes to
+    # The window the engine's KV manager frees blocks by (every layer slides), else None; and the
+    # most tokens' KV one sequence of max_model_len holds at once under it.
+    kv_sliding_window: int | None
+    max_tokens_held_per_seq: int
     kv_bytes_per_token_per_gpu: int
     kv_bytes_per_token_per_replica: int
     kv_budget_source: str
@@ -118,17 +132,21 @@ class Plan:
     mean_blocks_per_request: float
     concurrent_requests_paged: int            # per replica, by KV blocks alone
     concurrent_requests_contiguous: int       # per replica, each reserving max_model_len
-    paged_over_contiguous: float
+    paged_over_contiguous: float | None  # None where not one contiguous reservation fits (a window's pool)
     decode: list[DecodeStep] = field(default_factory=list)
     compute_bound_from_batch: int | None = None
     cost: CostPlan | None = None
 
 
-def mean_blocks_per_request(lengths: Lengths, block_size: int) -> float:
+def mean_blocks_per_request(lengths: Lengths, block_size: int, sliding_window: int | None = None) -> float:
     """E[ceil((prompt + output) / block_size)] with prompt and output independent and uniform:
-    a request's blocks when it has all its tokens."""
+    a request's blocks when it has all its tokens. With a window in every layer, the blocks it
+    still holds then: the KV manager has given back those wholly before the window of its last
+    token (``KVCacheManager.num_skipped_blocks`` after all but that token are computed)."""
     plo, phi = lengths.bounds(lengths.input_len)
     olo, ohi = lengths.bounds(lengths.output_len)
+    if sliding_window is not None:
+        return _mean_held_blocks(plo, phi, olo, ohi, block_size, sliding_window)
 
     def blocks_up_to(n: int) -> int:  # sum of ceil(x / block_size) for x in 1..n
         q, rem = divmod(n, block_size)
@@ -138,13 +156,21 @@ def mean_blocks_per_request(lengths: Lengths, block_size: int) -> float:
     return total / ((phi - plo + 1) * (ohi - olo + 1))
 
 
+def _mean_held_blocks(plo: int, phi: int, olo: int, ohi: int, block_size: int, window: int) -> float:
+    held = [0] * (phi + ohi + 1)  # prefix sums over total lengths n of the blocks held at n tokens
+    for n in range(1, phi + ohi + 1):
+        held[n] = held[n - 1] + -(-n // block_size) - max(0, n - window) // block_size
+    total = sum(held[prompt + ohi] - held[prompt + olo - 1] for prompt in range(plo, phi + 1))
+    return total / ((phi - plo + 1) * (ohi - olo + 1))
+
+
 def decode_step(roof: StepRoofline, batch: int, context: float, replicas: int) -> DecodeStep:
     """One decode step of ``batch`` sequences of ``context`` tokens on one GPU of a replica:
     it reads the weights once and each sequence's KV; it multiplies every weight per sequence."""
     cost = roof.cost(decode_work(batch, context))
     t = cost.seconds
     return DecodeStep(batch, int(cost.bytes_read), cost.flops, t * 1e3, cost.bound, 1 / t, batch / t,
-                      replicas * batch / t)
+                      replicas * batch / t, roof.experts_read(batch))
 
 
 def make_plan(p: PlanInputs) -> Plan:
@@ -155,21 +181,27 @@ def make_plan(p: PlanInputs) -> Plan:
         raise ValueError(f"max_model_len {p.max_model_len} exceeds {m.name}'s limit of "
                          f"{m.max_position_embeddings} tokens")
     gpu = size_gpu(p.replica)
-    pool = size_kv_pool(gpu.kv_budget_bytes, gpu.kv_bytes_per_block, p.block_size, p.max_model_len)
+    # What the engine holds: a window in every layer caps a sequence's KV; a model mixing full and
+    # sliding layers keeps all of it (the KV manager frees nothing while one layer reads it all).
+    window = kv_sliding_window(m.sliding_windows)
+    held = max_tokens_held(p.max_model_len, p.block_size, window, p.max_num_batched_tokens)
+    pool = size_kv_pool(gpu.kv_budget_bytes, gpu.kv_bytes_per_block, p.block_size, p.max_model_len, held)
 
     lengths = p.lengths
     longest = lengths.bounds(lengths.input_len)[1] + lengths.bounds(lengths.output_len)[1]
     if longest > p.max_model_len:
         raise ValueError(f"the longest request ({longest} tokens) exceeds max_model_len {p.max_model_len}")
-    mean_blocks = mean_blocks_per_request(lengths, p.block_size)
+    mean_blocks = mean_blocks_per_request(lengths, p.block_size, window)
     paged = int(pool.num_blocks / mean_blocks)
     contiguous = pool.num_tokens // p.max_model_len
     replicas = p.num_gpus // tp
 
     kv_token = gpu.kv_bytes_per_token
-    plan = Plan(p, replicas, num_params(m), gpu.weight_bytes, gpu.decode_weight_bytes, kv_token, kv_token * tp,
+    plan = Plan(p, replicas, num_params(m), active_params_per_token(m), gpu.weight_bytes, gpu.decode_weight_bytes,
+                gpu.expert_bytes, window, held, kv_token, kv_token * tp,
                 gpu.kv_budget_source, gpu.peak_estimate_bytes, gpu.kv_budget_bytes, pool.num_blocks,
-                pool.num_tokens, pool.num_bytes, pool.max_concurrency(p.max_model_len), mean_blocks, paged, contiguous, paged / contiguous)
+                pool.num_tokens, pool.num_bytes, pool.max_concurrency(p.max_model_len), mean_blocks, paged, contiguous,
+                paged / contiguous if contiguous else None)
     if p.gpu is None:
         return plan
     roof = step_roofline(p.replica, gpu)

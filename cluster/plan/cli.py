@@ -160,10 +160,15 @@ def render(plan: Plan) -> str:
     where = f"{p.num_gpus} x {p.gpu.name}" if p.gpu else "CPU"
     rows.append(f"{m.name} on {where}: tensor_parallel_size {p.tensor_parallel_size}, {plan.replicas} "
                 f"replica(s); {p.dtype} weights, {p.kv_cache_dtype} KV cache, max_model_len {p.max_model_len}")
-    rows += ["model", ("parameters", f"{plan.num_params / 1e9:,.2f} B"),
-             ("weights per GPU", f"{_gib(plan.weight_bytes_per_gpu)} ({plan.weight_bytes_per_gpu:,} B)"),
+    rows += ["model", ("parameters", f"{plan.num_params / 1e9:,.2f} B ({plan.num_params:,})")]
+    if m.num_experts:
+        rows += [("active parameters per token", f"{plan.num_active_params / 1e9:,.2f} B ({m.num_experts_per_tok} of "
+                                                 f"{m.num_experts} experts in {m.num_moe_layers} layers)")]
+    rows += [("weights per GPU", f"{_gib(plan.weight_bytes_per_gpu)} ({plan.weight_bytes_per_gpu:,} B)"),
              ("KV cache per token, per GPU", f"{plan.kv_bytes_per_token_per_gpu:,} B"),
              ("KV cache per token, per replica", f"{plan.kv_bytes_per_token_per_replica:,} B")]
+    if m.sliding_windows:
+        rows += [("sliding window", _window_text(plan))]
     rows.append("KV pool, per GPU (every GPU of a replica holds the same blocks)")
     if plan.peak_estimate_bytes is not None:
         rows += [("GPU memory x utilization", f"{_gib(p.gpu.memory_bytes)} x {p.gpu_memory_utilization:g}"),
@@ -179,7 +184,8 @@ def render(plan: Plan) -> str:
     rows += [("KV blocks per request (mean, at full length)", f"{plan.mean_blocks_per_request:.2f}"),
              ("paged blocks", f"{plan.concurrent_requests_paged:,}"),
              ("contiguous max_model_len reservations", f"{plan.concurrent_requests_contiguous:,}"),
-             ("paged / contiguous", f"{plan.paged_over_contiguous:.1f}x"),
+             ("paged / contiguous", f"{plan.paged_over_contiguous:.1f}x" if plan.paged_over_contiguous is not None
+              else "- (the pool holds less than one max_model_len; the window bounds what a sequence holds)"),
              ("engine cap (max_num_seqs)", f"{p.max_num_seqs}")]
     out = _format_rows(rows)
     if plan.decode:
@@ -187,6 +193,17 @@ def render(plan: Plan) -> str:
     if plan.cost is not None:
         out += _render_cost(plan)
     return out
+
+
+def _window_text(plan: Plan) -> str:
+    """What the engine holds of a windowed model's KV."""
+    m = plan.inputs.model
+    sliding = [w for w in m.sliding_windows if w is not None]
+    if plan.kv_sliding_window is not None:
+        return (f"{plan.kv_sliding_window} tokens in every layer: a sequence holds at most "
+                f"{plan.max_tokens_held_per_seq:,} tokens of KV (the window, one step and a block)")
+    return (f"{max(sliding)} tokens in {len(sliding)} of {m.num_layers} layers; the engine keeps every "
+            "layer's KV for a model that mixes full and sliding layers, so a sequence holds all its tokens")
 
 
 def _format_rows(rows) -> str:
@@ -197,16 +214,24 @@ def _format_rows(rows) -> str:
 
 
 def _render_decode(plan: Plan) -> str:
-    p = plan.inputs
+    p, m = plan.inputs, plan.inputs.model
+    embed = plan.weight_bytes_per_gpu - plan.decode_weight_bytes_per_gpu - m.num_experts * plan.expert_bytes_per_gpu
     lines = [f"decode roofline ({p.gpu.bandwidth / 1e12:g} TB/s, {p.gpu.flops / 1e12:g} TFLOP/s per GPU; mean "
-             f"context {p.lengths.mean_context:g} tokens; all-reduce time not modelled)",
-             f"  a step reads {_gib(plan.decode_weight_bytes_per_gpu)} of weights per GPU: all but the "
-             f"{_gib(plan.weight_bytes_per_gpu - plan.decode_weight_bytes_per_gpu)} embedding table, of which it "
-             "gathers one row per sequence",
-             f"  {'batch':>6} {'ms/step':>9} {'tok/s/seq':>10} {'tok/s/replica':>14} {'tok/s all':>11}  bound"]
+             f"context {p.lengths.mean_context:g} tokens; all-reduce time not modelled)"]
+    if m.num_experts:
+        lines += [f"  a step reads {_gib(plan.decode_weight_bytes_per_gpu)} of weights per GPU besides the experts "
+                  f"and the {_gib(embed)} embedding table, and {_gib(plan.expert_bytes_per_gpu)} for each expert "
+                  f"it routes to (its weights in all {m.num_moe_layers} MoE layers): min({m.num_experts}, batch x "
+                  f"{m.num_experts_per_tok}) experts a layer"]
+    else:
+        lines += [f"  a step reads {_gib(plan.decode_weight_bytes_per_gpu)} of weights per GPU: all but the "
+                  f"{_gib(embed)} embedding table, of which it gathers one row per sequence"]
+    experts = f" {'experts':>8}" if m.num_experts else ""
+    lines.append(f"  {'batch':>6}{experts} {'ms/step':>9} {'tok/s/seq':>10} {'tok/s/replica':>14} {'tok/s all':>11}  bound")
     for s in plan.decode:
-        lines.append(f"  {s.batch:>6} {s.ms:>9.3f} {s.tokens_per_s_per_seq:>10.1f} {s.tokens_per_s_per_replica:>14.1f}"
-                     f" {s.tokens_per_s_total:>11.1f}  {s.bound}")
+        read = f" {s.experts_read:>8}" if m.num_experts else ""
+        lines.append(f"  {s.batch:>6}{read} {s.ms:>9.3f} {s.tokens_per_s_per_seq:>10.1f} "
+                     f"{s.tokens_per_s_per_replica:>14.1f} {s.tokens_per_s_total:>11.1f}  {s.bound}")
     lines.append(f"  compute-bound from batch {plan.compute_bound_from_batch}" if plan.compute_bound_from_batch
                  else "  memory-bound up to the largest batch the pool and max_num_seqs allow")
     return "\n".join(lines) + "\n"

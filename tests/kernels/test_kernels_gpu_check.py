@@ -30,7 +30,7 @@ def test_gpu_check_dry_run_prints_every_result():
     for line in lines:
         by_check.setdefault(line["check"], []).append(line)
     assert "error" not in by_check and "skipped" not in by_check, by_check.get("error") or by_check.get("skipped")
-    assert [s["section"] for s in by_check["section_done"]] == ["correctness", "bandwidth", "engine"]
+    assert [s["section"] for s in by_check["section_done"]] == ["correctness", "bandwidth", "engine", "moe"]
 
     correctness = by_check["correctness"]
     assert {(c["kernel"], c["dtype"]) for c in correctness} == {(k, d) for k in KERNELS
@@ -70,8 +70,29 @@ def test_gpu_check_dry_run_prints_every_result():
             for g in graph_lines] == [("decode", 1, 0, 1, False, True), ("decode", 3, 0, 4, False, True),
                                       ("prefill and mixed", 0, 12, 16, False, True),
                                       ("prefill and mixed", 2, 9, 16, False, True)]
+    _moe_lines(by_check)
     profiles = by_check["engine_step_profile"]
     assert [p["variant"] for p in profiles] == ["bf16, CUDA graphs", "fp8 weights"]
     for profile in profiles:  # on CPU no device kernel is seen: the whole step is host time
         assert (profile["steps"], profile["device_kernel_ms_per_step"], profile["kernel_events_per_step"]) == (4, 0, 0)
         assert profile["wall_ms_per_step"] > 0 and profile["top_kernels"] == []
+
+
+def _moe_lines(by_check: dict[str, list[dict]]) -> None:
+    """The MoE section: a tiny Qwen3-MoE (8 experts, top 2, 2 layers) planned as the engine holds it."""
+    (setup,) = by_check["moe_setup"]
+    assert (setup["num_experts"], setup["experts_per_token"], setup["moe_layers"]) == (8, 2, 2)
+    assert setup["cuda_graphs"] is False  # the engine runs MoE models eagerly
+    assert setup["weight_bytes"] == setup["planned_weight_bytes"] == 2 * setup["num_params"]
+    # 2 layers x 3 x 128 x 64 weights of one expert, bf16; 6 of the 8 experts a token skips
+    assert setup["expert_bytes"] == 2 * 2 * 3 * 128 * 64 == 98304
+    assert setup["num_params"] - setup["active_params"] == 6 * 98304 // 2
+    (single,) = by_check["moe_single_stream"]
+    assert single["experts_read_per_layer"] == 2 and single["per_token_latency_ms"] > 0
+    throughput = by_check["moe_throughput"]
+    assert [(t["num_requests"], t["experts_read_per_layer"], t["output_tokens"]) for t in throughput] == [
+        (2, 4, 8), (4, 8, 16)]
+    # from 2 to 4 sequences: 4 more experts' weights and 2 more sequences' KV (8 + 4 / 2 tokens of
+    # 2 layers x 2 KV heads x 32 dims, K and V, bf16)
+    kv = 10 * 2 * 2 * 2 * 32 * 2
+    assert throughput[1]["bytes_per_step"] - throughput[0]["bytes_per_step"] == 4 * 98304 + 2 * kv

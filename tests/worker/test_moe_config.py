@@ -25,6 +25,15 @@ def test_experts_and_their_layers_are_read(tiny_checkpoint, arch, experts, layer
     assert cfg.num_parameters - cfg.active_parameters_per_token == 2 * per_expert * len(layers)
 
 
+def test_gpt_oss_counts_its_biases_and_sinks(tiny_checkpoint):
+    """gpt-oss adds q/k/v and o_proj biases, a sink per head, router and expert biases: all counted."""
+    cfg = load_model_config(str(tiny_checkpoint(arch="gpt_oss")))
+    assert cfg.num_parameters == sum(p.numel() for p in hf_model(str(tiny_checkpoint(arch="gpt_oss"))).parameters())
+    per_expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size + 2 * cfg.moe_intermediate_size + cfg.hidden_size
+    inactive = (cfg.num_experts - cfg.num_experts_per_tok) * per_expert * len(cfg.moe_layers)
+    assert cfg.num_parameters - cfg.active_parameters_per_token == inactive
+
+
 def test_dense_models_count_every_parameter_as_active(tiny_checkpoint):
     cfg = load_model_config(str(tiny_checkpoint(arch="qwen3")))
     assert (cfg.num_experts, cfg.moe_layers) == (0, ())

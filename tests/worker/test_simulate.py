@@ -92,6 +92,33 @@ def test_a_decode_step_takes_what_pagefleet_plan_prints(llama_8b_h200):
         assert runner.step_seconds(step_of([(context - 1, context)] * row.batch)) * 1e3 == row.ms
 
 
+def test_a_moe_step_reads_the_experts_its_batch_routes_to():
+    """A simulated Qwen3-30B-A3B on an H100: each decode step takes what ``pagefleet plan`` prints,
+    whose bytes grow with the experts the batch reads (8 a token, at most 128 a layer)."""
+    engine = LLMEngine(EngineArgs(model="qwen3-30b-a3b", simulate="h100", max_model_len=8192))
+    try:
+        cfg = engine.model_config
+        assert (cfg.architecture, cfg.num_experts, cfg.num_experts_per_tok) == ("Qwen3MoeForCausalLM", 128, 8)
+        assert (cfg.num_parameters, cfg.active_parameters_per_token) == (30_532_122_624, 3_353_032_704)
+        plan = make_plan(PlanInputs(model=find_model("qwen3-30b-a3b"), gpu=GPUS["h100"], num_gpus=1,
+                                    tensor_parallel_size=1, dtype="bfloat16", kv_cache_dtype="bfloat16",
+                                    gpu_memory_utilization=0.9, kv_cache_bytes=None, max_model_len=8192,
+                                    block_size=16, max_num_seqs=64, max_num_batched_tokens=2048,
+                                    lengths=Lengths(1024, 128)))
+        assert engine.pool.num_blocks == plan.num_blocks
+        runner, context = engine.executor.runner, 1024 + 64
+        assert [row.experts_read for row in plan.decode] == [8, 16, 32, 64, 128, 128, 128]
+        for row in plan.decode:
+            assert runner.step_seconds(step_of([(context - 1, context)] * row.batch)) * 1e3 == row.ms
+        # one expert in all 48 layers: gate, up and down of 2048 x 768, in bf16
+        expert = 48 * 3 * 2048 * 768 * 2
+        one, two = (runner.step_seconds(step_of([(context - 1, context)] * b)) for b in (1, 2))
+        kv = 2 * 48 * 4 * 128 * 2 * context
+        assert (two - one) * GPUS["h100"].bandwidth == pytest.approx(8 * expert + kv, rel=1e-9)
+    finally:
+        engine.shutdown()
+
+
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_each_engine_step_waits_at_least_its_time_over_the_efficiency(async_scheduling):
     """Step by step; with async scheduling a step is launched during the call before the one

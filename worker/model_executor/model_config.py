@@ -84,12 +84,17 @@ class ModelConfig:
 
     @property
     def active_parameters_per_token(self) -> int:
-        """Weights one token's forward pass reads (the decode roofline's bytes, not the memory's)."""
-        return _parameters(self, active=True)
+        """Weights one token's forward pass uses (the decode roofline's, not the memory's): the
+        planner's own count (``simulated/sizing.py``), so the two cannot disagree."""
+        from pagefleet.worker.simulated.sizing import active_params_per_token, model_shape_of
+
+        return active_params_per_token(model_shape_of(self))
 
     @property
     def num_parameters(self) -> int:
-        return _parameters(self, active=False)
+        from pagefleet.worker.simulated.sizing import model_shape_of, num_params
+
+        return num_params(model_shape_of(self))
 
     @property
     def served_model_name(self) -> str:
@@ -271,18 +276,6 @@ def gpt_oss_fields(arch: str, cfg: dict) -> dict:
     return {"attention_sinks": True, "o_proj_bias": bool(cfg.get("attention_bias", True)),
             "swiglu_limit": float(cfg.get("swiglu_limit", 7.0)), "swiglu_alpha": float(cfg.get("swiglu_alpha", 1.702)),
             "mxfp4_experts": qc.get("quant_method") == "mxfp4"}
-
-
-def _parameters(cfg: ModelConfig, active: bool) -> int:
-    hidden, layers = cfg.hidden_size, cfg.num_layers
-    attention = hidden * cfg.head_dim * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)
-    dense_mlp = 3 * hidden * cfg.intermediate_size
-    experts = cfg.num_experts_per_tok if active else cfg.num_experts
-    moe_mlp = 3 * hidden * cfg.moe_intermediate_size * experts + cfg.num_experts * hidden
-    moe = len(cfg.moe_layers)
-    embeddings = cfg.vocab_size * hidden * (1 if cfg.tie_word_embeddings else 2)
-    norms = (2 * layers + 1) * hidden + (2 * layers * cfg.head_dim if cfg.qk_norm else 0)
-    return layers * attention + (layers - moe) * dense_mlp + moe * moe_mlp + embeddings + norms
 
 
 def resolve_dtype(dtype: str, cfg: dict) -> "torch.dtype":

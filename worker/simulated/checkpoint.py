@@ -15,7 +15,7 @@ from pagefleet.worker.simulated.presets import ModelShape, find_model
 from pagefleet.worker.simulated.tokenizer import IM_END_TOKEN, build_demo_tokenizer
 
 # Bumped whenever the files written here change, so a stale cached checkpoint is never served.
-SIMULATED_FORMAT_VERSION = 1
+SIMULATED_FORMAT_VERSION = 2
 # The demo's larger tokenizer: a BPE vocabulary whose text is about as dense in tokens as a real
 # one's. The config keeps the model's own vocabulary size, which the roofline's LM head reads.
 TOKENIZER_VOCAB = 32000  # the demo's small checkpoint's too (cluster/demo/model.py): one tokenizer trained for both
@@ -63,6 +63,10 @@ def cached_checkpoint(target: Path, write: Callable[[Path], object]) -> Path:
 
 def architecture_of(shape: ModelShape) -> tuple[str, str]:
     """(architecture, model_type) whose defaults give the shape's biases and norms when read back."""
+    if shape.attention_sinks:
+        return "GptOssForCausalLM", "gpt_oss"
+    if shape.num_experts:
+        return ("Qwen3MoeForCausalLM", "qwen3_moe") if shape.qk_norm else ("MixtralForCausalLM", "mixtral")
     if shape.qk_norm:
         return "Qwen3ForCausalLM", "qwen3"
     if shape.attention_bias:
@@ -87,8 +91,32 @@ def write_config_checkpoint(shape: ModelShape, out: Path) -> Path:
         "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "dtype": shape.dtype,
         "bos_token_id": tokenizer.bos_token_id, "eos_token_id": eos, "pad_token_id": tokenizer.pad_token_id,
     }
+    config.update(_moe_config(shape, arch))
     (out / "config.json").write_text(json.dumps(config, indent=2))
     (out / "generation_config.json").write_text(json.dumps({"bos_token_id": tokenizer.bos_token_id,
                                                             "eos_token_id": eos}, indent=2))
     tokenizer.save_pretrained(out)
     return out
+
+
+def _moe_config(shape: ModelShape, arch: str) -> dict:
+    """The mixture-of-experts and gpt-oss keys of each architecture's config.json ({} if dense).
+    Every preset with experts has them in all its layers."""
+    if not shape.num_experts:
+        return {}
+    if shape.num_moe_layers != shape.num_layers:
+        raise ValueError(f"{shape.name}: a config-only checkpoint puts experts in every layer")
+    if arch == "Qwen3MoeForCausalLM":
+        return {"num_experts": shape.num_experts, "num_experts_per_tok": shape.num_experts_per_tok,
+                "moe_intermediate_size": shape.moe_intermediate_size, "decoder_sparse_step": 1,
+                "mlp_only_layers": [], "norm_topk_prob": True}
+    config = {"num_local_experts": shape.num_experts, "num_experts_per_tok": shape.num_experts_per_tok}
+    if arch == "GptOssForCausalLM":
+        windows = set(shape.sliding_windows) - {None}
+        config.update(experts_per_token=shape.num_experts_per_tok, swiglu_limit=7.0, rope_theta=150000.0,
+                      sliding_window=max(windows) if windows else None,
+                      layer_types=["full_attention" if w is None else "sliding_attention"
+                                   for w in shape.sliding_windows or (None,) * shape.num_layers],
+                      rope_scaling={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                    "original_max_position_embeddings": 4096, "truncate": False})
+    return config

@@ -31,6 +31,18 @@ class ModelShape:
     mlp_bias: bool = False
     qk_norm: bool = False         # Qwen3: per-head q/k RMSNorm weights
     dtype: str = "bfloat16"
+    # Mixture of experts: experts per MoE layer, experts a token runs, each expert's intermediate
+    # size, and how many layers have experts (the rest a dense MLP of intermediate_size).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    num_moe_layers: int = 0
+    # gpt-oss: biases on the router and every expert, on o_proj, and a sink logit per query head.
+    expert_bias: bool = False
+    o_proj_bias: bool = False
+    attention_sinks: bool = False
+    # Each layer's sliding window in tokens, None for full attention; () where no layer slides.
+    sliding_windows: tuple[int | None, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,11 +63,27 @@ MODELS: dict[str, ModelShape] = {m.name.lower(): m for m in (
     ModelShape("Qwen2.5-72B", 152064, 8192, 29568, 80, 64, 8, 128, 32768, attention_bias=True),
     ModelShape("Qwen3-8B", 151936, 4096, 12288, 36, 32, 8, 128, 40960, qk_norm=True),
     ModelShape("Qwen3-32B", 151936, 5120, 25600, 64, 64, 8, 128, 40960, qk_norm=True),
-    # v0.3: 32768-token vocabulary and no sliding window (v0.1 had a 4096-token one; the engine
-    # serves windows, but the planner's KV model counts every token of a sequence).
+    # v0.3: 32768-token vocabulary and no sliding window (v0.1 had a 4096-token one in every
+    # layer: plan its checkpoint directory, whose window caps the KV a sequence holds).
     ModelShape("Mistral-7B-v0.3", 32768, 4096, 14336, 32, 32, 8, 128, 32768),
+    # mistralai/Mixtral-8x7B-v0.1 config.json: 8 local experts of intermediate 14336, top 2, in all
+    # 32 layers; "sliding_window": null.
+    ModelShape("Mixtral-8x7B-v0.1", 32000, 4096, 14336, 32, 32, 8, 128, 32768, num_experts=8,
+               num_experts_per_tok=2, moe_intermediate_size=14336, num_moe_layers=32),
+    # Qwen/Qwen3-30B-A3B config.json: 128 experts of moe_intermediate_size 768, top 8,
+    # decoder_sparse_step 1 and no mlp_only_layers (every layer has experts; intermediate_size 6144
+    # names no layer's MLP), use_sliding_window false.
+    ModelShape("Qwen3-30B-A3B", 151936, 2048, 6144, 48, 32, 4, 128, 40960, qk_norm=True, num_experts=128,
+               num_experts_per_tok=8, moe_intermediate_size=768, num_moe_layers=48),
+    # openai/gpt-oss-20b config.json: 32 local experts of intermediate 2880, top 4, in all 24
+    # layers; attention_bias (q/k/v and o_proj), sinks, a 128-token window in the even layers
+    # (layer_types alternates sliding, full), YaRN rope (factor 32 over 4096). Its experts ship in
+    # MXFP4; the engine dequantizes them to bfloat16 as they load, so they are sized at 16 bits.
+    ModelShape("gpt-oss-20b", 201088, 2880, 2880, 24, 64, 8, 64, 131072, attention_bias=True, num_experts=32,
+               num_experts_per_tok=4, moe_intermediate_size=2880, num_moe_layers=24, expert_bias=True,
+               o_proj_bias=True, attention_sinks=True, sliding_windows=(128, None) * 12),
 )}
-MODEL_ALIASES = {"mistral-7b": "mistral-7b-v0.3"}
+MODEL_ALIASES = {"mistral-7b": "mistral-7b-v0.3", "mixtral-8x7b": "mixtral-8x7b-v0.1"}
 
 GPUS: dict[str, GPUSpec] = {
     "h100": GPUSpec("H100 SXM 80GB", 81559 * MiB, 3.35e12, 989e12),
