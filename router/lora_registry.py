@@ -29,7 +29,7 @@ def start_lora_registry(served_model_name: str) -> Any:
     actor = ray.remote(LoRARegistry).options(
         name=registry_name(served_model_name), namespace=REGISTRY_NAMESPACE, get_if_exists=True,
         lifetime="detached", max_restarts=-1, num_cpus=0).remote()
-    ray.get(actor.state.remote(-1, 0.0))  # up and answering before the app uses it
+    ray.get(actor.state.remote(None, -1, 0.0))  # up and answering before the app uses it
     return actor
 
 
@@ -52,5 +52,5 @@ class ActorRegistryLink:
     async def remove(self, name: str) -> RegistryState:
         return await self.actor.remove.remote(name)
 
-    async def state(self, version: int, wait_s: float) -> RegistryState:
-        return await self.actor.state.remote(version, wait_s)
+    async def state(self, epoch: str | None, version: int, wait_s: float) -> RegistryState:
+        return await self.actor.state.remote(epoch, version, wait_s)

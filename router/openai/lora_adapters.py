@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import uuid
 from typing import Any, Awaitable, Callable, NamedTuple, Protocol
 
 from fastapi import FastAPI, Request
@@ -57,6 +58,7 @@ class UnloadLoRAAdapterRequest(BaseModel):
 
 
 class RegistryState(NamedTuple):
+    epoch: str  # the registry's incarnation: one restarted by Ray starts empty, at version 0
     version: int
     adapters: dict[str, LoRAModulePath]
 
@@ -69,7 +71,7 @@ class RegistryLink(Protocol):
 
     async def remove(self, name: str) -> RegistryState: ...
 
-    async def state(self, version: int, wait_s: float) -> RegistryState: ...
+    async def state(self, epoch: str | None, version: int, wait_s: float) -> RegistryState: ...
 
 
 class LoRARegistry:
@@ -78,6 +80,7 @@ class LoRARegistry:
     loaded already or once served from another path; ``remove`` KeyError (a 404) for one not loaded."""
 
     def __init__(self) -> None:
+        self.epoch = uuid.uuid4().hex
         self.version = 0
         self.adapters: dict[str, LoRAModulePath] = {}
         self.paths: dict[str, str] = {}  # every name ever loaded, with its path
@@ -100,18 +103,18 @@ class LoRARegistry:
         del self.adapters[name]
         return self._changed()
 
-    async def state(self, version: int, wait_s: float) -> RegistryState:
-        """The adapters once the registry is past ``version``, or after ``wait_s`` as they are."""
-        if self.version == version:
+    async def state(self, epoch: str | None, version: int, wait_s: float) -> RegistryState:
+        """The adapters once the registry is past (``epoch``, ``version``), or after ``wait_s`` as they are."""
+        if (epoch, version) == (self.epoch, self.version):
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._news.wait(), wait_s)
-        return RegistryState(self.version, dict(self.adapters))
+        return RegistryState(self.epoch, self.version, dict(self.adapters))
 
     def _changed(self) -> RegistryState:
         self.version += 1
         self._news.set()
         self._news = asyncio.Event()
-        return RegistryState(self.version, dict(self.adapters))
+        return RegistryState(self.epoch, self.version, dict(self.adapters))
 
 
 class RuntimeLoRAs:
@@ -123,6 +126,7 @@ class RuntimeLoRAs:
         self.registry = registry
         self.adapters = adapters
         self.check = check
+        self.epoch: str | None = None
         self.version = 0
         self._follower: asyncio.Task | None = None
 
@@ -134,8 +138,10 @@ class RuntimeLoRAs:
         return self
 
     def _apply(self, state: RegistryState) -> None:
-        if state.version >= self.version:  # a follow call may answer after this replica's own change
-            self.version = state.version
+        # A follow call may answer after this replica's own change (an older version); a restarted
+        # registry (another epoch) holds what it holds, whatever its version.
+        if state.epoch != self.epoch or state.version >= self.version:
+            self.epoch, self.version = state.epoch, state.version
             self.adapters.clear()
             self.adapters.update(state.adapters)
 
@@ -143,7 +149,7 @@ class RuntimeLoRAs:
         """Keeps ``adapters`` current for as long as the replica runs (its task is cancelled then)."""
         while True:
             try:
-                self._apply(await self.registry.state(self.version, wait_s))
+                self._apply(await self.registry.state(self.epoch, self.version, wait_s))
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 — the registry restarts; ask again shortly

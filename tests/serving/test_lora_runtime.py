@@ -19,6 +19,7 @@ from pagefleet.router.openai.errors import OpenAIError
 from pagefleet.router.openai.lora_adapters import LoRARegistry, RuntimeLoRAs
 from pagefleet.router.openai.service import Job, OpenAIService
 from pagefleet.worker import AsyncLLMEngine, EngineArgs, SamplingParams
+from pagefleet.worker.lora.request import LoRAModulePath
 from pagefleet.worker.replica.deployment import WorkerReplica
 
 from channel_fakes import ReplicaHandle, until
@@ -264,3 +265,29 @@ def test_an_adapter_the_worker_lacks_is_a_404_model_not_found(args, engines):
     assert (error.status_code, error.code, error.param) == (404, "model_not_found", "model")
     assert error.body() == {"error": {"message": "no LoRA adapter named 'ghost' is loaded on this worker",
                                       "type": "not_found_error", "param": "model", "code": "model_not_found"}}
+
+
+def test_an_ingress_takes_a_restarted_registrys_adapters_whatever_their_version():
+    """Ray restarts a lost registry empty, at version 0: the ingress's copy follows it, not its own
+    higher version."""
+
+    async def checked(module: LoRAModulePath) -> None:
+        pass
+
+    async def run() -> None:
+        adapters: dict[str, LoRAModulePath] = {}
+        loras = RuntimeLoRAs(LoRARegistry(), adapters, checked)
+        await loras.load(LoRAModulePath("a", "/a"))
+        await loras.load(LoRAModulePath("b", "/b"))
+        assert (sorted(adapters), loras.version) == (["a", "b"], 2)
+        restarted = LoRARegistry()
+        await restarted.add(LoRAModulePath("c", "/c"))
+        loras.registry = restarted
+        loras.start()
+        try:
+            await until(lambda: sorted(adapters) == ["c"])
+            assert (loras.epoch, loras.version) == (restarted.epoch, 1)
+        finally:
+            loras._follower.cancel()
+
+    asyncio.run(run())
