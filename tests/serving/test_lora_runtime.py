@@ -156,6 +156,32 @@ def test_loaded_through_one_ingress_served_by_another_and_by_a_replica_that_neve
     asyncio.run(run())
 
 
+def test_unload_lets_the_requests_running_with_it_finish(args, engines, adapters):
+    """As vLLM: unloading takes the name away from new requests at once; running ones finish."""
+
+    async def run() -> None:
+        a = Ingress(args, engines[0], LoRARegistry())
+        try:
+            r = await a.http.post("/v1/load_lora_adapter", json={"lora_name": "live", "lora_path": adapters["sql"]})
+            assert r.status_code == 200
+            running = asyncio.ensure_future(a.http.post("/v1/completions", json={
+                "model": "live", "prompt": PROMPT, "max_tokens": 200, "temperature": 0, "ignore_eos": True}))
+            await until(lambda: engines[0].stats().num_running == 1 or running.done(), timeout_s=30)
+            assert not running.done(), running.result().text
+            r = await a.http.post("/v1/unload_lora_adapter", json={"lora_name": "live"})
+            assert r.status_code == 200
+            assert (await _completion_ids(a, "live"))[0] == 404
+            assert not running.done()  # still running with the adapter its name no longer gives
+            done = await running
+            assert done.status_code == 200
+            body = done.json()
+            assert (body["model"], body["usage"]["completion_tokens"]) == ("live", 200)
+        finally:
+            await a.close()
+
+    asyncio.run(run())
+
+
 def test_a_bad_adapter_is_a_400_with_the_reason_and_changes_nothing(args, engines, adapters):
     async def run() -> None:
         registry = LoRARegistry()
