@@ -23,6 +23,7 @@ from pagefleet.cluster.config import ServeOptions
 from pagefleet.cluster.demo.model import or_demo_model
 from pagefleet.router.global_scheduler.actor import start_scheduler
 from pagefleet.router.ingress import INGRESS_DEPLOYMENT_NAME, OpenAIIngress
+from pagefleet.router.lora_registry import start_lora_registry
 from pagefleet.router.openai.http_guards import BodyLimits
 from pagefleet.router.openai.preprocess import ServingLimits
 from pagefleet.router.openai.tool_choice import ToolCallOptions
@@ -51,6 +52,8 @@ def pagefleet_app(opts: ServeOptions, drain_board: Any = None) -> Application:
     if gpus is None:
         gpus = 1.0 if _cluster_has_gpus() and engine_args.device != "cpu" and engine_args.simulate is None else 0.0
     kv_scheduler = start_scheduler() if serve_args.routing == "kv" else None
+    lora_registry = start_lora_registry((engine_args.served_model_name or [engine_args.model])[0]) if (
+        serve_args.allow_runtime_lora_updating) else None
     worker = worker_deployment(
         engine_args,
         kv_scheduler=kv_scheduler,
@@ -90,7 +93,7 @@ def pagefleet_app(opts: ServeOptions, drain_board: Any = None) -> Application:
                         drain_timeout_s=serve_args.drain_timeout_s,
                         tools=ToolCallOptions(serve_args.tool_call_parser, serve_args.enable_auto_tool_choice),
                         reasoning_parser=serve_args.reasoning_parser,
-                        drain_board=drain_board)
+                        drain_board=drain_board, lora_registry=lora_registry)
 
 
 def worker_runtime_env(engine_args: EngineArgs, workers: int, gpus_per_rank: float, cores: int,

@@ -156,6 +156,10 @@ class ServeArgs:
     enable_auto_tool_choice: bool = option(False, help="let requests with tools use tool_choice 'auto' (the "
                                                        "model decides; its output is parsed with "
                                                        "--tool-call-parser)")
+    allow_runtime_lora_updating: bool = option(False, help="serve POST /v1/load_lora_adapter and "
+                                                           "/v1/unload_lora_adapter (vLLM's "
+                                                           "VLLM_ALLOW_RUNTIME_LORA_UPDATING; behind the API key "
+                                                           "like every /v1 route); needs --enable-lora")
     drain_timeout_s: float = option(30.0, help="how long the requests in flight may finish when pagefleet serve "
                                                "stops (SIGTERM, Ctrl-C; new ones get 503) and when Serve stops a "
                                                "replica (an upgrade, a scale-down)")
@@ -217,6 +221,10 @@ class ServeOptions:
 
     engine: EngineArgs = field(default_factory=EngineArgs)
     serve: ServeArgs = field(default_factory=ServeArgs)
+
+    def __post_init__(self) -> None:
+        if self.serve.allow_runtime_lora_updating and not self.engine.enable_lora:
+            raise ValueError("allow_runtime_lora_updating needs enable_lora")
 
     @classmethod
     def from_dict(cls, args: Mapping[str, Any] | None) -> "ServeOptions":

@@ -34,9 +34,11 @@ from ray.serve.handle import DeploymentHandle
 from pagefleet.router.global_scheduler.actor import WorkerKVView, worker_kv_view
 from pagefleet.router.global_scheduler.kv_mirror import MirrorCounters, SchedulerMirror, ViewFollower
 from pagefleet.router.global_scheduler.views import SchedulerCounters
+from pagefleet.router.lora_registry import ActorRegistryLink
 from pagefleet.router.metrics import RouterMetrics
 from pagefleet.router.openai.app import build_openai_app, freeze_loaded_objects
 from pagefleet.router.openai.http_guards import BodyLimits
+from pagefleet.router.openai.lora_adapters import RuntimeLoRAs
 from pagefleet.router.openai.node_metrics import NodeMetricsReader
 from pagefleet.router.openai.output.reasoning import PARSERS as REASONING_PARSERS
 from pagefleet.router.openai.preprocess import ModelInfo, ServingLimits, longest_token_chars
@@ -59,6 +61,7 @@ from pagefleet.worker import tracing
 from pagefleet.worker.aio import merge_streams
 from pagefleet.worker.core.kv_cache_sizing import max_blocks_per_seq, step_tokens
 from pagefleet.worker.engine_args import EngineArgs
+from pagefleet.worker.lora.request import LoRAModulePath
 from pagefleet.worker.model_executor.model_config import model_config_of
 from pagefleet.worker.outputs import RequestOutputDelta
 from pagefleet.worker.replica.wire import Placed, WorkerRequest
@@ -140,6 +143,7 @@ class HandleWorkerClient:
     def __init__(self, handle: DeploymentHandle, kv: KVRoutingClient | None = None,
                  health: WorkerHealth | None = None, metrics: RouterMetrics | None = None,
                  follower: ViewFollower | None = None) -> None:
+        self._handle = handle
         self._stream = handle.options(method_name="generate", stream=True)
         self._deployment = (handle.app_name, handle.deployment_name)
         self.metrics = metrics or RouterMetrics()
@@ -189,7 +193,8 @@ class HandleWorkerClient:
     async def _attempts(self, job: Job) -> AsyncIterator[RequestOutputDelta]:
         request = WorkerRequest(job.request_id, job.token_ids, job.params, job.block_hashes, job.extra_keys,
                                 job.ranking, channel=self.mux.channel_id, trace_headers=tracing.headers_of(job.span),
-                                client=job.client, priority=job.priority, lora_name=job.lora_name)
+                                client=job.client, priority=job.priority, lora_name=job.lora_name,
+                                lora_path=job.lora_path)
         async for delta in self._follow(job, request, StreamProgress(job.params.n), failovers=0):
             yield delta
 
@@ -306,6 +311,10 @@ class HandleWorkerClient:
     async def check_health(self) -> None:
         await self._health.check()
 
+    async def load_lora(self, module: LoRAModulePath) -> None:
+        """Has one worker replica read, check and register the adapter (its ValueError: why not)."""
+        await self._handle.options(method_name="load_lora", stream=False).remote(module)
+
 
 def load_model_info(args: EngineArgs, serving: ServingLimits = ServingLimits()) -> tuple[Any, ModelInfo]:
     """The tokenizer and ``ModelInfo`` from the checkpoint's config and tokenizer files,
@@ -331,11 +340,12 @@ class OpenAIIngress:
                  kv_scheduler: Any = None, kv_routing: KVRoutingOptions | None = None,
                  serving: ServingLimits = ServingLimits(), body_limits: BodyLimits = BodyLimits(),
                  drain_timeout_s: float = 30.0, tools: ToolCallOptions = ToolCallOptions(),
-                 reasoning_parser: str | None = None, drain_board: Any = None) -> None:
+                 reasoning_parser: str | None = None, drain_board: Any = None, lora_registry: Any = None) -> None:
         """``kv_scheduler``: the global scheduler actor, for ``kv`` routing (None: other policies).
         ``drain_board``: the actor through which ``pagefleet serve`` drains every ingress replica
         (``follow_drain``; None: an app deployed otherwise, drained one replica at a time with
-        ``drain``)."""
+        ``drain``). ``lora_registry``: the runtime LoRA registry actor (``router.lora_registry``;
+        None: /v1/load_lora_adapter and /v1/unload_lora_adapter do not exist)."""
         tracing.init_tracing(engine_args.otlp_traces_endpoint, "pagefleet-ingress")
         tokenizer, info = load_model_info(engine_args, serving)
         self._metrics = RouterMetrics(default_tags={"model_name": info.served_model_name})
@@ -352,6 +362,8 @@ class OpenAIIngress:
         self._client = HandleWorkerClient(worker, kv, metrics=self._metrics, follower=follower)
         self._service = OpenAIService(tokenizer=tokenizer, info=info, client=self._client, tools=tools,
                                       reasoning=REASONING_PARSERS[reasoning_parser] if reasoning_parser else None)
+        self._loras = None if lora_registry is None else RuntimeLoRAs(
+            ActorRegistryLink(lora_registry), self._service.runtime_loras, self._client.load_lora).start()
         self._api_key = api_key
         self._body_limits = body_limits
         self._drain_timeout_s = drain_timeout_s
@@ -364,7 +376,7 @@ class OpenAIIngress:
 
     def __serve_build_asgi_app__(self):
         app = build_openai_app(self._service, api_key=self._api_key, body_limits=self._body_limits,
-                               metrics=self._metrics, node_metrics=NodeMetricsReader())
+                               metrics=self._metrics, node_metrics=NodeMetricsReader(), runtime_loras=self._loras)
         freeze_loaded_objects()
         return app
 

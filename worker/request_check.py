@@ -26,6 +26,8 @@ DEFAULT_MAX_STOP_TOKEN_IDS = 128
 
 # OpenAI's error code for a prompt (plus the tokens asked for) longer than the context.
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+# OpenAI's error code for a model (here also a LoRA adapter) the server does not serve: a 404.
+MODEL_NOT_FOUND = "model_not_found"
 
 
 class InvalidRequest(ValueError):

@@ -30,6 +30,7 @@ from pagefleet.router.openai.http_guards import (
     parse_json_object,
     read_body,
 )
+from pagefleet.router.openai.lora_adapters import RuntimeLoRAs, add_lora_routes
 from pagefleet.router.openai.node_metrics import NodeMetricsReader
 from pagefleet.router.openai.openapi_spec import install_schemas, route_docs
 from pagefleet.router.openai.output import response_schema as out
@@ -59,7 +60,8 @@ Body = TypeVar("Body", bound=BaseModel)
 
 # Routes counted by name in pagefleet_http_requests; anything else counts as "other".
 ROUTES = frozenset({"/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/responses", "/tokenize",
-                    "/detokenize", "/health", "/version", "/metrics"})
+                    "/detokenize", "/health", "/version", "/metrics", "/v1/load_lora_adapter",
+                    "/v1/unload_lora_adapter"})
 
 
 class ResponseCounter:
@@ -97,9 +99,11 @@ class ResponseCounter:
 
 
 def build_openai_app(service: OpenAIService, *, api_key: str | None = None, body_limits: BodyLimits = BodyLimits(),
-                     metrics: RouterMetrics | None = None, node_metrics: NodeMetricsReader | None = None) -> FastAPI:
+                     metrics: RouterMetrics | None = None, node_metrics: NodeMetricsReader | None = None,
+                     runtime_loras: RuntimeLoRAs | None = None) -> FastAPI:
     """``metrics`` counts every response by route and status code; ``node_metrics`` adds this
-    node's pagefleet series (from Ray's metrics agent) to ``GET /metrics``."""
+    node's pagefleet series (from Ray's metrics agent) to ``GET /metrics``; ``runtime_loras``
+    serves /v1/load_lora_adapter and /v1/unload_lora_adapter (None: those routes do not exist)."""
     app = FastAPI(title="pagefleet", version=VERSION)
     # Threads of their own: big bodies queue behind each other, never behind /health or /metrics.
     parsers = ThreadPoolExecutor(PARSE_THREADS, thread_name_prefix="pagefleet-parse")
@@ -198,6 +202,10 @@ def build_openai_app(service: OpenAIService, *, api_key: str | None = None, body
                                           api_key=keyed))
     async def detokenize(request: Request) -> dict:
         return await service.detokenize(await _parse(request, DetokenizeRequest))
+
+    if runtime_loras is not None:
+        add_lora_routes(app, service, runtime_loras,
+                        route_docs(ok_media="text/plain", errors=(400, 404, 413, 415, 500, 503), api_key=keyed))
 
     @app.get("/health", **route_docs(ok_media=None, errors=(503,)))
     async def health() -> Response:

@@ -13,7 +13,7 @@ import copy
 import json
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Mapping
 
 from pagefleet.router.openai.chat_template import NoToolSupportError, render_chat
 from pagefleet.router.openai.errors import OpenAIError, bad_request, unsupported
@@ -30,6 +30,7 @@ from pagefleet.router.openai.vllm_fields import NOT_IMPLEMENTED
 from pagefleet.worker.lora.request import LoRAModulePath
 from pagefleet.worker.request_check import (
     CONTEXT_LENGTH_EXCEEDED,
+    MODEL_NOT_FOUND,
     InvalidRequest,
     RequestLimits,
     check_priority,
@@ -114,17 +115,20 @@ class PreparedPrompt:
     text: str | None  # None when the client sent token ids
 
 
-def check_model_name(requested: str | None, info: ModelInfo) -> str | None:
-    """The LoRA adapter ``requested`` names (None: the base model), or a 404 for a name not served."""
+def check_model_name(requested: str | None, info: ModelInfo,
+                     runtime: Mapping[str, LoRAModulePath] | None = None) -> LoRAModulePath | None:
+    """The LoRA adapter ``requested`` names (None: the base model), served from the start or loaded
+    at runtime (``runtime``), or a 404 for a name not served."""
     if requested is None or info.accepts(requested):
         return None
-    if info.lora_named(requested) is not None:
-        return requested
-    adapters = f" and the LoRA adapters {', '.join(f'`{m.name}`' for m in info.lora_modules)}" if (
-        info.lora_modules) else ""
+    adapter = info.lora_named(requested) or (runtime or {}).get(requested)
+    if adapter is not None:
+        return adapter
+    names = [m.name for m in info.lora_modules] + sorted(runtime or ())
+    adapters = f" and the LoRA adapters {', '.join(f'`{n}`' for n in names)}" if names else ""
     raise OpenAIError(f"The model `{requested}` does not exist. This server serves "
                       f"`{info.served_model_name}`{adapters}.", status_code=404, param="model",
-                      code="model_not_found")
+                      code=MODEL_NOT_FOUND)
 
 
 def completion_prompt_items(req: CompletionRequest, info: ModelInfo) -> list[str | list[int]]:

@@ -34,6 +34,7 @@ from pagefleet.router.openai.tool_parsers import get_tool_parser
 from pagefleet.worker import tracing
 from pagefleet.worker.aio import merge_streams
 from pagefleet.worker.core.block_hash import block_hashes, extra_keys_digest, pack_hashes
+from pagefleet.worker.lora.request import LoRAModulePath
 from pagefleet.worker.outputs import RequestOutputDelta
 from pagefleet.worker.request_check import InvalidRequest
 from pagefleet.worker.sampling_params import SamplingParams
@@ -77,16 +78,22 @@ class OpenAIService:
         self._tool_parser = get_tool_parser(tools.parser) if tools.parser is not None else None
         self.info = info
         self.client = client
+        # LoRA adapters loaded at runtime (``lora_adapters``), by name: empty unless that is allowed.
+        self.runtime_loras: dict[str, LoRAModulePath] = {}
         self.draining = False  # shutting down: in-flight requests finish, new ones get 503
         self.num_in_flight = 0  # prepared requests whose response has not ended
         self._tokenizer_pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="pagefleet-tokenize")
         self._response_pool = ThreadPoolExecutor(RESPONSE_THREADS, thread_name_prefix="pagefleet-respond")
 
+    def check_model(self, model: str | None) -> LoRAModulePath | None:
+        """The LoRA adapter ``model`` names (None: the base model); a 404 for a name not served."""
+        return pre.check_model_name(model, self.info, self.runtime_loras)
+
     # ---- /v1/completions, /v1/chat/completions --------------------------------------
 
     async def completion(self, req: CompletionRequest) -> PreparedRequest:
         self._check_open()
-        lora_name = pre.check_model_name(req.model, self.info)
+        lora = self.check_model(req.model)
         pre.check_request_id(req.request_id, self.info)
         pre.check_not_implemented(req)
         items = pre.completion_prompt_items(req, self.info)
@@ -98,17 +105,17 @@ class OpenAIService:
         echo = [(p.text if p.text is not None else self.tokenizer.decode(p.token_ids), p.token_ids)
                 for p in prompts] if req.echo else None
         builder = CompletionResponseBuilder(request_id=req.request_id or engine_id,
-                                            model=lora_name or self.info.served_model_name, tokenizer=self.tokenizer,
-                                            want_logprobs=req.logprobs is not None,
+                                            model=lora.name if lora else self.info.served_model_name,
+                                            tokenizer=self.tokenizer, want_logprobs=req.logprobs is not None,
                                             include_usage=_include_usage(req),
                                             tokens_as_ids=bool(req.return_tokens_as_token_ids), n=req.n,
                                             want_prompt_logprobs=req.prompt_logprobs is not None,
                                             echo_prompts=echo)
-        return self._prepared(req, builder, engine_id, [p.token_ids for p in prompts], params, lora_name)
+        return self._prepared(req, builder, engine_id, [p.token_ids for p in prompts], params, lora)
 
     async def chat(self, req: ChatCompletionRequest) -> PreparedRequest:
         self._check_open()
-        lora_name = pre.check_model_name(req.model, self.info)
+        lora = self.check_model(req.model)
         pre.check_request_id(req.request_id, self.info)
         pre.check_not_implemented(req)
         pre.check_message_count(req.messages, self.info)
@@ -117,12 +124,12 @@ class OpenAIService:
         plan, params, prompt = await self._off_loop(work, self._chat_prompt, req)
         engine_id = f"chatcmpl-{uuid.uuid4().hex}"
         builder = ChatResponseBuilder(request_id=req.request_id or engine_id,
-                                      model=lora_name or self.info.served_model_name, tokenizer=self.tokenizer,
-                                      want_logprobs=req.logprobs, include_usage=_include_usage(req),
+                                      model=lora.name if lora else self.info.served_model_name,
+                                      tokenizer=self.tokenizer, want_logprobs=req.logprobs, include_usage=_include_usage(req),
                                       tool_plan=plan, tokens_as_ids=bool(req.return_tokens_as_token_ids),
                                       reasoning=self.reasoning, n=req.n,
                                       want_prompt_logprobs=req.prompt_logprobs is not None)
-        return self._prepared(req, builder, engine_id, [prompt.token_ids], params, lora_name)
+        return self._prepared(req, builder, engine_id, [prompt.token_ids], params, lora)
 
     def _chat_prompt(self, req: ChatCompletionRequest) -> tuple[ToolPlan | None, SamplingParams, pre.PreparedPrompt]:
         """All of a chat request's work that grows with it (its tools, the template, the tokenizer),
@@ -146,7 +153,8 @@ class OpenAIService:
         return plan, params, prompt
 
     def _prepared(self, req: CompletionRequest | ChatCompletionRequest, builder: ResponseBuilder, engine_id: str,
-                  prompts: list[list[int]], params: SamplingParams, lora_name: str | None = None) -> PreparedRequest:
+                  prompts: list[list[int]], params: SamplingParams,
+                  lora: LoRAModulePath | None = None) -> PreparedRequest:
         if req.cache_salt is not None and not 0 < len(req.cache_salt) <= pre.MAX_CACHE_SALT_CHARS:
             raise bad_request(f"cache_salt must be 1 to {pre.MAX_CACHE_SALT_CHARS} characters", "cache_salt")
         limit = self.info.serving.max_prompts_per_request
@@ -155,6 +163,7 @@ class OpenAIService:
                               f"{limit} are allowed in one request (max_prompts_per_request)", "n")
         pre.check_request_priority(req, self.info)
         extra_keys = (req.cache_salt,) if req.cache_salt else ()
+        lora_name = lora.name if lora else None
         extra = extra_keys_digest(extra_keys, lora_name)  # no prefix is shared across adapters
         jobs = []
         for i, token_ids in enumerate(pre.truncated_prompt(p, req, self.info) for p in prompts):
@@ -162,7 +171,8 @@ class OpenAIService:
             hashes = pack_hashes(block_hashes(token_ids, self.info.block_size, extra))
             # Engine request ids are the server's own, whatever id the client sent.
             jobs.append(Job(f"{engine_id}-{i}", token_ids, pre.with_max_tokens(params, len(token_ids), self.info),
-                            hashes, extra_keys, priority=req.priority, lora_name=lora_name))
+                            hashes, extra_keys, priority=req.priority, lora_name=lora_name,
+                            lora_path=lora.path if lora else None))
         if not req.stream:  # one body holds the whole output: bounded before anything runs
             check_unstreamed_size([job.params for job in jobs], self.info.serving.max_unstreamed_response_tokens,
                                   pre.client_field_names(req))
@@ -292,7 +302,7 @@ class OpenAIService:
     # ---- /tokenize, /detokenize --------------------------------------------------------
 
     async def tokenize(self, req: TokenizeRequest) -> dict:
-        pre.check_model_name(req.model, self.info)
+        self.check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise bad_request("give exactly one of prompt and messages", "prompt")
         if req.messages is not None:
@@ -319,7 +329,7 @@ class OpenAIService:
                                tools=[t.model_dump(exclude_none=True) for t in req.tools or []])
 
     async def detokenize(self, req: DetokenizeRequest) -> dict:
-        pre.check_model_name(req.model, self.info)
+        self.check_model(req.model)
         limit = self.info.limits.max_model_len
         if len(req.tokens) > limit:  # longer than any sequence the engine makes
             raise bad_request(f"tokens holds {len(req.tokens)} ids; at most {limit} (max_model_len)", "tokens")
@@ -336,7 +346,7 @@ class OpenAIService:
         base = [{"id": name, "root": root, "parent": None, **card} for name in (root, *self.info.more_names)]
         # LoRA adapters as vLLM lists them: their parent is the base model (or the one they name)
         adapters = [{"id": m.name, "root": m.name, "parent": m.base_model_name or root, **card}
-                    for m in self.info.lora_modules]
+                    for m in (*self.info.lora_modules, *self.runtime_loras.values())]
         return {"object": "list", "data": base + adapters}
 
 
@@ -354,6 +364,7 @@ class Job:
     client: str = ""  # the client's address, as the ingress sees it (``WorkerRequest.client``)
     priority: int = 0  # vLLM's request priority (``WorkerRequest.priority``)
     lora_name: str | None = None  # the LoRA adapter its model names (``WorkerRequest.lora_name``)
+    lora_path: str | None = None  # where that adapter is read from (``WorkerRequest.lora_path``)
 
 
 @dataclass(slots=True, weakref_slot=True)

@@ -4,7 +4,7 @@ A failure reaches the ingress as a Ray or Serve exception whose text holds a
 traceback, file paths, process ids and addresses: none of that goes to the
 client (one sent on a channel connection comes back as the engine's own exception, or
 ``ChannelLost`` when the connection ended). A request the engine refused is a 400 with the
-engine's own message; a replica that died, or whose engine loop died, or whose connection ended, is
+engine's own message (a 404 ``model_not_found`` for a LoRA adapter it does not hold); a replica that died, or whose engine loop died, or whose connection ended, is
 a 503 that may be retried on another replica if the request had produced nothing yet; Serve's queue for
 the workers being full is admission control's 429; anything else is a 500 whose details go to the log only.
 """
@@ -22,7 +22,7 @@ from ray.serve import exceptions as serve_exceptions
 from pagefleet.router.openai.errors import OpenAIError, bad_request, internal_error, too_many_requests, unavailable
 from pagefleet.router.worker_client.delta_mux import ChannelLost
 from pagefleet.worker.errors import CompileQueueFull, EngineDeadError
-from pagefleet.worker.request_check import InvalidRequest
+from pagefleet.worker.request_check import MODEL_NOT_FOUND, InvalidRequest
 
 _REPLICA_GONE = (ray_exceptions.RayActorError, ray_exceptions.ActorUnavailableError,
                  serve_exceptions.ReplicaUnavailableError, serve_exceptions.DeploymentUnavailableError, ChannelLost)
@@ -39,6 +39,8 @@ def worker_failure(exc: BaseException) -> tuple[OpenAIError, bool]:
         return too_many_requests("every worker replica is busy and this ingress already holds as many requests "
                                  "waiting for one as it may; retry later", retry_after), False
     cause = exc.cause if isinstance(exc, ray_exceptions.RayTaskError) and exc.cause is not None else exc
+    if isinstance(cause, InvalidRequest) and cause.code == MODEL_NOT_FOUND:  # an adapter this worker lacks
+        return OpenAIError(str(cause.args[0]), status_code=404, param=cause.param, code=MODEL_NOT_FOUND), False
     if isinstance(cause, InvalidRequest):
         return bad_request(str(cause.args[0]) if cause.args else "invalid request", cause.param,
                            cause.code), False

@@ -57,7 +57,7 @@ class SteppedEngine(IdleEngineParts):
         self.closed: list[str] = []
 
     async def generate(self, request_id, prompt_token_ids, params, extra_keys=(), block_hashes=None, span=None,
-                       resume=None, forward=None, client="", priority=0, lora_name=None):
+                       resume=None, forward=None, client="", priority=0, lora_name=None, lora_path=None):
         if request_id in self.started and request_id not in self.closed:  # as AsyncLLMEngine refuses it
             raise ValueError(f"request id {request_id!r} is already running")
         self.started.append(request_id)
@@ -84,7 +84,7 @@ class ReplicaHandle:
         self.replica = replica
         self.generate_calls: list[tuple[str, list[str] | None]] = []
 
-    def options(self, method_name, stream):
+    def options(self, method_name, stream=False):
         return _ReplicaMethod(self, method_name)
 
 
@@ -93,6 +93,8 @@ class _ReplicaMethod:
         self.handle, self.name = handle, name
 
     def remote(self, arg):
+        if self.name == "load_lora":
+            return self.handle.replica.load_lora(arg)
         if self.name == "channel":
             return Call(self.handle.replica.channel(arg))
         self.handle.generate_calls.append((arg.request_id, arg.ranking))

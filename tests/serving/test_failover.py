@@ -36,7 +36,7 @@ class ScriptedEngine(IdleEngineParts):
         self.requests: list[tuple[str, list[int], SamplingParams, ResumeState | None]] = []
 
     async def generate(self, request_id, prompt_token_ids, params, extra_keys=(), block_hashes=None, span=None,
-                       resume=None, forward=None, client="", priority=0, lora_name=None):
+                       resume=None, forward=None, client="", priority=0, lora_name=None, lora_path=None):
         self.requests.append((request_id, list(prompt_token_ids), params, resume))
         indices = [resume.seq_index] if resume is not None else list(range(params.n))
         start = len(resume.output_token_ids) if resume is not None else 0

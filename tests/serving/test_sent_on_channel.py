@@ -26,7 +26,7 @@ class RefusingEngine(SteppedEngine):
     """Refuses every request the way the engine refuses a bad one: when its stream is first read."""
 
     async def generate(self, request_id, prompt_token_ids, params, extra_keys=(), block_hashes=None, span=None,
-                       resume=None, forward=None, client="", priority=0, lora_name=None):
+                       resume=None, forward=None, client="", priority=0, lora_name=None, lora_path=None):
         self.started.append(request_id)
         raise InvalidRequest("stop has 40 strings", "stop")
         yield  # an async generator, like the engine's

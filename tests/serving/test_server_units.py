@@ -36,7 +36,7 @@ class FakeEngine:
         self.priorities = []
 
     async def generate(self, request_id, prompt_token_ids, params, extra_keys=(), block_hashes=None, span=None,
-                       resume=None, forward=None, client="", priority=0, lora_name=None):
+                       resume=None, forward=None, client="", priority=0, lora_name=None, lora_path=None):
         self.received.append((request_id, extra_keys, block_hashes, resume))
         self.priorities.append(priority)
         try:

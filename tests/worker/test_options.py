@@ -86,10 +86,12 @@ OTHER_VALUES = {
     "reasoning_parser": ("qwen3", "qwen3"),
     "enable_auto_tool_choice": (None, True),  # --enable-auto-tool-choice, with a parser (NEEDS below)
     "drain_timeout_s": ("5", 5.0),
+    "allow_runtime_lora_updating": (None, True),  # --allow-runtime-lora-updating, with --enable-lora (NEEDS)
 }
 # What an option's other value needs beside it: (flag, text) and the config key's value.
 NEEDS = {"enable_auto_tool_choice": (["--tool-call-parser", "hermes"], {"tool_call_parser": "hermes"}),
-         "lora_modules": (["--enable-lora"], {"enable_lora": True})}
+         "lora_modules": (["--enable-lora"], {"enable_lora": True}),
+         "allow_runtime_lora_updating": (["--enable-lora"], {"enable_lora": True})}
 ENGINE_FIELDS = [f.name for f in option_fields(EngineArgs)]
 SERVE_FIELDS = [f.name for f in option_fields(ServeArgs)]
 

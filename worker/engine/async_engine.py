@@ -10,6 +10,7 @@ import os
 import queue
 import threading
 import time
+from functools import partial
 from typing import AsyncIterator, Callable
 
 from pagefleet.worker import tracing
@@ -19,6 +20,7 @@ from pagefleet.worker.engine.handoff import (
     AbortRequest,
     AddRequest,
     EnableKVEvents,
+    EngineCall,
     Forwarding,
     HeldDeltas,
     TakeKVSnapshot,
@@ -29,11 +31,13 @@ from pagefleet.worker.engine.llm_engine import LLMEngine, resolve_device
 from pagefleet.worker.engine.resumed import resumed_start
 from pagefleet.worker.engine_args import EngineArgs
 from pagefleet.worker.errors import EngineDeadError
+from pagefleet.worker.lora.request import LoRARequest
 from pagefleet.worker.metrics.engine_metrics import EngineMetrics, MetricsRecorder
 from pagefleet.worker.metrics.stats import EngineStats
 from pagefleet.worker.model_executor.model_config import ModelConfig
 from pagefleet.worker.model_executor.platform import platform_of
 from pagefleet.worker.outputs import RequestOutputDelta, merge_deltas
+from pagefleet.worker.request_check import InvalidRequest
 from pagefleet.worker.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -109,7 +113,8 @@ class AsyncLLMEngine:
                        span=None, resume: ResumeState | None = None,
                        forward: Callable[[RequestOutputDelta], None] | None = None,
                        client: str = "", priority: int = 0,
-                       lora_name: str | None = None) -> AsyncIterator[RequestOutputDelta]:
+                       lora_name: str | None = None, lora_path: str | None = None
+                       ) -> AsyncIterator[RequestOutputDelta]:
         """Stream a request's deltas. Bad input raises ValueError before anything is queued;
         if the consumer stops early the request is aborted and its blocks freed. ``span``: the
         request's tracing span, which the engine thread marks when it takes the request in and
@@ -120,10 +125,13 @@ class AsyncLLMEngine:
         stream then does not yield (it yields the last, or raises): a worker replica puts them
         on its delta channel with no task waking per delta. ``client``: who sent it, for the
         per-client bound of the grammar compile queue. ``priority``: vLLM's (``LLMEngine.add_request``).
-        ``lora_name``: a registered LoRA adapter's name (``LLMEngine.lora_named``; None: the base model)."""
+        ``lora_name``: a registered LoRA adapter's name (``LLMEngine.lora_named``; None: the base model);
+        with ``lora_path``, one this engine lacks is registered from there first (``load_lora``)."""
         self._raise_if_dead()
         self.engine.check(prompt_token_ids, params, block_hashes, resume, priority)  # the engine thread does not check again
-        lora_request = None if lora_name is None else self.engine.lora_named(lora_name)
+        lora_request = None
+        if lora_name is not None:
+            lora_request = await self._lora_for(lora_name, lora_path)
         grammar = resumed = None
         if params.structured_outputs is not None:  # on the engine's compile pool: not here, not the step thread
             grammar = await self.engine.grammars.compile_async(params.structured_outputs, client)
@@ -167,6 +175,29 @@ class AsyncLLMEngine:
                 self._send(AbortRequest(request_id))
             self._streams.pop(request_id, None)
             self._spans.pop(request_id, None)
+
+    async def load_lora(self, lora_name: str, lora_path: str) -> LoRARequest:
+        """The adapter ``lora_name`` served from ``lora_path``, read, checked and registered on every
+        rank now if the engine lacks it (``LLMEngine.load_lora``; its ValueError says what is wrong)."""
+        return await self._on_engine_thread(partial(self.engine.load_lora, lora_name, lora_path))
+
+    async def _lora_for(self, lora_name: str, lora_path: str | None) -> LoRARequest:
+        held = self.engine.lora_held(lora_name)
+        if held is not None or lora_path is None:
+            return held or self.engine.lora_named(lora_name)  # the latter raises: model_not_found
+        try:
+            return await self.load_lora(lora_name, lora_path)
+        except InvalidRequest:
+            raise
+        except ValueError as exc:  # the adapter's files changed since it was loaded at the ingress
+            raise InvalidRequest(str(exc), "model") from None
+
+    async def _on_engine_thread(self, fn: Callable):
+        self._raise_if_dead()
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._send(EngineCall(loop, future, fn))
+        return await future
 
     def abort(self, request_id: str) -> bool:
         if request_id not in self._streams:
@@ -220,7 +251,7 @@ class AsyncLLMEngine:
         for rid in list(self._streams):
             self._deliver(rid, error)
 
-    def _send(self, command: AddRequest | AbortRequest | EnableKVEvents | TakeKVSnapshot) -> None:
+    def _send(self, command: AddRequest | AbortRequest | EnableKVEvents | TakeKVSnapshot | EngineCall) -> None:
         self._commands.put(command)
         self._wakeup.set()
 
@@ -306,6 +337,8 @@ class AsyncLLMEngine:
             elif isinstance(command, EnableKVEvents):
                 self.engine.enable_kv_events(command.worker_id)
                 self._kv_sink, self._kv_ready = command.sink, command.ready
+            elif isinstance(command, EngineCall):
+                resolve(command.loop, command.future, command.fn)
             else:
                 resolve(command.loop, command.future, self._kv_snapshot)
 

@@ -58,6 +58,16 @@ class TakeKVSnapshot:
     future: asyncio.Future
 
 
+@dataclass(slots=True)
+class EngineCall:
+    """Engine-thread command: resolve ``future`` (of ``loop``) with ``fn()``, run between two steps
+    (what changes the engine's state outside a request: registering a LoRA adapter)."""
+
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future
+    fn: Callable
+
+
 class HeldDeltas:
     """``--stream-interval N`` (vLLM's option): a request's deltas go to its stream once they hold
     N new tokens, its first and its last at once, so time to first token and the end are never held

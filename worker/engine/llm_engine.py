@@ -30,7 +30,13 @@ from pagefleet.worker.model_executor.model_config import model_config_of
 from pagefleet.worker.model_executor.simulated_sampler import SimulatedSampler
 from pagefleet.worker.outputs import RequestOutputDelta
 from pagefleet.worker.parallel.executor import make_executor
-from pagefleet.worker.request_check import InvalidRequest, RequestLimits, check_priority, check_request
+from pagefleet.worker.request_check import (
+    MODEL_NOT_FOUND,
+    InvalidRequest,
+    RequestLimits,
+    check_priority,
+    check_request,
+)
 from pagefleet.worker.sample.sampler import Sampler
 from pagefleet.worker.sampling_params import SamplingParams
 from pagefleet.worker.structured.grammar_cache import GrammarCache
@@ -174,15 +180,33 @@ class LLMEngine:
         del self.loras[lora_int_id]
         return True
 
+    def load_lora(self, name: str, path: str) -> LoRARequest:
+        """The adapter served as ``name`` from ``path``, registered now under the next free id if
+        it is not (a runtime load, or a request that carries an adapter this engine lacks)."""
+        held = self.lora_held(name)
+        if held is not None:
+            if held.lora_path != path:
+                raise ValueError(f"LoRA adapter {name!r} is served from {held.lora_path}, not {path}")
+            return held
+        request = LoRARequest(name, max(self.loras, default=0) + 1, path)
+        self.add_lora(request)
+        return request
+
     def list_loras(self) -> list[LoRARequest]:
         """The registered adapters, by lora_int_id."""
         return [self.loras[i] for i in sorted(self.loras)]
 
+    def lora_held(self, name: str) -> LoRARequest | None:
+        """The registered adapter served as ``name`` (None: none). Safe off the engine thread: the
+        values are copied in one call before they are searched."""
+        return next((r for r in list(self.loras.values()) if r.lora_name == name), None)
+
     def lora_named(self, name: str) -> LoRARequest:
         """The registered adapter served as ``name``; an InvalidRequest (404-like, on ``model``) if none."""
-        request = next((r for r in self.loras.values() if r.lora_name == name), None)
+        request = self.lora_held(name)
         if request is None:
-            raise InvalidRequest(f"no LoRA adapter named {name!r} is loaded on this worker", "model")
+            raise InvalidRequest(f"no LoRA adapter named {name!r} is loaded on this worker", "model",
+                                 MODEL_NOT_FOUND)
         return request
 
     # ---- requests -------------------------------------------------------------------------

@@ -28,6 +28,7 @@ from pagefleet.worker.aio import cancel_and_wait
 from pagefleet.worker.core.kv_events import KVEventBatch, KVSnapshot
 from pagefleet.worker.engine_args import EngineArgs
 from pagefleet.worker.errors import CompileQueueFull, EngineDeadError
+from pagefleet.worker.lora.request import LoRAModulePath
 from pagefleet.worker.metrics.stats import ReplicaStats
 from pagefleet.worker.outputs import RequestOutputDelta
 from pagefleet.worker.replica.autoscaling import KV_TOTAL_METRIC, KV_USED_METRIC, LOAD_METRIC
@@ -249,7 +250,13 @@ class WorkerReplica:
         return self.engine.generate(request.request_id, request.prompt_token_ids, request.params, request.extra_keys,
                                     request.block_hashes, span=span, resume=request.resume, forward=forward,
                                     client=request.client, priority=request.priority,
-                                    lora_name=request.lora_name)
+                                    lora_name=request.lora_name, lora_path=request.lora_path)
+
+    async def load_lora(self, module: LoRAModulePath) -> None:
+        """Read, check and register a LoRA adapter in this replica's engine (``/v1/load_lora_adapter``
+        asks one replica; the others register it from the path each request for it carries). A
+        ValueError (``LoRAAdapterError``) says what is wrong with it."""
+        await self.engine.load_lora(module.name, module.path)
 
     async def channel(self, request: ChannelOpen) -> AsyncIterator[bytes | SocketOffer]:
         """A caller's delta channel (``worker.replica.wire``): an encoded empty list once attached,

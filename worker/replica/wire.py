@@ -58,6 +58,9 @@ class WorkerRequest:
     # The LoRA adapter the request runs with, by its served name (None: the base model); its
     # block hashes are under it (``block_hash.extra_keys_digest``).
     lora_name: str | None = None
+    # Where that adapter is read from: a replica that lacks it (one started after the adapter was
+    # loaded at runtime, or that never ran it) registers it from there before the request runs.
+    lora_path: str | None = None
 
 
 @dataclass(slots=True)
