@@ -16,9 +16,9 @@ import time
 from pathlib import Path
 
 import httpx
-from serving import checkpoint, emit, start_pagefleet
 
 from _machine import machine_with_load
+from serving import checkpoint, emit, start_pagefleet
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_VENV = HERE / ".venv-guidellm"

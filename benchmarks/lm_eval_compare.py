@@ -15,9 +15,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from serving import checkpoint, emit, start_pagefleet
-
 from _machine import machine_with_load
+from serving import checkpoint, emit, start_pagefleet
 
 HERE = Path(__file__).resolve().parent
 TASK_DIR = HERE / "evals" / "local_mc"

@@ -20,10 +20,10 @@ import statistics
 import time
 from pathlib import Path
 
-from _machine import machine_with_load
-
 from pagefleet.worker import AsyncLLMEngine, EngineArgs, SamplingParams
 from pagefleet.worker.engine.llm_engine import LLMEngine
+
+from _machine import machine_with_load
 
 
 def decode_run(args: argparse.Namespace, batch: int) -> dict:
