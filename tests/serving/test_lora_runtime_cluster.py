@@ -14,6 +14,9 @@ from conftest import free_port
 from lora_helpers import ADAPTERS, write_adapter
 
 APP = "pagefleet-lora"
+# A name of its own: the metrics exporter keeps this app's series (by model name) after it is
+# gone, and later modules that serve the tiny Llama count theirs by its name.
+SERVED = "lora-cluster-base"
 CONCURRENT = 8
 
 
@@ -30,20 +33,21 @@ def server(ray_cluster, tiny_checkpoint, tmp_path_factory):
     paths = {name: str(write_adapter(ckpt, root / name, *ADAPTERS[name])) for name in ("sql", "chat")}
     serve.shutdown()
     stop_scheduler()
-    stop_lora_registry(ckpt.name)
+    stop_lora_registry(SERVED)
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     app = build_app({"model": str(ckpt), "workers": 2, "ingress_replicas": 2, "kv_cache_bytes": "8MiB",
                      "max_model_len": 256, "max_num_seqs": 8, "worker_num_cpus": 0.5, "ingress_num_cpus": 0.25,
-                     "enable_lora": True, "max_lora_rank": 4, "allow_runtime_lora_updating": True})
+                     "enable_lora": True, "max_lora_rank": 4, "allow_runtime_lora_updating": True,
+                     "served_model_name": SERVED})
     serve.run(app, name=APP, route_prefix="/", blocking=False)
     base = f"http://127.0.0.1:{port}"
     wait_until_running(APP)
     assert httpx.get(f"{base}/health", timeout=30).status_code == 200
-    yield base, ckpt.name, paths
+    yield base, SERVED, paths
     serve.shutdown()
     stop_scheduler()
-    stop_lora_registry(ckpt.name)
+    stop_lora_registry(SERVED)
 
 
 def test_loaded_once_every_replica_lists_and_serves_it(server):
