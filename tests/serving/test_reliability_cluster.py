@@ -733,7 +733,10 @@ def test_connections_that_never_finish_their_headers_cannot_take_the_http_front(
             time.sleep(1.0)
             held = [s for s in conns if _held_open(s)]
         assert len(held) == per_client
-        assert set(version.statuses) == {200} and max(version.times) < 0.5, max(version.times)
+        # Answered throughout, within a second: the finding was a front where others waited for a
+        # free slot, up to the hour-long client timeout. (0.5 s was missed by 21 ms once in 5 full
+        # runs on these 2 cores, while the 4,200 connections were being accepted.)
+        assert set(version.statuses) == {200} and max(version.times) < 1.0, max(version.times)
         for s in held:
             s.settimeout(max(0.1, started + header_timeout_s + 5 - time.monotonic()))
             assert s.recv(64).startswith(b"HTTP/1.1 408 ")
