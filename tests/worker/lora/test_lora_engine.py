@@ -150,6 +150,7 @@ def test_an_adapter_is_removed_only_when_no_request_holds_it(base, adapters, tmp
     ids = llm.tokenizer.encode("one two three four five six seven")
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     llm.engine.add_request("held", ids, params, lora_request=loras["sql"])
+    assert 1 in llm.engine.executor.runner.lora_manager.known  # so the check after removal means something
     with pytest.raises(ValueError, match=r"LoRA adapter 'sql' is in use by 1 request\(s\), e.g. 'held'"):
         llm.engine.remove_lora(1)
     while llm.engine.has_unfinished():
